@@ -1,0 +1,37 @@
+# Quick start: `make demo` and `make test` set everything up themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.setup-stamp
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test test-fast bench patches-report clean
+
+setup: $(STAMP)
+
+# torch is pinned: an unpinned torch would pull a multi-GB CUDA build. megatron-core 0.19.2
+# declares Requires-Python >= 3.12 but ships a working cp311 wheel; its only hard deps are
+# torch, numpy and packaging, installed here first (see README "Installing").
+$(STAMP): setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0 numpy==2.4.6 'packaging>=24.2' 'pytest>=8' 'hypothesis>=6'
+	$(PIP) install -q --no-deps --ignore-requires-python megatron-core==0.19.2
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PY) -m megatron_patches apply
+	touch $(STAMP)
+
+demo: setup
+	$(PY) examples/grpo_demo.py
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+bench: setup
+	$(PY) tools/bench.py
+
+patches-report: setup
+	$(PY) -m megatron_patches report
+
+clean:
+	rm -rf $(VENV) build *.egg-info

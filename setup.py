@@ -1,0 +1,22 @@
+"""megatron-prefix-reuse: shared-prefix reuse for RL post-training on Megatron-LM."""
+from setuptools import setup
+
+setup(
+    name="megatron-prefix-reuse",
+    version="0.1.0",
+    description=(
+        "Run the shared prompt of a GRPO/PPO group once (prefix forward, suffix microbatches "
+        "over cached K/V, prefix backward once) inside Megatron-LM, exactly equal to dense training."
+    ),
+    packages=["prefix_schedule", "megatron_patches"],
+    package_data={"megatron_patches": ["snapshots/*.json"]},
+    python_requires=">=3.10",
+    # megatron-core is pinned (see megatron_patches/registry.py); on Python 3.11 it installs with
+    # `pip install --no-deps --ignore-requires-python megatron-core==0.19.2` (the Makefile does it).
+    install_requires=["torch>=2.4", "numpy", "packaging"],
+    extras_require={
+        "megatron": ["megatron-core==0.19.2"],
+        "gpu": ["transformer-engine[pytorch]>=2.4", "flash-attn>=2.6"],
+        "dev": ["pytest>=8", "hypothesis>=6"],
+    },
+)
