@@ -1,0 +1,79 @@
+"""Everything of megatron-prefix-reuse that touches Megatron.
+
+Importing this package imports nothing from Megatron (the patch command must work on a tree that
+does not import yet). Use:
+
+    import megatron_patches
+    megatron_patches.install()                  # hooks into the patched Megatron; CPU layer if no CUDA
+    with megatron_patches.use_prefix_reuse_schedule():
+        fb = get_forward_backward_func()        # -> forward_backward_prefix_reuse
+        fb(forward_step_func=..., data_iterator=ReuseStep(batch, plan), model=..., ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+__all__ = ["install", "uninstall", "use_prefix_reuse_schedule", "prefix_reuse_schedule_enabled"]
+
+_SCHEDULE_ENABLED = False
+
+
+def install(*, cpu_support: bool = True) -> None:
+    """Register the reuse hooks in the (source-patched) Megatron of this process.
+
+    Refuses, with the command that fixes it, if the source patches are not applied. With
+    `cpu_support` and no CUDA, first enables the CPU/gloo layer. Idempotent.
+    """
+    if cpu_support:
+        from megatron_patches.cpu_support import enable_cpu_support
+
+        enable_cpu_support()
+    from megatron_patches.registry import require_patched
+
+    require_patched()
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import attention
+
+    from megatron_patches import hooks
+
+    attention._core_attention_hook = hooks.core_attention_hook
+    gpt_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
+    schedules._forward_backward_func_hook = _select_schedule
+
+
+def uninstall() -> None:
+    """Remove the hooks (Megatron behaves exactly as stock again)."""
+    from megatron.core.models.gpt import gpt_model
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import attention
+
+    attention._core_attention_hook = None
+    gpt_model._rotary_pos_emb_hook = None
+    schedules._forward_backward_func_hook = None
+
+
+def prefix_reuse_schedule_enabled() -> bool:
+    """Whether `get_forward_backward_func()` currently returns the prefix-reuse schedule."""
+    return _SCHEDULE_ENABLED
+
+
+@contextlib.contextmanager
+def use_prefix_reuse_schedule(enabled: bool = True) -> Iterator[None]:
+    """Make Megatron's `get_forward_backward_func()` select the prefix-reuse schedule."""
+    global _SCHEDULE_ENABLED
+    previous, _SCHEDULE_ENABLED = _SCHEDULE_ENABLED, enabled
+    try:
+        yield
+    finally:
+        _SCHEDULE_ENABLED = previous
+
+
+def _select_schedule(*, pp_size=None, vp_size=None):
+    if not _SCHEDULE_ENABLED:
+        return None
+    from megatron_patches.executor import forward_backward_prefix_reuse
+
+    return forward_backward_prefix_reuse

@@ -1,0 +1,130 @@
+"""Opt-in CPU/gloo support for megatron-core 0.19.2 (tests, demo and benchmarks on CPU).
+
+`enable_cpu_support()` does nothing when CUDA is available. Without CUDA it replaces only things
+that would raise on this machine anyway (so nothing that worked changes):
+
+* `import megatron.core` imports triton for an MoE paged-stash kernel module: a stub module with the
+  same public names is installed first when triton is missing (calling a stub kernel raises).
+* `torch.cuda.current_device()` -> the CPU device (RoPE tables, GlobalMemoryBuffer, TP layers,
+  p2p receive buffers); `torch.cuda.synchronize()` -> no-op (p2p with variable sequence lengths);
+  `torch.cuda.current_stream()` -> a stream stand-in (DDP grad buckets).
+* The model-parallel RNG tracker keeps CPU generator states instead of CUDA ones
+  (`model_parallel_cuda_manual_seed` is mandatory even with dropout 0: attention forks it).
+* `device="cuda"` factories inside Megatron functions: the default causal mask and the token
+  counter in every schedule are created on the CPU.
+See ../shared/notes/megatron-on-cpu.md for where each was measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import types
+
+import torch
+
+__all__ = ["enable_cpu_support", "cpu_support_enabled"]
+
+_ENABLED = False
+_PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def cpu_support_enabled() -> bool:
+    """True once `enable_cpu_support()` has patched this process."""
+    return _ENABLED
+
+
+def enable_cpu_support() -> bool:
+    """Patch this process for Megatron on CPU; returns True if anything was patched.
+
+    Must run before `import megatron.core` (the triton stub). Idempotent. A no-op with CUDA.
+    """
+    global _ENABLED
+    if torch.cuda.is_available():
+        return False
+    if _ENABLED:
+        return True
+    _stub_triton_kernels()
+    _patch_torch_cuda()
+    _patch_megatron_modules()
+    _ENABLED = True
+    return True
+
+
+def _stub_triton_kernels() -> None:
+    if importlib.util.find_spec("triton") is not None or _PAGED_STASH in sys.modules:
+        return
+    stub = types.ModuleType(_PAGED_STASH)
+
+    def _unavailable(*_args, **_kwargs):
+        raise RuntimeError("paged-stash MoE kernels need triton and CUDA")
+
+    stub.GLOBAL_BLOCK_SIZE = 1024
+    stub.paged_stash_copy_kernel = _unavailable
+    stub.paged_stash_pop_kernel = _unavailable
+    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[_PAGED_STASH] = stub
+
+
+class _CpuStream:
+    """Stands in for a CUDA stream: every operation is already ordered on the CPU."""
+
+    def wait_event(self, _event) -> None:
+        pass
+
+    def wait_stream(self, _stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, _event=None) -> None:
+        return None
+
+
+def _patch_torch_cuda() -> None:
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.synchronize = lambda *_args, **_kwargs: None
+    torch.cuda.current_stream = lambda *_args, **_kwargs: _CpuStream()
+    torch.cuda.get_rng_state = lambda *_args, **_kwargs: torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+
+
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+class _CpuFactoryTorch(types.ModuleType):
+    """`torch` as seen from one Megatron module: `device="cuda"` in factories becomes the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, **kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+def _patch_megatron_modules() -> None:
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer import utils as transformer_utils
+
+    transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    schedules.torch = _CpuFactoryTorch()
+
+    def _get_rng_state(*_args, clone: bool = False, **_kwargs):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    mp_random._get_cuda_rng_state = _get_rng_state
+    mp_random._set_cuda_rng_state = lambda state, *_args, **_kwargs: torch.set_rng_state(state)
+    mp_random.device_ctx_manager = lambda *_args, **_kwargs: contextlib.nullcontext()

@@ -1,0 +1,83 @@
+"""The functions installed into Megatron's hook points (see registry.py for the source patches).
+
+Both hooks are inert unless the executor has set a reuse context (prefix_schedule.context), so a
+process can train dense and with prefix reuse side by side.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from prefix_schedule.attention import causal_attention, shared_prefix_attention
+from prefix_schedule.context import (
+    PrefixForwardContext,
+    PrefixForwardDone,
+    SuffixForwardContext,
+    current_context,
+)
+
+__all__ = ["core_attention_hook", "rotary_pos_emb_hook"]
+
+
+def _softmax_scale(attention_module, head_dim: int) -> float:
+    core = attention_module.core_attention
+    scale = getattr(core, "softmax_scale", None)
+    if scale is None:
+        scale = attention_module.config.softmax_scale
+    return float(scale) if scale is not None else head_dim**-0.5
+
+
+def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_type=None,
+                        attention_bias=None, packed_seq_params=None, **extra_kwargs):
+    """Megatron `Attention._run_core_attention` hook: q/k/v are post-RoPE `[s, 1, heads, d]`.
+
+    Prefix context: store this layer's K/V (with their graph) in the cache, then plain causal
+    attention over the prefix -- or stop the forward after the last layer's K/V. Suffix context:
+    the packed row attends to its groups' cached K/V and causally to itself.
+    """
+    context = current_context()
+    if context is None:
+        return NotImplemented
+    if attention_bias is not None or packed_seq_params is not None or extra_kwargs:
+        raise ValueError(
+            "prefix reuse drives attention itself: attention_bias, packed_seq_params and extra "
+            "core-attention arguments are not supported in reuse steps"
+        )
+    if query.shape[1] != 1:
+        raise AssertionError("reuse rows are packed into batch size 1")
+    scale = _softmax_scale(module, query.shape[-1])
+    q, k, v = query[:, 0], key[:, 0], value[:, 0]
+    if isinstance(context, PrefixForwardContext):
+        if not context.recomputing:
+            context.cache.store(context.group, module.layer_number, key, value)
+            if context.stop_after_layer == module.layer_number:
+                raise PrefixForwardDone()
+        out = causal_attention(q, k, v, scale=scale)
+    else:
+        assert isinstance(context, SuffixForwardContext)
+        prefix_k, prefix_v = [], []
+        for group in context.slot_groups:
+            if group is None:
+                empty = k.new_zeros((0,) + tuple(k.shape[1:]))
+                prefix_k.append(empty)
+                prefix_v.append(empty)
+            else:
+                pk, pv = context.cache.read(group, module.layer_number)
+                prefix_k.append(pk)
+                prefix_v.append(pv)
+        out = shared_prefix_attention(q, k, v, prefix_k, prefix_v, context.meta, scale=scale)
+    return out.reshape(out.shape[0], 1, -1)
+
+
+def rotary_pos_emb_hook(model, rotary_pos_emb):
+    """Megatron `GPTModel._preprocess` hook: RoPE angles at the packed row's own positions.
+
+    Suffix tokens continue at their group's cached prefix length, each sequence of the row
+    separately; prefix rows start at 0, which the stock table already gives.
+    """
+    context = current_context()
+    if not isinstance(context, SuffixForwardContext) or rotary_pos_emb is None:
+        return rotary_pos_emb
+    table = model.rotary_pos_emb(context.max_position + 1)  # [max_pos+1, 1, 1, d], lru-cached
+    positions = context.position_ids.to(table.device)
+    return torch.index_select(table, 0, positions)

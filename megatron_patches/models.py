@@ -1,0 +1,165 @@
+"""Tiny Llama-style Megatron GPT models (RoPE, SwiGLU, RMSNorm, GQA) for tests, demo and bench.
+
+Two layer specs over the same parameters: Megatron's local spec (stock, unfused attention: the
+reference for equivalence) and the same spec with a fused-SDPA core attention (the fair dense
+baseline for speed: the reuse path's attention is fused too).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_patches.cpu_support import enable_cpu_support
+
+enable_cpu_support()
+
+from megatron.core import parallel_state, tensor_parallel  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+
+__all__ = [
+    "TinyLlamaConfig",
+    "FusedSDPACoreAttention",
+    "initialize_single_process",
+    "initialize_distributed",
+    "build_model",
+    "make_transformer_config",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TinyLlamaConfig:
+    """Shape of a tiny Llama-style model."""
+
+    num_layers: int = 4
+    """Transformer layers."""
+    hidden_size: int = 256
+    """Model width."""
+    ffn_hidden_size: int = 688
+    """SwiGLU inner width (each of the two gated projections)."""
+    num_attention_heads: int = 8
+    """Query heads."""
+    num_query_groups: int = 2
+    """K/V heads (GQA when fewer than the query heads)."""
+    vocab_size: int = 2048
+    """Vocabulary size (divisible by 128 for Megatron's padding-free path)."""
+    max_seq_len: int = 4096
+    """Longest [prefix; suffix] sequence the model accepts."""
+    params_dtype: torch.dtype = torch.float32
+    """Parameter dtype (float32 or bfloat16)."""
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_query_groups={self.num_query_groups}"
+            )
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+
+
+def initialize_single_process(seed: int = 1234, tp: int = 1, pp: int = 1) -> None:
+    """Create a one-process gloo group (if needed) and Megatron's parallel state."""
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    initialize_distributed(seed=seed, tp=tp, pp=pp)
+
+
+def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1) -> None:
+    """Megatron parallel state + RNG tracker on an already initialised process group."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+
+
+def make_transformer_config(cfg: TinyLlamaConfig, **overrides) -> TransformerConfig:
+    """A Llama-style TransformerConfig (dropout 0, RMSNorm, SwiGLU, no biases)."""
+    kwargs = dict(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=cfg.params_dtype,
+        bf16=cfg.params_dtype == torch.bfloat16,
+        pipeline_dtype=cfg.params_dtype,
+        use_cpu_initialization=True,
+        calculate_per_token_loss=True,
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+class FusedSDPACoreAttention(MegatronModule):
+    """Causal core attention through torch's fused SDPA (drop-in for the local spec's).
+
+    The dense speed baseline: on CPU SDPA runs the fused flash kernel, the same family the
+    prefix-reuse path uses, so dense and reuse are compared kernel for kernel.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        kv_channels = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else kv_channels**-0.5
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if attention_mask is not None or packed_seq_params is not None or attention_bias is not None:
+            raise ValueError("FusedSDPACoreAttention supports plain causal attention only")
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Optional[int] = 1234,
+                pre_process: bool = True, post_process: bool = True, **config_overrides) -> GPTModel:
+    """Build a tiny Llama GPTModel with Megatron's local layer spec.
+
+    `fused_attention=True` swaps the core attention for `FusedSDPACoreAttention` (same
+    parameters: core attention has none), the fair dense baseline for timing.
+    """
+    if seed is not None:
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    config = make_transformer_config(cfg, **config_overrides)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if fused_attention:
+        spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_seq_len,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=10000,
+    )
+    return model.to(cfg.params_dtype)

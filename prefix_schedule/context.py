@@ -1,0 +1,85 @@
+"""The reuse context of the forward being run: what the Megatron hooks read.
+
+The executor sets exactly one context around each prefix or suffix action (forward, and backward
+too: activation recompute re-runs the attention hook inside backward); the hooks installed into
+Megatron (attention, RoPE positions) are inert when no context is set, so dense training in the
+same process is untouched. Thread-local: Megatron runs a rank's steps on one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from typing import Iterator, Optional, Union
+
+import torch
+
+__all__ = [
+    "PrefixForwardContext",
+    "SuffixForwardContext",
+    "PrefixForwardDone",
+    "current_context",
+    "active_context",
+]
+
+
+class PrefixForwardDone(Exception):
+    """Raised by the attention hook after the last layer's prefix K/V is cached.
+
+    See [Note: prefix forward stops at the last cached K/V] in docs/DESIGN.md: nothing after that
+    point is needed in Phase A, so the executor catches this and the rest never runs.
+    """
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PrefixForwardContext:
+    """Phase A: the rows being run are group `group`'s cached prefix tokens."""
+
+    group: int
+    """Group whose prefix is being run."""
+    cache: "object"
+    """The step's PrefixKVCache; the attention hook stores each layer's K/V there."""
+    stop_after_layer: Optional[int]
+    """Global layer number after whose K/V the forward stops (the model's last layer, on the last
+    pipeline stage); None on earlier stages, whose output travels on."""
+    recomputing: bool = False
+    """True during Phase C: a recomputed attention must not store K/V again."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SuffixForwardContext:
+    """Phase B: a packed row of suffix sequences reading cached prefixes."""
+
+    microbatch: int
+    """Index of the suffix microbatch in the step plan."""
+    cache: "object"
+    """The step's PrefixKVCache."""
+    slot_groups: tuple
+    """Per group slot of the packed row: the group whose cached prefix it reads, or None."""
+    meta: "object"
+    """prefix_schedule.attention.PackedMeta of the row (host-built)."""
+    position_ids: torch.Tensor
+    """[T] position of every row token (suffixes continue at their cached prefix length)."""
+    max_position: int
+    """Largest entry of position_ids (host int: no device sync in the RoPE hook)."""
+
+
+Context = Union[PrefixForwardContext, SuffixForwardContext]
+_LOCAL = threading.local()
+
+
+def current_context() -> Optional[Context]:
+    """The context set by the executor around the running forward, or None (dense)."""
+    return getattr(_LOCAL, "context", None)
+
+
+@contextlib.contextmanager
+def active_context(context: Context) -> Iterator[Context]:
+    """Set `context` for the duration of one forward; nesting is a protocol error."""
+    assert current_context() is None, "reuse contexts do not nest"
+    _LOCAL.context = context
+    try:
+        yield context
+    finally:
+        _LOCAL.context = None

@@ -1,0 +1,120 @@
+"""One prefix-reuse training step as data: the batch, its plan, the schedule and the cache.
+
+A `ReuseStep` is what the user passes to Megatron's forward-backward function as
+`data_iterator`. The executor walks the schedule; before each forward it calls `prepare(action)`,
+and the user's `forward_step_func` takes exactly that action's inputs with `next(data_iterator)`:
+the executor decides the order, the user's function never needs to know it.
+
+Items are dicts of [1, L] tensors. Prefix items (`kind == "prefix"`) carry only `tokens` and
+`position_ids`; suffix items (`kind == "suffix"`) also carry `labels`, `loss_mask`, `advantages`
+and, when the batch has them, `old_logprobs` / `ref_logprobs` (see planner.build_suffix_inputs).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+
+from prefix_schedule.attention import PackedMeta
+from prefix_schedule.cache import PrefixKVCache
+from prefix_schedule.context import PrefixForwardContext, SuffixForwardContext
+from prefix_schedule.data import GroupBatch
+from prefix_schedule.planner import StepPlan, build_prefix_inputs, build_suffix_inputs
+from prefix_schedule.schedule import Action, ActionKind, Schedule, build_schedule
+
+__all__ = ["ReuseStep"]
+
+
+class ReuseStep:
+    """Data, plan, schedule and prefix cache of one step (one per rank)."""
+
+    def __init__(self, batch: GroupBatch, plan: StepPlan, *, num_stages: int = 1) -> None:
+        self.batch = batch
+        self.plan = plan
+        self.schedule: Schedule = build_schedule(
+            num_stages=num_stages,
+            microbatch_groups=plan.microbatch_groups(),
+            prefix_groups=[work.group for work in plan.prefixes],
+        )
+        self.cache = PrefixKVCache()
+        self._prefix_work = {work.group: work for work in plan.prefixes}
+        self._pending: Optional[Dict[str, torch.Tensor]] = None
+        self._suffix_contexts: Dict[int, SuffixForwardContext] = {}
+
+    @property
+    def num_microbatches(self) -> int:
+        """Suffix microbatches in the step (what Megatron calls num_microbatches)."""
+        return len(self.plan.microbatches)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Loss tokens of the whole step on this rank."""
+        return int(self.batch.num_loss_tokens)
+
+    # ---- the data-iterator protocol
+    def prepare(self, action: Action) -> None:
+        """Make `action`'s inputs the next item (called by the executor before a forward)."""
+        assert self._pending is None, f"{action}: the previous item was never taken"
+        if action.kind is ActionKind.PREFIX_FORWARD:
+            item = build_prefix_inputs(self.batch, self._prefix_work[action.index])
+            item["kind"] = "prefix"
+        elif action.kind is ActionKind.SUFFIX_FORWARD:
+            item = build_suffix_inputs(self.batch, self.plan.microbatches[action.index])
+            item["kind"] = "suffix"
+        else:
+            raise AssertionError(f"{action} has no inputs")
+        self._pending = item
+
+    def taken(self) -> bool:
+        """True once the prepared item was consumed by `next()`."""
+        return self._pending is None
+
+    def __iter__(self) -> "ReuseStep":
+        return self
+
+    def __next__(self) -> Dict[str, torch.Tensor]:
+        if self._pending is None:
+            raise RuntimeError(
+                "forward_step_func called next(data_iterator) twice in one forward; with prefix "
+                "reuse each forward takes exactly one item"
+            )
+        item, self._pending = self._pending, None
+        return item
+
+    # ---- contexts for the hooks
+    def prefix_context(self, group: int, *, stop_after_layer: Optional[int],
+                       recomputing: bool = False) -> PrefixForwardContext:
+        """Context of group `group`'s prefix forward (or of its recompute in Phase C)."""
+        return PrefixForwardContext(group=group, cache=self.cache,
+                                    stop_after_layer=stop_after_layer, recomputing=recomputing)
+
+    def suffix_context(self, microbatch: int) -> SuffixForwardContext:
+        """Context of suffix microbatch `microbatch` (its forward and its backward)."""
+        if microbatch not in self._suffix_contexts:
+            self._suffix_contexts[microbatch] = self._build_suffix_context(microbatch)
+        return self._suffix_contexts[microbatch]
+
+    def _build_suffix_context(self, microbatch: int) -> SuffixForwardContext:
+        mb = self.plan.microbatches[microbatch]
+        slot_groups, slots, lengths, positions = [], [], [], []
+        for seg in mb.segments:
+            group = seg.group if seg.cached_len > 0 else None
+            # consecutive sequences of one cached group share a slot; a dense row has its own
+            if group is None or not slot_groups or slot_groups[-1] != group:
+                slot_groups.append(group)
+            slots.append(len(slot_groups) - 1)
+            lengths.append(seg.length)
+            positions.append(torch.arange(seg.cached_len, seg.cached_len + seg.length))
+        return SuffixForwardContext(
+            microbatch=microbatch,
+            cache=self.cache,
+            slot_groups=tuple(slot_groups),
+            meta=PackedMeta.from_lengths(lengths, slots),
+            position_ids=torch.cat(positions),
+            max_position=max(s.cached_len + s.length - 1 for s in mb.segments),
+        )
+
+    def release_microbatch(self, microbatch: int) -> None:
+        """Forget microbatch `microbatch`'s context once its backward is done."""
+        self._suffix_contexts.pop(microbatch, None)
