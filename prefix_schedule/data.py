@@ -1,0 +1,266 @@
+"""Groups of trajectories that share a prompt: tokens, loss masks, advantages, log-probs.
+
+The user-facing data model of prefix reuse. A `Group` is one shared prompt (`prefix`, P tokens)
+and its trajectories; each `Trajectory` holds only the tokens after the prompt (`suffix`) and
+per-suffix-token arrays. See DESIGN.md "[Note: the split of a trajectory]": entry i of every
+per-token array is about predicting `suffix[i]`; prefix positions never carry loss.
+
+Everything is validated when constructed (ValueError naming what is wrong and how to fix it) and
+stored as 1-D CPU tensors: tokens as int64, masks / advantages / log-probs as float32.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Trajectory", "Group", "GroupBatch"]
+
+
+def _as_1d(value: Any, *, name: str) -> torch.Tensor:
+    try:
+        tensor = torch.as_tensor(value).detach().cpu()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{name}: cannot be converted to a tensor ({exc}); give a list or 1-D tensor") from None
+    if tensor.dim() != 1:
+        raise ValueError(f"{name}: expected a 1-D sequence, got shape {tuple(tensor.shape)}; flatten it")
+    return tensor
+
+
+def _as_tokens(value: Any, *, name: str) -> torch.Tensor:
+    tokens = _as_1d(value, name=name)
+    if tokens.numel() == 0:  # an empty list converts as float; the caller reports the emptiness
+        return tokens.to(torch.int64)
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"{name}: token ids must be integers, got dtype {tokens.dtype}; pass int token ids")
+    if tokens.numel() and int(tokens.min()) < 0:
+        raise ValueError(f"{name}: token id {int(tokens.min())} is negative; token ids must be >= 0")
+    return tokens.to(torch.int64).clone()
+
+
+def _as_floats(value: Any, *, name: str, length: int, allow_scalar: bool = False) -> torch.Tensor:
+    tensor = torch.as_tensor(value, dtype=torch.float64) if not torch.is_tensor(value) else value.detach().cpu()
+    if allow_scalar and tensor.dim() == 0:
+        tensor = tensor.reshape(1).expand(length)
+    tensor = _as_1d(tensor, name=name)
+    if tensor.numel() != length:
+        raise ValueError(
+            f"{name} has {tensor.numel()} entries but the suffix has {length} tokens; "
+            "give one entry per suffix token"
+        )
+    bad = ~torch.isfinite(tensor.to(torch.float64))
+    if bad.any():
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{name}[{index}] is {float(tensor[index])}; every entry must be finite "
+            "(put any finite value, e.g. 0, at positions the loss mask excludes)"
+        )
+    return tensor.to(torch.float32).clone()
+
+
+def _prefixed(where: str, exc: ValueError) -> ValueError:
+    return ValueError(f"{where}: {exc}")
+
+
+@dataclass(kw_only=True)
+class Trajectory:
+    """One sampled response of a group: the tokens after the shared prompt and their arrays."""
+
+    suffix: Any
+    """Token ids after the shared prefix (n >= 1); stored as an int64 tensor [n]."""
+    loss_mask: Any = None
+    """Per suffix token 0/1: entry i says whether predicting suffix[i] counts. None = all ones."""
+    advantages: Any
+    """A float (broadcast to every suffix token) or one float per suffix token. Required."""
+    old_logprobs: Any = None
+    """Per-suffix-token log-probs of the behaviour policy, or None (on-policy: ratio 1)."""
+    ref_logprobs: Any = None
+    """Per-suffix-token log-probs of the reference policy, or None (needed only for a KL term)."""
+
+    def __post_init__(self) -> None:
+        self.suffix = _as_tokens(self.suffix, name="suffix")
+        n = self.suffix.numel()
+        if n < 1:
+            raise ValueError("suffix is empty; a trajectory needs at least one token after the prefix")
+        mask = torch.ones(n) if self.loss_mask is None else self.loss_mask
+        self.loss_mask = _as_floats(mask, name="loss_mask", length=n)
+        if not ((self.loss_mask == 0) | (self.loss_mask == 1)).all():
+            raise ValueError("loss_mask must hold only 0 and 1; convert weights to a 0/1 mask")
+        self.advantages = _as_floats(self.advantages, name="advantages", length=n, allow_scalar=True)
+        if self.old_logprobs is not None:
+            self.old_logprobs = _as_floats(self.old_logprobs, name="old_logprobs", length=n)
+        if self.ref_logprobs is not None:
+            self.ref_logprobs = _as_floats(self.ref_logprobs, name="ref_logprobs", length=n)
+
+    @property
+    def num_tokens(self) -> int:
+        """n, the number of suffix tokens (= the length of its suffix-microbatch row)."""
+        return self.suffix.numel()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass(kw_only=True)
+class Group:
+    """A shared prompt and the trajectories sampled from it."""
+
+    prefix: Any
+    """Token ids of the shared prompt (P >= 1); stored as an int64 tensor [P]."""
+    trajectories: list[Trajectory] = field(default_factory=list)
+    """The group's trajectories (at least one), in order."""
+
+    def __post_init__(self) -> None:
+        self.prefix = _as_tokens(self.prefix, name="prefix")
+        if self.prefix.numel() < 1:
+            raise ValueError("prefix is empty; a group needs at least one prompt token")
+        self.trajectories = list(self.trajectories)
+        if not self.trajectories:
+            raise ValueError("group has no trajectories; give at least one Trajectory")
+        for t, trajectory in enumerate(self.trajectories):
+            if not isinstance(trajectory, Trajectory):
+                raise ValueError(f"trajectory {t}: expected a Trajectory, got {type(trajectory).__name__}")
+
+    @property
+    def prefix_len(self) -> int:
+        """P, the number of shared prompt tokens."""
+        return self.prefix.numel()
+
+    @classmethod
+    def from_full_sequences(
+        cls,
+        *,
+        sequences: Sequence[Any],
+        prefix_len: int,
+        loss_masks: Sequence[Any] | None = None,
+        advantages: Sequence[Any],
+        old_logprobs: Sequence[Any] | None = None,
+        ref_logprobs: Sequence[Any] | None = None,
+    ) -> Group:
+        """Split full token sequences (prompt + response) that share their first `prefix_len` tokens.
+
+        Per-token arrays are over the suffix part, `sequence[prefix_len:]`; `advantages` has one
+        entry per sequence (a float or per-suffix-token floats).
+        """
+        sequences = [_as_tokens(s, name=f"trajectory {i}: sequence") for i, s in enumerate(sequences)]
+        if not sequences:
+            raise ValueError("sequences is empty; give at least one full sequence")
+        if isinstance(prefix_len, bool) or not isinstance(prefix_len, int) or prefix_len < 1:
+            raise ValueError(f"prefix_len={prefix_len!r}; give the shared prompt length as an int >= 1")
+        arrays = {"loss_masks": loss_masks, "advantages": advantages,
+                  "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
+        for name, values in arrays.items():
+            if values is not None and len(values) != len(sequences):
+                raise ValueError(f"{name} has {len(values)} entries for {len(sequences)} sequences; "
+                                 "give one entry per sequence")
+        prefix = sequences[0][:prefix_len]
+        trajectories = []
+        for i, sequence in enumerate(sequences):
+            _check_starts_with(sequence, prefix, index=i)
+            try:
+                trajectories.append(Trajectory(
+                    suffix=sequence[prefix_len:],
+                    loss_mask=None if loss_masks is None else loss_masks[i],
+                    advantages=advantages[i],
+                    old_logprobs=None if old_logprobs is None else old_logprobs[i],
+                    ref_logprobs=None if ref_logprobs is None else ref_logprobs[i],
+                ))
+            except ValueError as exc:
+                raise _prefixed(f"trajectory {i}", exc) from None
+        return cls(prefix=prefix, trajectories=trajectories)
+
+
+def _check_starts_with(sequence: torch.Tensor, prefix: torch.Tensor, *, index: int) -> None:
+    p = prefix.numel()
+    if sequence.numel() <= p:
+        raise ValueError(
+            f"trajectory {index}: the sequence has {sequence.numel()} tokens, so nothing follows the "
+            f"{p}-token prefix; every sequence needs at least one token after prefix_len (drop it or "
+            "lower prefix_len)"
+        )
+    if not torch.equal(sequence[:p], prefix):
+        first = int((sequence[:p] != prefix).nonzero()[0, 0])
+        raise ValueError(
+            f"trajectory {index}: token {first} is {int(sequence[first])} but sequence 0 has "
+            f"{int(prefix[first])} there, so it does not start with the shared {p}-token prefix; "
+            "group only sequences with the same prompt, or lower prefix_len"
+        )
+
+
+@dataclass(kw_only=True)
+class GroupBatch:
+    """The groups of one optimizer step, in order."""
+
+    groups: list[Group]
+    """The groups (at least one); group indices in plans and errors are positions in this list."""
+
+    def __post_init__(self) -> None:
+        self.groups = list(self.groups)
+        if not self.groups:
+            raise ValueError("GroupBatch has no groups; give at least one Group")
+        for g, group in enumerate(self.groups):
+            if not isinstance(group, Group):
+                raise ValueError(f"group {g}: expected a Group, got {type(group).__name__}")
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Tokens that carry loss over the whole batch (the global normaliser of a token mean)."""
+        return sum(t.num_loss_tokens for group in self.groups for t in group.trajectories)
+
+    @property
+    def has_old_logprobs(self) -> bool:
+        """Whether the trajectories carry old log-probs (uniform across the batch once validated)."""
+        return self.groups[0].trajectories[0].old_logprobs is not None
+
+    @property
+    def has_ref_logprobs(self) -> bool:
+        """Whether the trajectories carry reference log-probs (uniform once validated)."""
+        return self.groups[0].trajectories[0].ref_logprobs is not None
+
+    def validate(self, *, max_seq_len: int, vocab_size: int | None = None) -> None:
+        """Check lengths, token ids and log-prob presence against the model; ValueError if wrong."""
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
+            raise ValueError(f"max_seq_len={max_seq_len!r}; give the model's maximum length as an int >= 2")
+        if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
+            raise ValueError(f"vocab_size={vocab_size!r}; give the model's vocabulary size as an int >= 1")
+        for g, group in enumerate(self.groups):
+            if vocab_size is not None:
+                _check_vocab(group.prefix, vocab_size, where=f"group {g}, prefix")
+            for t, trajectory in enumerate(group.trajectories):
+                where = f"group {g}, trajectory {t}"
+                total = group.prefix_len + trajectory.num_tokens
+                if total > max_seq_len:
+                    raise ValueError(
+                        f"{where}: prefix ({group.prefix_len} tokens) + suffix ({trajectory.num_tokens} "
+                        f"tokens) = {total} tokens is longer than max_seq_len={max_seq_len}; truncate "
+                        f"the trajectory or use a model with max_seq_len >= {total}"
+                    )
+                if vocab_size is not None:
+                    _check_vocab(trajectory.suffix, vocab_size, where=f"{where}, suffix")
+        self._check_logprob_presence()
+
+    def _check_logprob_presence(self) -> None:
+        for name in ("old_logprobs", "ref_logprobs"):
+            first = getattr(self.groups[0].trajectories[0], name) is not None
+            for g, group in enumerate(self.groups):
+                for t, trajectory in enumerate(group.trajectories):
+                    if (getattr(trajectory, name) is not None) != first:
+                        has, lacks = ((f"group {g}, trajectory {t}", "group 0, trajectory 0") if not first
+                                      else ("group 0, trajectory 0", f"group {g}, trajectory {t}"))
+                        raise ValueError(
+                            f"{has} has {name} but {lacks} does not; give {name} for every "
+                            "trajectory of the batch or for none"
+                        )
+
+
+def _check_vocab(tokens: torch.Tensor, vocab_size: int, *, where: str) -> None:
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if bad.any():
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"{where}: token {index} has id {int(tokens[index])}, outside [0, {vocab_size}); "
+            "use the model's tokenizer or a larger vocab_size"
+        )

@@ -1,0 +1,145 @@
+"""Analytic FLOP model of one training step, dense vs prefix reuse -> the ideal speedup.
+
+What is counted (a matmul of [m, k] by [k, n] is 2*m*n*k FLOPs), per token and per layer, with
+h = hidden_size, f = ffn_hidden_size, a = num_attention_heads, g = num_query_groups,
+d = kv_channels (default h / a), V = vocab_size:
+
+- QKV projection: 2 * h * (a*d + 2*g*d)
+- attention output projection: 2 * a*d * h
+- MLP: 2 * h * f * (2 if gated_linear_unit else 1) for fc1 (the gated unit doubles it) + 2 * f * h
+- output layer (once per token, not per layer): 2 * h * V
+- attention products QK^T and PV: 2 * a*d per (query, key) pair each, i.e. 4 * a*d per pair.
+  Only unmasked pairs count: a causal row of s tokens has s*(s+1)/2 pairs (the diagonal
+  included); a suffix row of n tokens over c cached prefix keys has n*c + n*(n+1)/2.
+
+Backward = 2 x forward, so every piece of work costs 3 x its forward FLOPs.
+Ignored: norms, softmax, activation functions, RoPE, embeddings lookups, the loss, optimizer.
+
+Dense: every trajectory's full row (P+n-1 tokens) runs through the whole model, output layer
+included (prefix positions carry no loss but their logits are still computed in stock training).
+
+Reuse: each cached prefix (P-1 tokens) runs forward and backward only through what the K/V of
+every layer need (DESIGN.md "[Note: prefix forward stops at the last cached K/V]"): layers 1..L-1
+fully and the last layer's QKV projection; no last-layer attention or MLP, no output layer.
+Every suffix row runs through the whole model, its attention also reading the group's cached keys;
+a segment run dense is just its dense row.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prefix_schedule.data import GroupBatch
+
+__all__ = ["ModelDims", "dense_flops", "reuse_flops", "ideal_speedup"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """The shape of a GPT model, as far as matmul FLOPs are concerned."""
+
+    num_layers: int
+    """Transformer layers L."""
+    hidden_size: int
+    """Model width h."""
+    ffn_hidden_size: int
+    """MLP inner width f (per branch of a gated unit)."""
+    num_attention_heads: int
+    """Query heads a."""
+    num_query_groups: int
+    """Key/value heads g (GQA); equal to num_attention_heads for multi-head attention."""
+    vocab_size: int
+    """Output-layer width V."""
+    gated_linear_unit: bool
+    """Whether fc1 has two branches (SwiGLU), doubling its FLOPs."""
+    kv_channels: int | None = None
+    """Per-head width d; None = hidden_size // num_attention_heads."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelDims.{name}={value!r}; it must be an int >= 1")
+        if not isinstance(self.gated_linear_unit, bool):
+            raise ValueError(f"gated_linear_unit={self.gated_linear_unit!r}; give True or False")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_query_groups={self.num_query_groups}; fix one of them")
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                                 f"{self.num_attention_heads}; give kv_channels explicitly")
+            object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
+        elif isinstance(self.kv_channels, bool) or not isinstance(self.kv_channels, int) or self.kv_channels < 1:
+            raise ValueError(f"ModelDims.kv_channels={self.kv_channels!r}; give an int >= 1 or None")
+
+
+def _qkv(dims: ModelDims) -> int:
+    return 2 * dims.hidden_size * (dims.num_attention_heads + 2 * dims.num_query_groups) * dims.kv_channels
+
+
+def _layer_linear(dims: ModelDims) -> int:
+    """Forward matmul FLOPs of one token through one layer, attention products excluded."""
+    h, f, ad = dims.hidden_size, dims.ffn_hidden_size, dims.num_attention_heads * dims.kv_channels
+    fc1 = 2 * h * f * (2 if dims.gated_linear_unit else 1)
+    return _qkv(dims) + 2 * ad * h + fc1 + 2 * f * h
+
+
+def _attention_pairs(length: int, cached: int) -> int:
+    return length * cached + length * (length + 1) // 2
+
+
+def _row_forward(dims: ModelDims, length: int, cached: int) -> int:
+    """Forward FLOPs of a row of `length` tokens over `cached` cached keys, whole model."""
+    per_layer = length * _layer_linear(dims) + 4 * dims.num_attention_heads * dims.kv_channels * \
+        _attention_pairs(length, cached)
+    return dims.num_layers * per_layer + length * 2 * dims.hidden_size * dims.vocab_size
+
+
+def _prefix_forward(dims: ModelDims, length: int) -> int:
+    """Forward FLOPs of a cached prefix: layers 1..L-1 in full, then the last layer's QKV."""
+    per_layer = length * _layer_linear(dims) + 4 * dims.num_attention_heads * dims.kv_channels * \
+        _attention_pairs(length, 0)
+    return (dims.num_layers - 1) * per_layer + length * _qkv(dims)
+
+
+def dense_flops(dims: ModelDims, seq_lens: Iterable[int]) -> float:
+    """Forward + backward FLOPs of full causal rows of the given lengths (P+n-1 each)."""
+    total = 0
+    for s in seq_lens:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise ValueError(f"sequence length {s!r}; every length must be an int >= 1")
+        total += _row_forward(dims, s, 0)
+    return float(3 * total)
+
+
+def reuse_flops(dims: ModelDims, plan_like: Any) -> float:
+    """Forward + backward FLOPs of a StepPlan (or anything with the same attributes):
+    `prefixes[*].length` and `microbatches[*].segments[*].length / .cached_len`."""
+    total = sum(_prefix_forward(dims, work.length) for work in plan_like.prefixes)
+    total += sum(_row_forward(dims, s.length, s.cached_len)
+                 for mb in plan_like.microbatches for s in mb.segments)
+    return float(3 * total)
+
+
+def _dense_lengths(batch: GroupBatch, plan: Any) -> list[int]:
+    expected = {(g, t): group.prefix_len - 1 + tr.num_tokens
+                for g, group in enumerate(batch.groups) for t, tr in enumerate(group.trajectories)}
+    seen = {}
+    for mb in plan.microbatches:
+        for s in mb.segments:
+            if (s.group, s.trajectory) in seen or expected.get((s.group, s.trajectory)) != s.length + s.cached_len:
+                raise ValueError(f"the plan's segment (group {s.group}, trajectory {s.trajectory}) does "
+                                 "not match the batch (unknown, repeated or wrong length); plan this batch")
+            seen[(s.group, s.trajectory)] = s.length
+    if len(seen) != len(expected):
+        missing = sorted(set(expected) - set(seen))[0]
+        raise ValueError(f"the plan leaves out group {missing[0]}, trajectory {missing[1]}; plan this batch")
+    return list(expected.values())
+
+
+def ideal_speedup(dims: ModelDims, batch: GroupBatch, plan: Any) -> float:
+    """dense_flops of every trajectory's full row / reuse_flops of the plan."""
+    return dense_flops(dims, _dense_lengths(batch, plan)) / reuse_flops(dims, plan)

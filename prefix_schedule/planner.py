@@ -1,0 +1,294 @@
+"""Pack the suffixes of a GroupBatch into microbatches under a token budget -> StepPlan.
+
+Each trajectory becomes one segment of a packed row, split as DESIGN.md
+"[Note: the split of a trajectory]" says: with the cache, the row is
+`[prefix[-1], suffix[0..n-2]]` at positions P-1..P+n-2 (length n, cached_len P-1) and the group's
+first P-1 tokens run once as a `PrefixWork`; run dense, the row is the whole
+`(prefix+suffix)[:-1]` at positions 0..P+n-2 (cached_len 0). Both are the last `length` entries of
+the dense row, which is how the tensor builders produce them.
+
+Packing is greedy and order-preserving: groups in order, trajectories in order; a segment joins the
+current microbatch if it still fits the budget, else a new microbatch starts. So a group may span
+many microbatches, a microbatch may hold several groups, and a group's segments inside one
+microbatch are contiguous.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from prefix_schedule.data import GroupBatch
+
+__all__ = [
+    "Segment",
+    "SuffixMicrobatch",
+    "PrefixWork",
+    "StepPlan",
+    "plan_microbatches",
+    "build_suffix_inputs",
+    "build_prefix_inputs",
+    "build_dense_inputs",
+]
+
+
+def _check_int(value: object, name: str, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}; it must be an int >= {minimum}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Segment:
+    """One sequence (one trajectory) of a packed suffix row."""
+
+    group: int
+    """Index of the group in the batch."""
+    trajectory: int
+    """Index of the trajectory in its group."""
+    row_start: int
+    """Offset of the segment's first token in the packed row."""
+    length: int
+    """Tokens of the segment in the row: n with the cache, P+n-1 when run dense."""
+    cached_len: int
+    """Tokens of the group held in the prefix cache (P-1), or 0 (run dense, or P == 1).
+    The row tokens sit at positions cached_len .. cached_len+length-1."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("group", 0), ("trajectory", 0), ("row_start", 0), ("length", 1),
+                              ("cached_len", 0)):
+            _check_int(getattr(self, name), f"Segment.{name}", minimum)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SuffixMicrobatch:
+    """One packed row of segments (one Megatron microbatch)."""
+
+    index: int
+    """Position of the microbatch in the step."""
+    segments: tuple[Segment, ...]
+    """The segments, in row order."""
+
+    def __post_init__(self) -> None:
+        _check_int(self.index, "SuffixMicrobatch.index", 0)
+        object.__setattr__(self, "segments", tuple(self.segments))
+        if not self.segments:
+            raise ValueError(f"microbatch {self.index} has no segments; drop it")
+        start = 0
+        for segment in self.segments:
+            if segment.row_start != start:
+                raise ValueError(f"microbatch {self.index}: segment (group {segment.group}, trajectory "
+                                 f"{segment.trajectory}) starts at {segment.row_start}, expected {start}; "
+                                 "segments must tile the row without gaps")
+            start += segment.length
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(segment.length for segment in self.segments)
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """Groups that read the prefix cache here (cached_len > 0), in row order."""
+        return tuple(dict.fromkeys(s.group for s in self.segments if s.cached_len > 0))
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrefixWork:
+    """The cached part of one group's prompt: its first P-1 tokens, run once."""
+
+    group: int
+    """Index of the group in the batch."""
+    length: int
+    """Cached tokens (P-1 > 0)."""
+
+    def __post_init__(self) -> None:
+        _check_int(self.group, "PrefixWork.group", 0)
+        _check_int(self.length, "PrefixWork.length", 1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlan:
+    """What one optimizer step runs: cached prefixes and packed suffix microbatches."""
+
+    microbatches: tuple[SuffixMicrobatch, ...]
+    """Suffix microbatches in run order; microbatch i has index i."""
+    prefixes: tuple[PrefixWork, ...]
+    """One entry per group that uses the cache, in group order."""
+    token_budget: int
+    """Maximum tokens of one microbatch row."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "microbatches", tuple(self.microbatches))
+        object.__setattr__(self, "prefixes", tuple(self.prefixes))
+        _check_int(self.token_budget, "StepPlan.token_budget", 1)
+        for i, mb in enumerate(self.microbatches):
+            if mb.index != i:
+                raise ValueError(f"microbatch at position {i} has index {mb.index}; number them 0, 1, ...")
+            if mb.num_tokens > self.token_budget:
+                raise ValueError(f"microbatch {i} holds {mb.num_tokens} tokens, over the token budget "
+                                 f"{self.token_budget}; split it or raise the budget")
+        self._check_prefixes()
+
+    def _check_prefixes(self) -> None:
+        cached = {}
+        for mb in self.microbatches:
+            for s in mb.segments:
+                if s.cached_len > 0 and cached.setdefault(s.group, s.cached_len) != s.cached_len:
+                    raise ValueError(f"group {s.group}: segments disagree on cached_len "
+                                     f"({cached[s.group]} and {s.cached_len}); use P-1 for all")
+        listed = {work.group: work.length for work in self.prefixes}
+        if len(listed) != len(self.prefixes) or listed != cached:
+            raise ValueError(f"prefixes {listed} do not match the cached groups of the segments "
+                             f"{cached}; give exactly one PrefixWork(group, length=cached_len) per "
+                             "group that reads the cache")
+
+    def microbatch_groups(self) -> list[tuple[int, ...]]:
+        """Groups that read the prefix cache, per microbatch."""
+        return [mb.groups for mb in self.microbatches]
+
+    def _uses(self, group: int) -> list[int]:
+        uses = [mb.index for mb in self.microbatches if group in mb.groups]
+        if not uses:
+            raise ValueError(f"group {group} reads no cached prefix in this plan (it runs dense, has a "
+                             "1-token prefix, or is not in the batch); ask only about cached groups")
+        return uses
+
+    def first_use(self, group: int) -> int:
+        """Index of the first microbatch that reads the group's cached prefix."""
+        return self._uses(group)[0]
+
+    def last_use(self, group: int) -> int:
+        """Index of the last microbatch that reads the group's cached prefix (then Phase C may run)."""
+        return self._uses(group)[-1]
+
+    def describe(self) -> str:
+        """A short human summary: prefixes, then each microbatch's segments."""
+        prefixes = ", ".join(f"g{w.group}[{w.length}]" for w in self.prefixes) or "none"
+        lines = [f"StepPlan: {len(self.microbatches)} microbatches, token budget {self.token_budget}, "
+                 f"cached prefixes: {prefixes}"]
+        dense = set()
+        for mb in self.microbatches:
+            parts = []
+            for s in mb.segments:
+                mode = f"+{s.cached_len} cached" if s.cached_len else "dense"
+                parts.append(f"g{s.group}t{s.trajectory}[{s.length} {mode}]")
+                if s.cached_len == 0:
+                    dense.add(s.group)
+            lines.append(f"  mb{mb.index} ({mb.num_tokens}/{self.token_budget} tokens): " + " ".join(parts))
+        lines.append("  groups without cache: " + (", ".join(f"g{g}" for g in sorted(dense)) or "none"))
+        return "\n".join(lines)
+
+
+def _segment_lengths(batch: GroupBatch, *, token_budget: int, run_singletons_dense: bool):
+    """Yield (group, trajectory, length, cached_len) in packing order."""
+    for g, group in enumerate(batch.groups):
+        p = group.prefix_len
+        singleton = len(group.trajectories) == 1
+        for t, trajectory in enumerate(group.trajectories):
+            n = trajectory.num_tokens
+            dense = p == 1 or (run_singletons_dense and singleton and p - 1 + n <= token_budget)
+            yield (g, t, p - 1 + n, 0) if dense else (g, t, n, p - 1)
+
+
+def _check_budget(batch: GroupBatch, token_budget: int) -> None:
+    # With the cache a row is n tokens; a singleton only runs dense when its full row fits, so the
+    # smallest workable budget is the longest suffix.
+    longest, where = 0, ""
+    for g, group in enumerate(batch.groups):
+        for t, trajectory in enumerate(group.trajectories):
+            if trajectory.num_tokens > longest:
+                longest, where = trajectory.num_tokens, f"group {g}, trajectory {t}"
+    if token_budget < longest:
+        raise ValueError(f"token_budget={token_budget} is smaller than the longest row: {where} needs "
+                         f"{longest} tokens; use token_budget >= {longest}")
+
+
+def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
+                      run_singletons_dense: bool = True) -> StepPlan:
+    """Greedy, order-preserving packing of every trajectory's row; see the module docstring."""
+    _check_int(token_budget, "token_budget", 1)
+    batch.validate(max_seq_len=max_seq_len)
+    _check_budget(batch, token_budget)
+    rows: list[list[Segment]] = []
+    used = token_budget  # forces a new microbatch for the first segment
+    for g, t, length, cached_len in _segment_lengths(batch, token_budget=token_budget,
+                                                     run_singletons_dense=run_singletons_dense):
+        if used + length > token_budget:
+            rows.append([])
+            used = 0
+        rows[-1].append(Segment(group=g, trajectory=t, row_start=used, length=length,
+                                cached_len=cached_len))
+        used += length
+    microbatches = tuple(SuffixMicrobatch(index=i, segments=tuple(r)) for i, r in enumerate(rows))
+    prefixes = {}
+    for mb in microbatches:
+        for s in mb.segments:
+            if s.cached_len > 0:
+                prefixes.setdefault(s.group, PrefixWork(group=s.group, length=s.cached_len))
+    return StepPlan(microbatches=microbatches, prefixes=tuple(prefixes.values()), token_budget=token_budget)
+
+
+# ---- tensor builders ---------------------------------------------------------------------------
+
+def _dense_row(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torch.Tensor]:
+    """1-D arrays of the full dense row: input (prefix+suffix)[:-1], labels (prefix+suffix)[1:]."""
+    if not 0 <= group < len(batch.groups):
+        raise ValueError(f"group {group} is not in the batch (it has {len(batch.groups)} groups)")
+    g = batch.groups[group]
+    if not 0 <= trajectory < len(g.trajectories):
+        raise ValueError(f"group {group} has no trajectory {trajectory} (it has {len(g.trajectories)})")
+    tr = g.trajectories[trajectory]
+    full = torch.cat([g.prefix, tr.suffix])
+    pad = torch.zeros(g.prefix_len - 1, dtype=torch.float32)  # prefix positions carry no loss
+    row = {
+        "tokens": full[:-1],
+        "position_ids": torch.arange(full.numel() - 1, dtype=torch.int64),
+        "labels": full[1:],
+        "loss_mask": torch.cat([pad, tr.loss_mask]),
+        "advantages": torch.cat([pad, tr.advantages]),
+    }
+    for name in ("old_logprobs", "ref_logprobs"):
+        if getattr(tr, name) is not None:
+            row[name] = torch.cat([pad, getattr(tr, name)])
+    return row
+
+
+def _segment_row(batch: GroupBatch, segment: Segment) -> dict[str, torch.Tensor]:
+    # Every segment is the tail of its dense row: cached_len tokens come from the cache.
+    row = _dense_row(batch, segment.group, segment.trajectory)
+    total = row["tokens"].numel()
+    if segment.cached_len + segment.length != total:
+        raise ValueError(f"segment (group {segment.group}, trajectory {segment.trajectory}) has "
+                         f"cached_len {segment.cached_len} + length {segment.length} != {total}, the "
+                         "dense row length P+n-1; the plan does not belong to this batch")
+    return {name: value[segment.cached_len:] for name, value in row.items()}
+
+
+def _as_batch_dim(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.unsqueeze(0).contiguous() for name, value in row.items()}
+
+
+def build_suffix_inputs(batch: GroupBatch, mb: SuffixMicrobatch) -> dict[str, torch.Tensor]:
+    """The packed row of a suffix microbatch, [1, L] tensors.
+
+    Keys: tokens, position_ids, labels (int64); loss_mask, advantages, and old_logprobs /
+    ref_logprobs when the batch has them (float32).
+    """
+    batch._check_logprob_presence()
+    rows = [_segment_row(batch, segment) for segment in mb.segments]
+    return _as_batch_dim({name: torch.cat([r[name] for r in rows]) for name in rows[0]})
+
+
+def build_prefix_inputs(batch: GroupBatch, work: PrefixWork) -> dict[str, torch.Tensor]:
+    """The cached part of a group's prompt: tokens prefix[:-1] at positions 0..P-2, [1, P-1]."""
+    if not 0 <= work.group < len(batch.groups):
+        raise ValueError(f"group {work.group} is not in the batch (it has {len(batch.groups)} groups)")
+    prefix = batch.groups[work.group].prefix
+    if work.length != prefix.numel() - 1:
+        raise ValueError(f"PrefixWork for group {work.group} has length {work.length} but the group "
+                         f"caches P-1 = {prefix.numel() - 1} tokens; the plan does not belong to this batch")
+    return _as_batch_dim({"tokens": prefix[:-1], "position_ids": torch.arange(work.length)})
+
+
+def build_dense_inputs(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torch.Tensor]:
+    """The full-sequence row of one trajectory, [1, P+n-1]; loss_mask etc. 0 on the first P-1."""
+    return _as_batch_dim(_dense_row(batch, group, trajectory))
