@@ -1,0 +1,62 @@
+"""The RL forward step shared by dense and prefix-reuse training (Megatron's forward_step contract).
+
+`make_policy_forward_step(loss_config)` returns a `forward_step_func(data_iterator, model)` that
+takes one item (a dense row, a suffix row or a prefix row), runs the model and returns the policy
+loss as Megatron's 3-tuple `(loss_sum, num_tokens, report)`; with
+`calculate_per_token_loss=True` Megatron divides the gradients by the token count summed over
+microbatches and data-parallel ranks, so the update is a token mean over the global batch that does
+not depend on how groups are packed or placed.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Dict
+
+import torch
+
+from prefix_schedule.losses import PolicyLossConfig, entropy_from_logits, policy_loss_sum
+
+from megatron.core import parallel_state, tensor_parallel
+
+__all__ = ["make_policy_forward_step", "token_logprobs"]
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(label) per position, vocab-parallel aware (logits [b, s, V/tp], fp32 math)."""
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+
+
+def _policy_loss(item: Dict[str, torch.Tensor], config: PolicyLossConfig, logits: torch.Tensor):
+    logprobs = token_logprobs(logits, item["labels"])
+    entropy = None
+    if config.entropy_coef:
+        if parallel_state.get_tensor_model_parallel_world_size() > 1:
+            raise ValueError("entropy_coef > 0 with tensor parallelism is not supported yet")
+        entropy = entropy_from_logits(logits)
+    loss_sum, num_tokens, metrics = policy_loss_sum(
+        logprobs,
+        loss_mask=item["loss_mask"],
+        advantages=item["advantages"],
+        old_logprobs=item.get("old_logprobs"),
+        ref_logprobs=item.get("ref_logprobs"),
+        entropy=entropy,
+        config=config,
+    )
+    report = {"loss": torch.stack([loss_sum.detach().float(), num_tokens.float()])}
+    for name, value in metrics.items():
+        report[name] = torch.stack([torch.as_tensor(value).detach().float(), num_tokens.float()])
+    return loss_sum, num_tokens, report
+
+
+def make_policy_forward_step(loss_config: PolicyLossConfig) -> Callable:
+    """A Megatron `forward_step_func` for GRPO/PPO on items from prefix_schedule builders."""
+
+    def forward_step(data_iterator, model):
+        item = next(data_iterator)
+        output = model(item["tokens"], item["position_ids"], None)
+        if item.get("kind") == "prefix":  # Phase A: no loss; the executor ignores loss_func
+            return output, None
+        return output, partial(_policy_loss, item, loss_config)
+
+    return forward_step

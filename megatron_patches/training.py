@@ -1,0 +1,125 @@
+"""Run one dense or prefix-reuse step with Megatron's schedules (tests, demo, bench).
+
+Both paths use the same model, the same forward step (megatron_patches.rl) and the same
+loss-token normalisation, so their gradients can be compared bit for bit up to rounding:
+dense = stock `get_forward_backward_func()` over full `[prefix; suffix]` rows (one trajectory per
+microbatch); reuse = the same call with the prefix-reuse schedule selected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from prefix_schedule.data import GroupBatch
+from prefix_schedule.losses import PolicyLossConfig
+from prefix_schedule.planner import StepPlan, build_dense_inputs
+from prefix_schedule.step import ReuseStep
+
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+
+import megatron_patches
+from megatron_patches.rl import make_policy_forward_step
+
+__all__ = ["StepResult", "dense_step", "reuse_step", "scale_grads_by_token_count",
+           "param_grads", "max_relative_diff"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class StepResult:
+    """What one forward-backward step reported."""
+
+    loss: float
+    """Token-mean loss over the step."""
+    num_tokens: int
+    """Loss tokens of the step."""
+    reports: List[dict]
+    """Per-microbatch reports from the loss function."""
+
+
+def scale_grads_by_token_count(models, num_tokens, **_kwargs) -> None:
+    """finalize_model_grads_func for un-wrapped models: divide `.grad` by the token count.
+
+    (Megatron's own finalize_model_grads does this, plus DP all-reduce, for DDP-wrapped models.)
+    """
+    if num_tokens is None:
+        return
+    count = max(int(num_tokens), 1)
+    for model in models:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.div_(count)
+
+
+def _dense_items(batch: GroupBatch) -> Iterator[Dict[str, torch.Tensor]]:
+    for g, group in enumerate(batch.groups):
+        for t in range(len(group.trajectories)):
+            item = build_dense_inputs(batch, g, t)
+            item["kind"] = "dense"
+            yield item
+
+
+def _summarise(reports: List[dict]) -> StepResult:
+    loss_sum = sum(float(r["loss"][0]) for r in reports)
+    tokens = sum(int(r["loss"][1]) for r in reports)
+    return StepResult(loss=loss_sum / max(tokens, 1), num_tokens=tokens, reports=reports)
+
+
+def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
+               forward_only: bool = False) -> StepResult:
+    """Stock Megatron dense step: every trajectory's full row is one microbatch."""
+    num_rows = sum(len(g.trajectories) for g in batch.groups)
+    with megatron_patches.use_prefix_reuse_schedule(False):
+        forward_backward = get_forward_backward_func()
+    reports = forward_backward(
+        forward_step_func=make_policy_forward_step(loss_config),
+        data_iterator=_dense_items(batch),
+        model=[model],
+        num_microbatches=num_rows,
+        seq_length=0,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+    return _summarise(reports)
+
+
+def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss_config: PolicyLossConfig,
+               forward_only: bool = False, step: Optional[ReuseStep] = None) -> StepResult:
+    """Prefix-reuse step through `get_forward_backward_func()` with reuse selected."""
+    step = step or ReuseStep(batch, plan)
+    with megatron_patches.use_prefix_reuse_schedule():
+        forward_backward = get_forward_backward_func()
+    reports = forward_backward(
+        forward_step_func=make_policy_forward_step(loss_config),
+        data_iterator=step,
+        model=[model],
+        num_microbatches=step.num_microbatches,
+        seq_length=0,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
+    return _summarise(reports)
+
+
+def param_grads(model) -> Dict[str, torch.Tensor]:
+    """name -> gradient (main_grad for DDP-wrapped models), cloned, fp32."""
+    grads = {}
+    for name, p in model.named_parameters():
+        g = getattr(p, "main_grad", None)
+        if g is None:
+            g = p.grad
+        grads[name] = torch.zeros_like(p, dtype=torch.float32) if g is None else g.detach().float().clone()
+    return grads
+
+
+def max_relative_diff(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor]) -> float:
+    """max over tensors of max|a-b| / max|a| (the equivalence metric of the test suite)."""
+    worst = 0.0
+    for name, ref in reference.items():
+        scale = ref.abs().max().item()
+        diff = (ref - other[name]).abs().max().item()
+        worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst

@@ -1,0 +1,25 @@
+"""Test tiers: plan/attention/data tests need no Megatron; `megatron_env` sets up real Megatron
+on CPU (gloo, one process) with the prefix-reuse hooks installed; `gpu` tests skip without CUDA."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def megatron_env():
+    """Megatron parallel state (TP=PP=1, gloo) and the reuse hooks, once per session."""
+    import megatron_patches
+    from megatron_patches.models import initialize_single_process
+
+    megatron_patches.install()
+    initialize_single_process(seed=1234)
+    yield
