@@ -1,0 +1,112 @@
+"""`python -m megatron_patches {apply,revert,check,report,diff} [--root PATH] [--write]`.
+
+Exit status: 0 done / all applied; 1 `check` found a patch not applied, or a patch conflicts
+(nothing was written); 2 usage error (no megatron-core found, unsupported version, bad --root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from megatron_patches import registry
+
+__all__ = ["main"]
+
+_PATCH_DIR = Path(__file__).resolve().parent / "patches"
+_EXIT_OK, _EXIT_FAILED, _EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_patches",
+        description="Apply, revert or inspect the declared source patches to megatron-core.",
+    )
+    parser.add_argument("command", choices=["apply", "revert", "check", "report", "diff"])
+    parser.add_argument(
+        "--root", type=Path, default=None,
+        help="directory that contains megatron/ (a Megatron-LM checkout or site-packages); "
+        "default: where this Python imports megatron.core from",
+    )
+    parser.add_argument(
+        "--write", action="store_true",
+        help=f"with diff: write one .patch per patch into {_PATCH_DIR} instead of printing",
+    )
+    return parser
+
+
+def _print_states(states) -> None:
+    for state in states:
+        print(f"{state.patch_id}: {state.state}" + (f" ({state.detail})" if state.detail else ""))
+
+
+def _report(root: Path) -> int:
+    states = registry.status(root)
+    print(f"megatron-core {registry.megatron_version(root)} under {root}")
+    by_id = {patch.id: patch for patch in registry.PATCHES}
+    rows = [("id", "target", "state", "description")] + [
+        (s.patch_id, by_id[s.patch_id].target, s.state, by_id[s.patch_id].description)
+        for s in states
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[3])
+    for state in states:
+        if state.state == registry.CONFLICT:
+            print(f"{state.patch_id}: {state.detail}", file=sys.stderr)
+    return _EXIT_FAILED if any(s.state == registry.CONFLICT for s in states) else _EXIT_OK
+
+
+def _check(root: Path) -> int:
+    states = registry.status(root)
+    missing = [s for s in states if s.state != registry.APPLIED]
+    if not missing:
+        print(f"all {len(states)} megatron patches are applied under {root}")
+        return _EXIT_OK
+    _print_states(missing)
+    print(f"fix: python -m megatron_patches apply --root {root} (or `make setup`)", file=sys.stderr)
+    return _EXIT_FAILED
+
+
+def _diff(root: Path, write: bool) -> int:
+    rendered = {patch.id: registry.unified_diff(patch, root) for patch in registry.PATCHES}
+    if not write:
+        sys.stdout.write("".join(rendered.values()))
+        return _EXIT_OK
+    _PATCH_DIR.mkdir(exist_ok=True)
+    for stale in sorted(set(p.stem for p in _PATCH_DIR.glob("*.patch")) - set(rendered)):
+        (_PATCH_DIR / f"{stale}.patch").unlink()
+        print(f"removed {_PATCH_DIR / stale}.patch (no longer declared)")
+    for patch_id, text in rendered.items():
+        (_PATCH_DIR / f"{patch_id}.patch").write_text(text, encoding="utf-8")
+        print(f"wrote {_PATCH_DIR / patch_id}.patch")
+    return _EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the exit status."""
+    args = _parser().parse_args(argv)
+    if args.write and args.command != "diff":
+        print("--write applies only to `diff`", file=sys.stderr)
+        return _EXIT_USAGE
+    try:
+        root = registry.default_root() if args.root is None else args.root
+        if args.command in ("apply", "revert"):
+            _print_states(getattr(registry, args.command)(root))
+            return _EXIT_OK
+        if args.command == "check":
+            return _check(root)
+        if args.command == "report":
+            return _report(root)
+        return _diff(root, args.write)
+    except registry.PatchConflictError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return _EXIT_FAILED
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return _EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,452 @@
+"""Declared source patches to megatron-core, and the operations that apply them.
+
+Each patch adds one module-level hook (None by default) to a Megatron file and a check of it at the
+start of the function Megatron already uses for that job, so with no hook set every patched
+function behaves exactly as stock (see docs/DESIGN.md, "Hook points in Megatron"). A patch is data:
+exact-text hunks whose `old` text occurs exactly once in the pinned release. `apply` and `revert`
+are idempotent and all-or-nothing; a version other than the pinned one is refused.
+
+This module imports neither torch nor megatron at import time.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib
+import importlib.util
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+__all__ = [
+    "APPLIED", "CONFLICT", "NOT_APPLIED", "PATCHES", "SUPPORTED_VERSIONS", "Hunk",
+    "PatchConflictError", "PatchStatus", "SourcePatch", "apply", "check", "default_root",
+    "is_applied_in_process", "megatron_version", "require_patched", "revert", "status",
+    "unified_diff",
+]
+
+APPLIED = "applied"
+NOT_APPLIED = "not applied"
+CONFLICT = "conflict"
+
+_INSTALL_HINT = (
+    "install a supported release with `pip install --no-deps --ignore-requires-python "
+    "megatron-core=={v}`, or check out tag core_v{v} of Megatron-LM and pass its root with --root"
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hunk:
+    """One exact-text replacement in a target file."""
+
+    old: str
+    """Stock text; must occur exactly once in the target (anchor with enough context)."""
+    new: str
+    """Replacement text; must occur exactly once once applied (so revert is exact)."""
+
+    def __post_init__(self):
+        if not self.old or not self.new or self.old == self.new:
+            raise ValueError("Hunk: old and new must be non-empty and differ")
+        if self.old in self.new or self.new in self.old:
+            # Either text inside the other makes "applied" and "stock" indistinguishable.
+            raise ValueError("Hunk: old must not contain new, nor new old; widen the anchor")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourcePatch:
+    """A named, versioned source patch to one file of Megatron."""
+
+    id: str
+    """Short kebab-case name, also the file name of its rendering in patches/."""
+    target: str
+    """Path of the file relative to the directory that contains `megatron/`."""
+    description: str
+    """One sentence: what the patch adds and why."""
+    supported_versions: tuple[str, ...]
+    """megatron-core versions (`MAJOR.MINOR.PATCH`) whose stock text the hunks were written for."""
+    hunks: tuple[Hunk, ...]
+    """Replacements, applied in order; each anchor is unique in the stock file."""
+    hook: str
+    """Module-level attribute the patch adds to the target module (None = stock behaviour)."""
+    references: tuple[tuple[str, str], ...] = ()
+    """(qualname in the target module, name) pairs: once patched, that function's code uses name."""
+
+    def __post_init__(self):
+        if not self.id or not self.id.replace("-", "").isalnum() or self.id != self.id.lower():
+            raise ValueError(f"SourcePatch.id {self.id!r} must be lower-case kebab-case")
+        target = Path(self.target)
+        if target.is_absolute() or ".." in target.parts or target.suffix != ".py":
+            raise ValueError(f"SourcePatch.target {self.target!r}: a relative path to a .py file")
+        bad = [v for v in self.supported_versions if len(v.split(".")) != 3]
+        if not self.supported_versions or bad:
+            raise ValueError(f"SourcePatch.supported_versions: want MAJOR.MINOR.PATCH, got {bad}")
+        if not self.hunks or not all(isinstance(h, Hunk) for h in self.hunks):
+            raise ValueError(f"SourcePatch {self.id}: hunks must be a non-empty tuple of Hunk")
+        if not self.hook.isidentifier() or not any(self.hook in h.new for h in self.hunks):
+            raise ValueError(f"SourcePatch {self.id}: hook {self.hook!r} must be added by a hunk")
+
+
+SUPPORTED_VERSIONS = ("0.19.2",)
+
+
+def _insert(before: str, lines: str, after: str) -> Hunk:
+    """A hunk that inserts lines between two adjacent stock snippets (the anchor)."""
+    return Hunk(old=before + after, new=before + lines + after)
+
+
+def _hook_declaration(patch_id: str, hook: str, comment: str) -> str:
+    return f"\n# megatron-prefix-reuse (megatron_patches, {patch_id}): {comment}\n{hook} = None\n"
+
+
+ATTENTION_CORE_HOOK = SourcePatch(
+    id="attention-core-hook",
+    target="megatron/core/transformer/attention.py",
+    description=(
+        "Attention._run_core_attention first asks _core_attention_hook (post-RoPE q/k/v), and the "
+        "inline core-attention call in Attention.forward goes through _run_core_attention."
+    ),
+    supported_versions=SUPPORTED_VERSIONS,
+    hunks=(
+        _insert(
+            "    HAVE_FUSED_QKV_ROPE = False\n",
+            _hook_declaration(
+                "attention-core-hook", "_core_attention_hook",
+                "when set,\n# Attention._run_core_attention calls it first; it returns the core "
+                "attention output,\n# or NotImplemented to run the stock core attention module.",
+            ),
+            "\n\nclass LinearQkvInterface(Protocol):\n",
+        ),
+        _insert('''\
+        """Run the configured core attention module."""
+''', '''\
+        if _core_attention_hook is not None:
+            core_attn_out = _core_attention_hook(
+                self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                attention_bias=attention_bias, packed_seq_params=packed_seq_params, **extra_kwargs,
+            )
+            if core_attn_out is not NotImplemented:
+                return core_attn_out
+''', '''\
+        return apply_module(self.core_attention)(
+'''),
+        Hunk(old='''\
+                with core_attn_manager as query:
+                    core_attn_out = apply_module(self.core_attention)(
+''', new='''\
+                with core_attn_manager as query:
+                    # megatron-prefix-reuse: via _run_core_attention so its hook applies here too.
+                    core_attn_out = self._run_core_attention(
+'''),
+    ),
+    hook="_core_attention_hook",
+    references=(
+        ("Attention._run_core_attention", "_core_attention_hook"),
+        ("Attention.forward", "_run_core_attention"),
+    ),
+)
+
+GPT_ROPE_POSITIONS_HOOK = SourcePatch(
+    id="gpt-rope-positions-hook",
+    target="megatron/core/models/gpt/gpt_model.py",
+    description=(
+        "GPTModel._preprocess passes the RoPE table it built through _rotary_pos_emb_hook, which "
+        "may replace it with per-token positions (a suffix continues at its prefix length)."
+    ),
+    supported_versions=SUPPORTED_VERSIONS,
+    hunks=(
+        _insert(
+            "logger = logging.getLogger(__name__)\n",
+            _hook_declaration(
+                "gpt-rope-positions-hook", "_rotary_pos_emb_hook",
+                "when set,\n# GPTModel._preprocess replaces its RoPE table with "
+                "hook(model, rotary_pos_emb).",
+            ),
+            "\n\nclass GPTModel(LanguageModule):\n",
+        ),
+        _insert('''\
+                rotary_pos_emb = self.rotary_pos_emb(
+                    rotary_seq_len,
+                    packed_seq=packed_seq_params is not None
+                    and packed_seq_params.qkv_format == 'thd',
+                    cp_group=packed_seq_params.cp_group if packed_seq_params is not None else None,
+                )
+''', '''\
+                if _rotary_pos_emb_hook is not None:
+                    rotary_pos_emb = _rotary_pos_emb_hook(self, rotary_pos_emb)
+''', '''\
+        elif self.position_embedding_type == 'yarn':
+'''),
+    ),
+    hook="_rotary_pos_emb_hook",
+    references=(("GPTModel._preprocess", "_rotary_pos_emb_hook"),),
+)
+
+SCHEDULE_SELECTION_HOOK = SourcePatch(
+    id="schedule-selection-hook",
+    target="megatron/core/pipeline_parallel/schedules.py",
+    description=(
+        "get_forward_backward_func first asks _forward_backward_func_hook, so prefix reuse is "
+        "selected the way Megatron selects its schedules; a None result keeps the stock choice."
+    ),
+    supported_versions=SUPPORTED_VERSIONS,
+    hunks=(
+        _insert(
+            "Shape = Union[List[int], torch.Size]\n",
+            _hook_declaration(
+                "schedule-selection-hook", "_forward_backward_func_hook",
+                "when set,\n# get_forward_backward_func asks it first; a None result keeps "
+                "Megatron's choice.",
+            ),
+            "\n\ndef get_forward_backward_func(\n",
+        ),
+        _insert('''\
+            multi-module (cross-grid) collection is passed, select the bridge schedule.
+
+    """
+''', '''\
+    if _forward_backward_func_hook is not None:
+        forward_backward_func = _forward_backward_func_hook(pp_size=pp_size, vp_size=vp_size)
+        if forward_backward_func is not None:
+            return forward_backward_func
+''', '''\
+    if isinstance(schedule_pg_collection, MultiModuleProcessGroupCollection):
+'''),
+    ),
+    hook="_forward_backward_func_hook",
+    references=(("get_forward_backward_func", "_forward_backward_func_hook"),),
+)
+
+PATCHES: tuple[SourcePatch, ...] = (
+    ATTENTION_CORE_HOOK, GPT_ROPE_POSITIONS_HOOK, SCHEDULE_SELECTION_HOOK,
+)
+
+
+class PatchStatus(NamedTuple):
+    """State of one patch in one tree."""
+
+    patch_id: str
+    state: str
+    detail: str
+
+
+class PatchConflictError(ValueError):
+    """A target file matches neither the stock nor the patched text; nothing was written."""
+
+
+def default_root() -> Path:
+    """The directory holding the installed `megatron/` package (site-packages or a checkout).
+
+    Found with `find_spec` so that megatron.core itself is not imported (it needs triton).
+    """
+    spec = importlib.util.find_spec("megatron.core")
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "megatron-core is not importable from this Python; "
+            + _INSTALL_HINT.format(v=SUPPORTED_VERSIONS[-1])
+            + " (or pass --root PATH, the directory that contains megatron/)"
+        )
+    return Path(spec.origin).resolve().parents[2]
+
+
+def megatron_version(root: Path | str) -> str:
+    """`MAJOR.MINOR.PATCH` from `megatron/core/package_info.py` under root, parsed, not imported."""
+    info = Path(root) / "megatron" / "core" / "package_info.py"
+    if not info.is_file():
+        raise ValueError(
+            f"{info} does not exist: --root must be the directory that contains megatron/ "
+            "(a Megatron-LM checkout root, or the site-packages directory of megatron-core)"
+        )
+    values = {}
+    for node in ast.parse(info.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+            for target in node.targets:
+                if isinstance(target, ast.Name) and target.id in ("MAJOR", "MINOR", "PATCH"):
+                    values[target.id] = node.value.value
+    if len(values) != 3:
+        raise ValueError(f"{info} does not define MAJOR, MINOR and PATCH as literals")
+    return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}"
+
+
+def _require_supported(root: Path, patches: tuple[SourcePatch, ...]) -> str:
+    version = megatron_version(root)
+    for patch in patches:
+        if version not in patch.supported_versions:
+            supported = ", ".join(patch.supported_versions)
+            raise ValueError(
+                f"megatron-core {version} found under {root}, but patch {patch.id!r} supports only "
+                f"{supported}: " + _INSTALL_HINT.format(v=patch.supported_versions[-1])
+            )
+    return version
+
+
+def _resolve(root: Path | str | None) -> Path:
+    return default_root() if root is None else Path(root)
+
+
+def _hunk_state(text: str, hunk: Hunk) -> str:
+    num_old, num_new = text.count(hunk.old), text.count(hunk.new)
+    if num_old == 0 and num_new == 1:
+        return APPLIED
+    if num_old == 1 and num_new == 0:
+        return NOT_APPLIED
+    return CONFLICT
+
+
+def _patch_status(root: Path, patch: SourcePatch) -> PatchStatus:
+    path = root / patch.target
+    if not path.is_file():
+        return PatchStatus(patch.id, CONFLICT, f"{path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    states = [_hunk_state(text, hunk) for hunk in patch.hunks]
+    if all(state == APPLIED for state in states):
+        return PatchStatus(patch.id, APPLIED, "")
+    if all(state == NOT_APPLIED for state in states):
+        return PatchStatus(patch.id, NOT_APPLIED, "")
+    labels = {APPLIED: "patched", NOT_APPLIED: "stock"}
+    summary = ", ".join(
+        f"hunk {i + 1}: "
+        + labels.get(s, f"stock text found {text.count(h.old)}x, patched {text.count(h.new)}x")
+        for i, (h, s) in enumerate(zip(patch.hunks, states))
+    )
+    return PatchStatus(
+        patch.id, CONFLICT,
+        f"{path} matches neither the stock nor the patched text ({summary}); reinstall "
+        "megatron-core (`pip install --force-reinstall --no-deps --ignore-requires-python "
+        f"megatron-core=={patch.supported_versions[-1]}`) or restore the file from git",
+    )
+
+
+def status(root: Path | str | None = None, patches=PATCHES) -> list[PatchStatus]:
+    """(patch_id, "applied" | "not applied" | "conflict", detail) for each patch, in order."""
+    root = _resolve(root)
+    _require_supported(root, patches)
+    return [_patch_status(root, patch) for patch in patches]
+
+
+def _rewrite(text: str, patch: SourcePatch, *, forward: bool) -> str:
+    for hunk in patch.hunks:
+        src, dst = (hunk.old, hunk.new) if forward else (hunk.new, hunk.old)
+        assert text.count(src) == 1, f"{patch.id}: hunk anchor not unique after status check"
+        text = text.replace(src, dst)
+    return text
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    # Same directory so os.replace is a rename; a reader never sees a half-written module.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            handle.write(text)
+        os.chmod(tmp, path.stat().st_mode & 0o7777)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _transition(root, patches, *, forward: bool) -> list[PatchStatus]:
+    root = _resolve(root)
+    states = status(root, patches)
+    conflicts = [s for s in states if s.state == CONFLICT]
+    if conflicts:
+        lines = "\n".join(f"  {s.patch_id}: {s.detail}" for s in conflicts)
+        raise PatchConflictError(f"nothing was written; conflicting patches:\n{lines}")
+    todo_state = NOT_APPLIED if forward else APPLIED
+    new_texts: dict[Path, str] = {}
+    results = []
+    for patch, state in zip(patches, states):
+        if state.state != todo_state:
+            results.append(PatchStatus(patch.id, state.state, "unchanged"))
+            continue
+        path = root / patch.target
+        text = new_texts.get(path, path.read_text(encoding="utf-8"))
+        new_texts[path] = _rewrite(text, patch, forward=forward)
+        done, verb = (APPLIED, "patched") if forward else (NOT_APPLIED, "restored")
+        results.append(PatchStatus(patch.id, done, f"{verb} {path}"))
+    for path, text in new_texts.items():
+        _write_atomic(path, text)
+    return results
+
+
+def apply(root: Path | str | None = None, patches=PATCHES) -> list[PatchStatus]:
+    """Apply every patch not yet applied; writes nothing if any patch conflicts."""
+    return _transition(root, patches, forward=True)
+
+
+def revert(root: Path | str | None = None, patches=PATCHES) -> list[PatchStatus]:
+    """Exact inverse of `apply`: restores the stock text; writes nothing if any patch conflicts."""
+    return _transition(root, patches, forward=False)
+
+
+def check(root: Path | str | None = None, patches=PATCHES) -> bool:
+    """True when every patch is applied under root."""
+    return all(s.state == APPLIED for s in status(root, patches))
+
+
+def unified_diff(patch: SourcePatch, root: Path | str | None = None) -> str:
+    """The patch as a `git apply`-able diff against the stock file found under root.
+
+    The stock text is recovered from root in either state (revert is exact), so the rendering does
+    not depend on whether root is patched.
+    """
+    root = _resolve(root)
+    (state,) = status(root, (patch,))
+    if state.state == CONFLICT:
+        raise PatchConflictError(f"{patch.id}: {state.detail}")
+    text = (root / patch.target).read_text(encoding="utf-8")
+    stock = _rewrite(text, patch, forward=False) if state.state == APPLIED else text
+    patched = _rewrite(stock, patch, forward=True)
+    lines = difflib.unified_diff(
+        stock.splitlines(keepends=True), patched.splitlines(keepends=True),
+        fromfile=f"a/{patch.target}", tofile=f"b/{patch.target}", n=3,
+    )
+    body = "".join(lines)
+    assert body.endswith("\n"), "targets end with a newline, so every diff line does"
+    header = (
+        f"{patch.id}: {patch.description}\n"
+        f"supported megatron-core versions: {', '.join(patch.supported_versions)}\n"
+        "generated by `python -m megatron_patches diff --write`; do not edit\n\n"
+    )
+    return header + f"diff --git a/{patch.target} b/{patch.target}\n" + body
+
+
+def _module_name(target: str) -> str:
+    return target.removesuffix(".py").replace("/", ".")
+
+
+def _missing_in_process(patches=PATCHES) -> list[str]:
+    missing = []
+    for patch in patches:
+        module = importlib.import_module(_module_name(patch.target))
+        if not hasattr(module, patch.hook):
+            missing.append(f"{module.__name__}.{patch.hook} ({patch.id})")
+        for qualname, name in patch.references:
+            func = module
+            for part in qualname.split("."):
+                func = getattr(func, part)
+            # A hook attribute set on an unpatched module would do nothing: the code must use it.
+            if name not in func.__code__.co_names:
+                missing.append(f"{module.__name__}.{qualname} does not use {name} ({patch.id})")
+    return missing
+
+
+def is_applied_in_process(patches=PATCHES) -> bool:
+    """True when the imported Megatron modules carry every hook (imports them; the caller has
+    made megatron.core importable, e.g. with megatron_patches.cpu_support on CPU)."""
+    return not _missing_in_process(patches)
+
+
+def require_patched(patches=PATCHES) -> None:
+    """Raise RuntimeError, saying how to fix it, unless the imported Megatron is patched."""
+    missing = _missing_in_process(patches)
+    if missing:
+        raise RuntimeError(
+            "the imported megatron-core lacks the megatron_patches hooks: " + "; ".join(missing)
+            + ". Run `python -m megatron_patches apply` (or `make setup`) with this Python, "
+            "then restart the process."
+        )
+

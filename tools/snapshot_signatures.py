@@ -1,0 +1,159 @@
+"""Snapshot the signatures of every upstream Megatron function our patches and executor touch.
+
+    .venv/bin/python tools/snapshot_signatures.py          # write it for the installed version
+    .venv/bin/python tools/snapshot_signatures.py --check  # exit 1 and list the differences
+
+The snapshot lives in megatron_patches/snapshots/megatron_core_<version>.json and is compared with
+the live signatures by tests/test_patches.py: an upstream change to any of these (megatron-core
+0.17 dropped `backward_step`'s `model_type`, for one) must be a visible, reviewed event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+import types
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parents[1]
+if str(_REPO) not in sys.path:
+    sys.path.insert(0, str(_REPO))
+
+from megatron_patches import registry  # noqa: E402  (needs the repo on sys.path first)
+
+__all__ = ["SIGNATURE_TARGETS", "DATACLASS_TARGETS", "collect", "compare", "snapshot_path", "main"]
+
+SNAPSHOT_DIR = _REPO / "megatron_patches" / "snapshots"
+REGENERATE = ".venv/bin/python tools/snapshot_signatures.py"
+
+_ATTENTION = "megatron.core.transformer.attention:Attention"
+_GPT = "megatron.core.models.gpt.gpt_model:GPTModel"
+_ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding"
+_SCHEDULES = "megatron.core.pipeline_parallel.schedules:"
+_DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
+
+SIGNATURE_TARGETS = (
+    f"{_ATTENTION}.forward",
+    f"{_ATTENTION}._run_core_attention",
+    f"{_ATTENTION}._checkpointed_attention_forward",
+    f"{_GPT}.forward",
+    f"{_GPT}._preprocess",
+    f"{_ROPE}.forward",
+    f"{_ROPE}.get_emb",
+    f"{_SCHEDULES}get_forward_backward_func",
+    f"{_SCHEDULES}forward_step",
+    f"{_SCHEDULES}backward_step",
+    f"{_SCHEDULES}forward_step_calc_loss",
+    f"{_SCHEDULES}forward_backward_no_pipelining",
+    f"{_SCHEDULES}forward_backward_pipelining_without_interleaving",
+    "megatron.core.distributed.finalize_model_grads:finalize_model_grads",
+    f"{_DDP}.__init__",
+    f"{_DDP}.no_sync",
+    "megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
+    "megatron.core.tensor_parallel:vocab_parallel_cross_entropy",
+)
+"""Functions as `module:qualname`; P2PCommunicator's methods are added by `_p2p_methods`."""
+
+P2P_COMMUNICATOR = "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator"
+DATACLASS_TARGETS = ("megatron.core.transformer.transformer_config:TransformerConfig",)
+"""Dataclasses whose field names (in order) are snapshot."""
+
+_PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def _stub_triton_kernels() -> None:
+    """`import megatron.core` imports triton for an MoE kernel module; stub it where triton is
+    missing (megatron_patches.cpu_support installs the same stub; whichever runs first wins)."""
+    if importlib.util.find_spec("triton") is not None or _PAGED_STASH in sys.modules:
+        return
+    stub = types.ModuleType(_PAGED_STASH)
+
+    def _unavailable(*_args, **_kwargs):
+        raise RuntimeError(f"{_PAGED_STASH} needs triton, which is not installed")
+
+    stub.GLOBAL_BLOCK_SIZE = 1024
+    stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = _unavailable
+    sys.modules[_PAGED_STASH] = stub
+
+
+def _resolve(target: str):
+    module_name, _, qualname = target.partition(":")
+    obj = importlib.import_module(module_name)
+    for attr in qualname.split("."):
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _p2p_methods() -> list[str]:
+    cls = _resolve(P2P_COMMUNICATOR)
+    names = ["__init__"] + sorted(
+        name for name, value in vars(cls).items()
+        if inspect.isfunction(value) and not name.startswith("_")
+    )
+    return [f"{P2P_COMMUNICATOR}.{name}" for name in names]
+
+
+def collect() -> dict:
+    """Live signatures and dataclass fields of the installed megatron-core (imports it)."""
+    _stub_triton_kernels()
+    signatures = {
+        name: str(inspect.signature(_resolve(name)))
+        for name in SIGNATURE_TARGETS + tuple(_p2p_methods())
+    }
+    fields = {
+        name: [field.name for field in dataclasses.fields(_resolve(name))]
+        for name in DATACLASS_TARGETS
+    }
+    version = registry.megatron_version(registry.default_root())
+    return {"megatron_core_version": version, "signatures": signatures, "dataclass_fields": fields}
+
+
+def snapshot_path(version: str) -> Path:
+    """Where the snapshot for one megatron-core version lives."""
+    return SNAPSHOT_DIR / f"megatron_core_{version}.json"
+
+
+def compare(expected: dict, live: dict) -> list[str]:
+    """Human-readable differences between a stored snapshot and the live one ([] if equal)."""
+    problems = []
+    for section in ("signatures", "dataclass_fields"):
+        old, new = expected.get(section, {}), live[section]
+        for name in sorted(old.keys() | new.keys()):
+            if name not in new:
+                problems.append(f"{name}: in the snapshot, no longer snapshot")
+            elif name not in old:
+                problems.append(f"{name}: not in the snapshot (new target or new method)")
+            elif old[name] != new[name]:
+                problems.append(
+                    f"{name} changed:\n    snapshot: {old[name]}\n    live:     {new[name]}"
+                )
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Write (or with --check, verify) the snapshot; returns the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    args = parser.parse_args(argv)
+    live = collect()
+    path = snapshot_path(live["megatron_core_version"])
+    if args.check:
+        if not path.is_file():
+            print(f"no snapshot {path}; create it with `{REGENERATE}`", file=sys.stderr)
+            return 1
+        problems = compare(json.loads(path.read_text(encoding="utf-8")), live)
+        print("\n".join(problems) or f"{path.name}: all signatures match")
+        return 1 if problems else 0
+    SNAPSHOT_DIR.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(live, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path} ({len(live['signatures'])} signatures)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
