@@ -161,3 +161,34 @@ def test_weights_match_after_optimizer_steps(megatron_env, models):
         assert max_relative_diff(weights_d, weights_r) <= TOL
         moved = max((weights_d[n] - p).abs().max().item() for n, p in base.named_parameters())
         assert moved > 0, "the optimizer step changed nothing"
+
+
+def test_bf16_reuse_is_as_close_to_fp32_as_bf16_dense(megatron_env, models):
+    """bf16: reuse's distance from the fp32 dense reference <= bf16 dense's distance x 1.5."""
+    from megatron_patches.models import build_model
+    from megatron_patches.training import dense_step, max_relative_diff, reuse_step
+
+    cfg, base = models
+    cfg16 = type(cfg)(**{**cfg.__dict__, "params_dtype": torch.bfloat16})
+    model16 = build_model(cfg16)
+    model16.load_state_dict({k: v.to(torch.bfloat16) for k, v in base.state_dict().items()
+                             if torch.is_tensor(v) and v.is_floating_point()}, strict=False)
+    model32 = build_model(cfg)  # fp32 copy of the bf16-rounded weights: the reference
+    model32.load_state_dict({k: v.float() for k, v in model16.state_dict().items()
+                             if torch.is_tensor(v) and v.is_floating_point()}, strict=False)
+    for m in (model16, model32):
+        from megatron_patches.training import scale_grads_by_token_count
+        m.config.finalize_model_grads_func = scale_grads_by_token_count
+    batch = make_batch(21, [(48, [8, 6, 9, 5]), (30, [7, 7, 3])])
+    plan = plan_microbatches(batch, token_budget=16, max_seq_len=512)
+    dense_step(model32, batch, LOSS)
+    reference = _grads(model32)
+    dense_step(model16, batch, LOSS)
+    dense16 = _grads(model16)
+    model16.zero_grad(set_to_none=True)
+    reuse_step(model16, batch, plan, LOSS)
+    reuse16 = _grads(model16)
+    dense_err = max_relative_diff(reference, dense16)
+    reuse_err = max_relative_diff(reference, reuse16)
+    assert 0 < dense_err < 0.2, dense_err
+    assert reuse_err <= 1.5 * dense_err, (reuse_err, dense_err)
