@@ -1,0 +1,121 @@
+"""Prefix reuse inside real Megatron: DDP + finalize_model_grads, selective recompute, forward-only,
+schedule selection and refusals (ValueError before any compute)."""
+
+import pytest
+import torch
+
+from prefix_schedule.planner import plan_microbatches
+from prefix_schedule.step import ReuseStep
+from test_equivalence import LOSS, TOL, assert_equal_step, make_batch, run_both
+
+pytestmark = pytest.mark.megatron
+
+SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
+             num_query_groups=2, vocab_size=256, max_seq_len=512)
+
+
+def _model(**overrides):
+    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.training import scale_grads_by_token_count
+
+    model = build_model(TinyLlamaConfig(**SMALL), **overrides)
+    model.config.finalize_model_grads_func = scale_grads_by_token_count
+    return model
+
+
+def test_ddp_wrapped_model_with_megatron_finalize(megatron_env):
+    """Megatron's DDP wrapper (fp32 main_grad buffers) and its finalize_model_grads, which
+    divides by the token count summed over microbatches and data-parallel ranks."""
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+
+    from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
+
+    ddp = DistributedDataParallel(_model().config, DistributedDataParallelConfig(), _model())
+    ddp.config.finalize_model_grads_func = finalize_model_grads
+    ddp.config.no_sync_func = ddp.no_sync
+    batch = make_batch(5, [(26, [5, 8, 3]), (14, [6, 6])])
+    ddp.zero_grad_buffer()
+    dense = dense_step(ddp, batch, LOSS)
+    dense_grads = param_grads(ddp)
+    ddp.zero_grad_buffer()
+    reuse = reuse_step(ddp, batch, plan_microbatches(batch, token_budget=9, max_seq_len=512), LOSS)
+    reuse_grads = param_grads(ddp)
+    assert dense.num_tokens == reuse.num_tokens
+    assert abs(dense.loss - reuse.loss) <= TOL * abs(dense.loss)
+    assert max_relative_diff(dense_grads, reuse_grads) <= TOL
+
+
+def test_selective_core_attention_recompute(megatron_env):
+    """The attention hook also runs inside recompute (backward); contexts must be set there."""
+    model = _model(recompute_granularity="selective", recompute_modules=["core_attn"])
+    assert model.decoder.layers[0].self_attention.checkpoint_core_attention
+    batch = make_batch(6, [(30, [7, 4, 9]), (12, [5])])
+    assert_equal_step(*run_both(model, batch, 12, run_singletons_dense=False)[:4])
+
+
+def test_forward_only_matches_dense_and_frees_the_cache(megatron_env):
+    from megatron_patches.training import dense_step, reuse_step
+
+    model = _model()
+    batch = make_batch(8, [(20, [6, 3, 5])])
+    plan = plan_microbatches(batch, token_budget=8, max_seq_len=512)
+    step = ReuseStep(batch, plan)
+    with torch.no_grad():
+        dense = dense_step(model, batch, LOSS, forward_only=True)
+        reuse = reuse_step(model, batch, plan, LOSS, forward_only=True, step=step)
+    assert abs(dense.loss - reuse.loss) <= TOL * abs(dense.loss)
+    assert step.cache.live_groups() == ()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_schedule_is_selected_through_megatron(megatron_env):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
+
+    import megatron_patches
+    from megatron_patches.executor import forward_backward_prefix_reuse
+
+    assert get_forward_backward_func() is forward_backward_no_pipelining
+    with megatron_patches.use_prefix_reuse_schedule():
+        assert get_forward_backward_func() is forward_backward_prefix_reuse
+    assert get_forward_backward_func() is forward_backward_no_pipelining
+
+
+def _call_reuse(model, data_iterator, num_microbatches):
+    from megatron_patches.executor import forward_backward_prefix_reuse
+    from megatron_patches.rl import make_policy_forward_step
+
+    calls = []
+
+    def forward_step(it, m):
+        calls.append(1)
+        return make_policy_forward_step(LOSS)(it, m)
+
+    with pytest.raises(ValueError) as info:
+        forward_backward_prefix_reuse(forward_step_func=forward_step, data_iterator=data_iterator,
+                                      model=[model], num_microbatches=num_microbatches)
+    assert not calls, "compute ran before the input was refused"
+    return str(info.value)
+
+
+@pytest.mark.parametrize("override, message", [
+    (dict(hidden_dropout=0.1), "dropout"),
+    (dict(attention_dropout=0.1), "dropout"),
+    (dict(calculate_per_token_loss=False), "calculate_per_token_loss"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+     "recompute_granularity"),
+])
+def test_settings_that_break_exactness_are_refused(megatron_env, override, message):
+    model = _model(**override)
+    batch = make_batch(9, [(10, [3, 4])])
+    step = ReuseStep(batch, plan_microbatches(batch, token_budget=8, max_seq_len=512))
+    assert message in _call_reuse(model, step, step.num_microbatches)
+
+
+def test_wrong_iterator_and_microbatch_count_are_refused(megatron_env):
+    model = _model()
+    batch = make_batch(10, [(10, [3, 4])])
+    step = ReuseStep(batch, plan_microbatches(batch, token_budget=4, max_seq_len=512))
+    assert "ReuseStep" in _call_reuse(model, iter([{}]), 1)
+    assert "num_microbatches" in _call_reuse(model, step, step.num_microbatches + 1)
