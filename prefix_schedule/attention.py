@@ -1,0 +1,337 @@
+"""Shared-prefix attention: suffix tokens attend to their group's cached prefix K/V and causally
+to their own suffix, with gradients for the prefix K/V (see docs/DESIGN.md, Phase B).
+
+[Note: two-part attention merged by log-sum-exp]
+Part P: per group slot, the slot's suffix queries against the slot's prefix keys, not causal.
+Part S: per suffix sequence, queries = keys = the suffix, causal (square, so top-left equals
+bottom-right). Merge: lse = logaddexp(lse_P, lse_S), out = exp(lse_P - lse) out_P +
+exp(lse_S - lse) out_S. Backward calls each part's kernel backward with the MERGED out and
+MERGED lse and sums dq (the rule ring attention uses). A kernel's returned LSE is not
+differentiable; backpropagating through the merge with a detached LSE gives wrong dq/dk/prefix dK.
+No prefix copy is made, so only q/k/v/out/lse are saved besides the cache's own K/V.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from numbers import Integral
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+__all__ = [
+    "MODES",
+    "PackedMeta",
+    "causal_attention",
+    "reference_attention",
+    "shared_prefix_attention",
+]
+
+MODES = ("two_part", "copy")
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _int_tuple(name: str, values) -> tuple[int, ...]:
+    # Python ints only: a tensor entry would mean a device sync on every read.
+    if isinstance(values, torch.Tensor):
+        raise ValueError(f"{name} must be a sequence of python ints built on the host, not a tensor")
+    out = []
+    for x in values:
+        if isinstance(x, bool) or not isinstance(x, Integral):
+            raise ValueError(f"{name} must hold python ints, got {type(x).__name__} ({x!r})")
+        out.append(int(x))
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedMeta:
+    """Layout of one packed (THD) row of suffix tokens; host-side python ints only."""
+
+    cu_seqlens: tuple[int, ...]
+    """Suffix boundaries in the packed row: starts with 0, strictly increasing, ends with T."""
+    seq_slot: tuple[int, ...]
+    """For each suffix sequence, the index of its group slot (into prefix_k / prefix_v). A slot's
+    sequences are contiguous in the row and slots appear in order 0, 1, ..., num_slots - 1."""
+    num_seqs: int = field(init=False)
+    """Number of suffix sequences (derived)."""
+    num_slots: int = field(init=False)
+    """Number of group slots, i.e. prefix entries the call expects (derived)."""
+    total_len: int = field(init=False)
+    """T, the number of tokens in the row (derived)."""
+    max_seqlen: int = field(init=False)
+    """Longest suffix (derived)."""
+    slot_ranges: tuple[tuple[int, int], ...] = field(init=False)
+    """Per slot, the query range (start, end) of its suffix tokens in the row (derived)."""
+    equal_runs: tuple[tuple[int, int, int], ...] = field(init=False)
+    """(start, length, count) of each run of adjacent suffixes of equal length (derived): part S
+    makes one copy-free kernel call per run, so sort suffixes by length to get fewer calls."""
+
+    def __post_init__(self):
+        cu = _int_tuple("cu_seqlens", self.cu_seqlens)
+        slots = _int_tuple("seq_slot", self.seq_slot)
+        if len(cu) < 2 or cu[0] != 0:
+            raise ValueError(f"cu_seqlens must start with 0 and hold at least one sequence, got {cu}")
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        if min(lengths) < 1:
+            raise ValueError(f"cu_seqlens must be strictly increasing (every suffix >= 1 token), got {cu}")
+        if len(slots) != len(lengths):
+            raise ValueError(f"seq_slot has {len(slots)} entries but cu_seqlens describes "
+                             f"{len(lengths)} sequences; give one slot per sequence")
+        steps = [b - a for a, b in zip((0,) + slots, slots)]
+        if slots[0] != 0 or any(s not in (0, 1) for s in steps[1:]):
+            raise ValueError(f"seq_slot must be 0, 1, 2, ... with each slot's sequences contiguous "
+                             f"and no slot skipped, got {slots}; reorder the packed row")
+        ranges = [[cu[-1], 0] for _ in range(slots[-1] + 1)]
+        runs: list[list[int]] = []
+        for start, n, slot in zip(cu, lengths, slots):
+            ranges[slot] = [min(ranges[slot][0], start), max(ranges[slot][1], start + n)]
+            if runs and runs[-1][1] == n:
+                runs[-1][2] += 1
+            else:
+                runs.append([start, n, 1])
+        derived = dict(cu_seqlens=cu, seq_slot=slots, num_seqs=len(lengths), num_slots=len(ranges),
+                       total_len=cu[-1], max_seqlen=max(lengths),
+                       slot_ranges=tuple(tuple(r) for r in ranges),
+                       equal_runs=tuple(tuple(r) for r in runs))
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_lengths(cls, lengths: Sequence[int], slots: Sequence[int]) -> "PackedMeta":
+        """Meta for suffixes of the given lengths, packed in order, with their group slots."""
+        cu = [0]
+        for n in _int_tuple("lengths", lengths):
+            cu.append(cu[-1] + n)
+        return cls(cu_seqlens=tuple(cu), seq_slot=tuple(slots))
+
+
+def _validate(q, k, v, prefix_k, prefix_v, meta, scale) -> float:
+    """Raise ValueError on any user error before compute; return the softmax scale."""
+    if not isinstance(meta, PackedMeta):
+        raise ValueError(f"meta must be a PackedMeta, got {type(meta).__name__}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [T, heads, head_dim], got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    T, hq, d = q.shape
+    if T != meta.total_len:
+        raise ValueError(f"q has {T} tokens but meta.cu_seqlens ends with {meta.total_len}")
+    if k.shape != v.shape or k.shape[0] != T or k.shape[2] != d:
+        raise ValueError(f"k and v must both be [{T}, kv_heads, {d}], "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    hkv = k.shape[1]
+    if hkv < 1 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if len(prefix_k) != meta.num_slots or len(prefix_v) != meta.num_slots:
+        raise ValueError(f"meta has {meta.num_slots} group slots but got {len(prefix_k)} prefix_k and "
+                         f"{len(prefix_v)} prefix_v entries; pass one (possibly empty) entry per slot")
+    for g, (pk, pv) in enumerate(zip(prefix_k, prefix_v)):
+        if pk.dim() != 3 or pk.shape[1:] != (hkv, d) or pk.shape != pv.shape:
+            raise ValueError(f"prefix_k[{g}] and prefix_v[{g}] must both be [P, {hkv}, {d}], got "
+                             f"{tuple(pk.shape)} and {tuple(pv.shape)}")
+    tensors = (q, k, v, *prefix_k, *prefix_v)
+    if q.dtype not in _DTYPES or any(t.dtype != q.dtype for t in tensors):
+        raise ValueError(f"q, k, v and every prefix entry must share one dtype among {_DTYPES}, "
+                         f"got {sorted({str(t.dtype) for t in tensors})}")
+    if any(t.device != q.device for t in tensors):
+        raise ValueError(f"all tensors must be on one device, got {sorted({str(t.device) for t in tensors})}")
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale must be a positive finite python float, got {scale!r}")
+    return float(scale)
+
+
+def _bhld(x: torch.Tensor) -> torch.Tensor:
+    """[L, H, D] -> [1, H, L, D] view (the kernels take strided inputs, no copy needed)."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# Part kernels take [B, H, L, D] (kv heads may divide query heads), return out and a natural-log
+# LSE [B, H, L]; `causal` is only ever used with square inputs.
+def _flash_fwd(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _flash_bwd(g, q, k, v, out, lse, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        g, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _math_scores(q, k, causal, scale):
+    rep = q.shape[1] // k.shape[1]
+    acc = _acc_dtype(q.dtype)
+    s = torch.einsum("bhqd,bhkd->bhqk", q.to(acc), k.repeat_interleave(rep, 1).to(acc)) * scale
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, -math.inf)
+    return s, rep, acc
+
+
+def _math_fwd(q, k, v, causal, scale):
+    """Device-agnostic stand-in for the fused CPU kernel (used off CPU)."""
+    s, rep, acc = _math_scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.einsum("bhqk,bhkd->bhqd", torch.exp(s - lse[..., None]), v.repeat_interleave(rep, 1).to(acc))
+    return out.to(q.dtype), lse
+
+
+def _math_bwd(g, q, k, v, out, lse, causal, scale):
+    s, rep, acc = _math_scores(q, k, causal, scale)
+    p = torch.exp(s - lse[..., None].to(acc))
+    g, vr = g.to(acc), v.repeat_interleave(rep, 1).to(acc)
+    dv = torch.einsum("bhqk,bhqd->bhkd", p, g)
+    ds = p * (torch.einsum("bhqd,bhkd->bhqk", g, vr) - (g * out.to(acc)).sum(-1, keepdim=True))
+    dq = torch.einsum("bhqk,bhkd->bhqd", ds, k.repeat_interleave(rep, 1).to(acc)) * scale
+    dk = torch.einsum("bhqk,bhqd->bhkd", ds, q.to(acc)) * scale
+
+    def fold(x):  # sum the query-head copies of each kv head back (GQA)
+        return x.unflatten(1, (k.shape[1], rep)).sum(2).to(q.dtype)
+
+    return dq.to(q.dtype), fold(dk), fold(dv)
+
+
+def _kernels_for(device: torch.device):
+    return (_flash_fwd, _flash_bwd) if device.type == "cpu" else (_math_fwd, _math_bwd)
+
+
+def _run_view(x: torch.Tensor, start: int, n: int, count: int) -> torch.Tensor:
+    """A run of `count` adjacent n-token suffixes of a [T, H, ...] buffer as a [count, H, n, ...]
+    view (no copy: the kernels take strided inputs)."""
+    return x[start:start + n * count].unflatten(0, (count, n)).transpose(1, 2)
+
+
+def _write_run(buf: torch.Tensor, start: int, n: int, count: int, y: torch.Tensor) -> None:
+    buf[start:start + n * count] = y.transpose(1, 2).flatten(0, 1)
+
+
+class _TwoPart(torch.autograd.Function):
+    """See [Note: two-part attention merged by log-sum-exp]."""
+
+    @staticmethod
+    def forward(ctx, meta, scale, q, k, v, *prefix):
+        fwd, _ = _kernels_for(q.device)
+        pk, pv = prefix[:meta.num_slots], prefix[meta.num_slots:]
+        out = torch.empty_like(q)
+        lse = q.new_empty(q.shape[:2], dtype=_acc_dtype(q.dtype))
+        for run in meta.equal_runs:  # part S
+            o, l = fwd(*(_run_view(x, *run) for x in (q, k, v)), True, scale)
+            _write_run(out, *run, o)
+            _write_run(lse, *run, l)
+        for (a, b), kk, vv in zip(meta.slot_ranges, pk, pv):  # part P, merged into S in place
+            if kk.shape[0] == 0:  # no cached prefix: part S alone is the answer
+                continue
+            o_p, l_p = fwd(_bhld(q[a:b]), _bhld(kk), _bhld(vv), False, scale)
+            l_p, l_s = l_p[0].T.to(lse.dtype), lse[a:b]
+            l_new = torch.logaddexp(l_p, l_s)
+            merged = (torch.exp(l_s - l_new)[..., None] * out[a:b].to(lse.dtype)
+                      + torch.exp(l_p - l_new)[..., None] * o_p[0].transpose(0, 1).to(lse.dtype))
+            out[a:b] = merged
+            lse[a:b] = l_new
+        ctx.meta, ctx.scale = meta, scale
+        ctx.save_for_backward(q, k, v, out, lse, *prefix)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        meta, scale = ctx.meta, ctx.scale
+        q, k, v, out, lse, *prefix = ctx.saved_tensors
+        pk, pv = prefix[:meta.num_slots], prefix[meta.num_slots:]
+        _, bwd = _kernels_for(q.device)
+        g = grad_out.contiguous()
+        dq = torch.empty(q.shape, dtype=lse.dtype, device=q.device)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        for run in meta.equal_runs:  # part S, with the merged out and lse
+            grads = bwd(*(_run_view(x, *run) for x in (g, q, k, v, out, lse)), True, scale)
+            for buf, d in zip((dq, dk, dv), grads):
+                _write_run(buf, *run, d)
+        dpk, dpv = [], []
+        for (a, b), kk, vv in zip(meta.slot_ranges, pk, pv):  # part P
+            if kk.shape[0] == 0:
+                dpk.append(torch.zeros_like(kk))
+                dpv.append(torch.zeros_like(vv))
+                continue
+            d_q, d_k, d_v = bwd(_bhld(g[a:b]), _bhld(q[a:b]), _bhld(kk), _bhld(vv),
+                                _bhld(out[a:b]), lse[a:b].T.unsqueeze(0), False, scale)
+            dq[a:b] += d_q[0].transpose(0, 1)
+            dpk.append(d_k[0].transpose(0, 1))
+            dpv.append(d_v[0].transpose(0, 1))
+        return (None, None, dq.to(q.dtype), dk, dv, *dpk, *dpv)
+
+
+def _copy_attention(q, k, v, prefix_k, prefix_v, meta, scale):
+    """Public-API fallback: per suffix, [prefix ; suffix] K/V and one bottom-right causal SDPA.
+    Saves num_suffixes x prefix_len extra K/V rows for backward."""
+    gqa = q.shape[1] != k.shape[1]
+    outs = []
+    for a, b, slot in zip(meta.cu_seqlens, meta.cu_seqlens[1:], meta.seq_slot):
+        kk = torch.cat([prefix_k[slot], k[a:b]])
+        vv = torch.cat([prefix_v[slot], v[a:b]])
+        o = F.scaled_dot_product_attention(_bhld(q[a:b]), _bhld(kk), _bhld(vv), scale=scale,
+                                           attn_mask=causal_lower_right(b - a, kk.shape[0]),
+                                           enable_gqa=gqa)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def shared_prefix_attention(q, k, v, prefix_k, prefix_v, meta, *, scale=None, mode="two_part"):
+    """Suffix tokens attend to their group's cached prefix and causally to their own suffix.
+
+    q: [T, Hq, D]; k, v: [T, Hkv, D] (packed THD row of suffix tokens; Hq % Hkv == 0, GQA).
+    prefix_k, prefix_v: one [P_g, Hkv, D] tensor per group slot of `meta`; P_g may be 0.
+    meta: PackedMeta. Returns out [T, Hq, D]. Differentiable w.r.t. q, k, v and every prefix
+    entry by ordinary autograd (their grads are returned, never accumulated here).
+    mode: "two_part" (default; fused CPU kernel, LSE merge, no prefix copy) or "copy".
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    scale = _validate(q, k, v, prefix_k, prefix_v, meta, scale)
+    if mode == "copy":
+        return _copy_attention(q, k, v, prefix_k, prefix_v, meta, scale)
+    return _TwoPart.apply(meta, scale, q, k, v, *prefix_k, *prefix_v)
+
+
+def causal_attention(q, k, v, *, scale=None):
+    """Square causal self-attention on [L, Hq, D] / [L, Hkv, D] (fused kernel on CPU). Differentiable."""
+    if q.dim() != 3 or q.shape[0] < 1:
+        raise ValueError(f"q must be [L >= 1, heads, head_dim], got {tuple(q.shape)}")
+    meta = PackedMeta(cu_seqlens=(0, q.shape[0]), seq_slot=(0,))
+    no_prefix = k.new_empty((0, *k.shape[1:]))  # reuse the shared checks with P = 0
+    scale = _validate(q, k, v, [no_prefix], [no_prefix], meta, scale)
+    out = F.scaled_dot_product_attention(_bhld(q), _bhld(k), _bhld(v), is_causal=True, scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[0].transpose(0, 1)
+
+
+def _reference_mask(meta: PackedMeta, prefix_lens: list[int], device) -> torch.Tensor:
+    """[T, sum(P) + T] boolean mask over keys [prefix_0; ...; prefix_G-1; packed suffix keys]:
+    each sequence sees [its prefix ; itself], bottom-right aligned (query i of an n-token suffix
+    over P + n keys sees key c iff c <= i + P)."""
+    offsets = [0]
+    for p in prefix_lens:
+        offsets.append(offsets[-1] + p)
+    mask = torch.zeros(meta.total_len, offsets[-1] + meta.total_len, dtype=torch.bool)
+    for a, b, slot in zip(meta.cu_seqlens, meta.cu_seqlens[1:], meta.seq_slot):
+        cols = torch.cat([torch.arange(offsets[slot], offsets[slot + 1]),
+                          offsets[-1] + torch.arange(a, b)])
+        n, num_keys = b - a, cols.numel()
+        mask[a:b, cols] = torch.arange(num_keys)[None, :] <= torch.arange(n)[:, None] + (num_keys - n)
+    return mask.to(device)
+
+
+def reference_attention(q, k, v, prefix_k, prefix_v, meta, *, scale=None):
+    """float64 dense-mask oracle with the inputs and output of shared_prefix_attention.
+    Computes in float64, returns q's dtype. For tests only (memory T x (sum P + T)); differentiable."""
+    scale = _validate(q, k, v, prefix_k, prefix_v, meta, scale)
+    rep = q.shape[1] // k.shape[1]
+    keys = torch.cat([*prefix_k, k]).to(torch.float64).repeat_interleave(rep, 1)
+    values = torch.cat([*prefix_v, v]).to(torch.float64).repeat_interleave(rep, 1)
+    mask = _reference_mask(meta, [p.shape[0] for p in prefix_k], q.device)
+    scores = torch.einsum("thd,khd->htk", q.to(torch.float64), keys) * scale
+    probs = torch.softmax(scores.masked_fill(~mask, -math.inf), dim=-1)
+    return torch.einsum("htk,khd->thd", probs, values).to(q.dtype)
