@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from prefix_schedule import attention as attn
 from prefix_schedule.attention import (PackedMeta, causal_attention, reference_attention,
@@ -80,6 +81,25 @@ def test_matches_oracle(mode, dtype, heads, case):
     seed = sorted(CASES).index(case) * 10 + sorted(HEADS).index(heads)
     args, grad_out = make_problem(seed, *CASES[case], *HEADS[heads], dtype)
     check_against_oracle(args, grad_out, TOL[dtype], mode=mode)
+
+
+@st.composite
+def layouts(draw):
+    num_slots = draw(st.integers(1, 3))
+    per_slot = [draw(st.integers(1, 3)) for _ in range(num_slots)]
+    slots = [g for g, n in enumerate(per_slot) for _ in range(n)]
+    lengths = [draw(st.integers(1, 5)) for _ in slots]
+    prefix_lens = [draw(st.integers(0, 6)) for _ in range(num_slots)]
+    heads = draw(st.sampled_from([(2, 1), (4, 2), (3, 3)]))
+    return lengths, slots, prefix_lens, heads, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=25, deadline=None)
+@given(layouts())
+def test_random_layouts_match_oracle(layout):
+    lengths, slots, prefix_lens, (hq, hkv), seed = layout
+    args, grad_out = make_problem(seed, lengths, slots, prefix_lens, hq, hkv, torch.float64, head_dim=4)
+    check_against_oracle(args, grad_out, TOL[torch.float64])
 
 
 def test_bf16_two_part_close_to_oracle():
