@@ -9,7 +9,7 @@ setup(
         "over cached K/V, prefix backward once) inside Megatron-LM, exactly equal to dense training."
     ),
     packages=["prefix_schedule", "megatron_patches"],
-    package_data={"megatron_patches": ["snapshots/*.json"]},
+    package_data={"megatron_patches": ["snapshots/*.json", "patches/*.patch"]},
     python_requires=">=3.10",
     # megatron-core is pinned (see megatron_patches/registry.py); on Python 3.11 it installs with
     # `pip install --no-deps --ignore-requires-python megatron-core==0.19.2` (the Makefile does it).
