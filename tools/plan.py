@@ -1,0 +1,201 @@
+"""Plan, validate, lower and simulate one prefix-reuse step; compare with dense 1F1B.
+
+    python tools/plan.py --pp 4 --groups 3 --suffix-microbatches 4 --mix
+    python tools/plan.py --pp 4 --groups 2 --suffix-microbatches 3,5 --prefix-tokens 2048 \\
+        --microbatch-tokens 4096 --rows 4 --png plan.png --chrome-trace plan.json --save plan.csv
+
+Prints the per-rank grid, validates it, lowers it (p2p), simulates the lowered plan and prints
+makespan, bubble fraction and peak memory next to a dense 1F1B plan of the same trajectories
+(every row recomputing its prompt). Costs are unit (forward 1, backward 2) unless
+--prefix-tokens is given. `--load CSV` runs a saved plan instead of generating one (the shape
+arguments must describe the same step). The PNG has one row per rank: PF blue, SF green,
+SB orange, PB purple, labelled with the group/microbatch index; a legend sits below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+try:
+    import prefix_schedule  # noqa: F401  (installed with `pip install -e .`)
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from prefix_schedule.lowering import lower  # noqa: E402
+from prefix_schedule.schedule import (ActionKind, Schedule, ScheduleError,  # noqa: E402
+                                      build_schedule, format_grid, validate_schedule)
+from prefix_schedule.simulate import SimResult, TokenCostModel, compare_with_dense  # noqa: E402
+
+COLOURS = {ActionKind.PREFIX_FORWARD: (66, 120, 220), ActionKind.SUFFIX_FORWARD: (70, 170, 90),
+           ActionKind.SUFFIX_BACKWARD: (235, 140, 50), ActionKind.PREFIX_BACKWARD: (150, 80, 190)}
+# 3x5 bitmap font: each glyph is five rows of three bits, top to bottom.
+GLYPHS = {"0": "111101101101111", "1": "010110010010111", "2": "111001111100111",
+          "3": "111001111001111", "4": "101101111001001", "5": "111100111001111",
+          "6": "111100111101111", "7": "111001001001001", "8": "111101111101111",
+          "9": "111101111001111", "P": "110101110100100", "F": "111100110100100",
+          "S": "011100010001110", "B": "110101110101110", "R": "110101110101101"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, required=True, help="pipeline stages")
+    parser.add_argument("--groups", type=int, required=True, help="groups in the step")
+    parser.add_argument("--suffix-microbatches", required=True,
+                        help="suffix microbatches per group: one int, or a comma list per group")
+    parser.add_argument("--mix", action="store_true",
+                        help="consecutive groups share their boundary microbatch")
+    parser.add_argument("--no-prefix", default="",
+                        help="comma list of groups without a cached prefix")
+    parser.add_argument("--prefix-tokens", type=int, help="cached prefix tokens per group "
+                        "(switches to token costs)")
+    parser.add_argument("--microbatch-tokens", type=int, default=4096,
+                        help="suffix tokens per microbatch (token costs)")
+    parser.add_argument("--rows", type=int, default=4, help="trajectory rows per microbatch")
+    parser.add_argument("--png", type=Path, help="write a timeline PNG")
+    parser.add_argument("--chrome-trace", type=Path, help="write a Chrome/Perfetto trace JSON")
+    parser.add_argument("--save", type=Path, help="save the compute-only plan as CSV")
+    parser.add_argument("--load", type=Path, help="run this CSV plan instead of generating one")
+    return parser.parse_args(argv)
+
+
+def shape_from_args(args) -> tuple[list[tuple[int, ...]], list[int]]:
+    """(microbatch_groups, prefix_groups) described by the command line."""
+    counts = [int(x) for x in str(args.suffix_microbatches).split(",")]
+    if len(counts) == 1:
+        counts *= args.groups
+    if len(counts) != args.groups or min(counts) < 1 or args.groups < 1:
+        raise SystemExit(f"--suffix-microbatches needs one count >= 1 or {args.groups} of them")
+    microbatches: list[tuple[int, ...]] = []
+    for group, count in enumerate(counts):
+        for k in range(count):
+            if args.mix and k == 0 and microbatches:  # boundary microbatch holds both groups
+                microbatches[-1] += (group,)
+            else:
+                microbatches.append((group,))
+    dense = {int(x) for x in args.no_prefix.split(",") if x.strip()}
+    return microbatches, [g for g in range(args.groups) if g not in dense]
+
+
+def cost_model(args, microbatches, prefix_groups) -> TokenCostModel | None:
+    if args.prefix_tokens is None:
+        return None
+    rows = []
+    for groups in microbatches:  # split the rows evenly, the first groups take the remainder
+        share, extra = divmod(args.rows, len(groups))
+        rows.append({g: share + (i < extra) for i, g in enumerate(groups)})
+    return TokenCostModel(prefix_tokens={g: args.prefix_tokens for g in prefix_groups},
+                          microbatch_rows=rows, suffix_tokens=[args.microbatch_tokens] * len(rows))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    microbatches, prefix_groups = shape_from_args(args)
+    costs = cost_model(args, microbatches, prefix_groups)
+    if args.load:
+        plan = Schedule.from_csv(args.load.read_text())
+    else:
+        plan = build_schedule(num_stages=args.pp, microbatch_groups=microbatches,
+                              prefix_groups=prefix_groups, cost=costs.cost if costs else None)
+    print(f"microbatch groups: {microbatches}\nprefix groups: {prefix_groups}\n")
+    print(format_grid(plan))
+    try:
+        validate_schedule(plan, microbatch_groups=microbatches, prefix_groups=prefix_groups)
+        lowered = lower(plan)
+        comparison = compare_with_dense(plan, num_microbatches=len(microbatches), costs=costs)
+    except ScheduleError as error:
+        print(f"\nINVALID: {error}")
+        return 1
+    print(f"\nvalid; lowered to {sum(map(len, lowered.actions))} actions; the simulator matched "
+          "every receive to its send in posting order")
+    print(report(comparison, costs))
+    if args.save:
+        args.save.write_text(plan.to_csv())
+    if args.chrome_trace:
+        args.chrome_trace.write_text(plan.to_chrome_trace(comparison.plan))
+    if args.png:
+        write_png(args.png, *draw_timeline(comparison.plan))
+    return 0
+
+
+def report(comparison, costs) -> str:
+    unit = ("unit costs: forward 1, backward 2; memory: live prefix 2, microbatch 1\n(dense "
+            "microbatches cost as much as suffix ones here; --prefix-tokens for real sizes)"
+            if costs is None else "token costs (memory in token-activation units)")
+    lines = [f"\n{unit}:", f"{'':14}{'makespan':>12}{'bubble':>8}{'idle/rank':>12}{'peak mem':>12}"]
+    for name, result in (("prefix reuse", comparison.plan), ("dense 1F1B", comparison.dense)):
+        idle = sum(result.idle) / len(result.idle)
+        lines.append(f"{name:14}{result.makespan:>12,.0f}{result.bubble_fraction:>8.3f}"
+                     f"{idle:>12,.1f}{max(result.peak_memory):>12,.0f}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- PNG (no matplotlib needed)
+ROW_H, GAP, FONT = 28, 6, 2  # pixels; FONT = glyph pixel size
+
+
+def draw_timeline(result: SimResult, max_width: int = 1600) -> tuple[int, int, bytearray]:
+    """(width, height, RGB pixels): one row per rank, a coloured box per compute action."""
+    num = len(result.timeline)
+    left = 8 + 4 * FONT * len(f"R{num - 1}")
+    scale = max(1.0, min(40.0, (max_width - left - 8) / max(result.makespan, 1e-9)))
+    width = left + int(result.makespan * scale) + 8
+    height = num * (ROW_H + GAP) + GAP + ROW_H
+    pixels = bytearray(b"\xff" * (width * height * 3))
+    for rank, row in enumerate(result.timeline):
+        y0 = GAP + rank * (ROW_H + GAP)
+        _text(pixels, width, 4, y0 + (ROW_H - 5 * FONT) // 2, f"R{rank}")
+        _fill(pixels, width, left, y0, width - 8, y0 + ROW_H, (235, 235, 235))  # idle
+        for timed in row:
+            if timed.action.kind.is_compute:
+                x0, x1 = left + int(timed.start * scale), left + int(timed.end * scale)
+                _fill(pixels, width, x0, y0, max(x1 - 1, x0 + 1), y0 + ROW_H,
+                      COLOURS[timed.action.kind])
+                label = str(timed.action.index)
+                if len(label) * 4 * FONT + 2 < x1 - x0:
+                    _text(pixels, width, x0 + 2, y0 + (ROW_H - 5 * FONT) // 2, label)
+    x = left
+    for kind, colour in COLOURS.items():  # legend
+        y0 = num * (ROW_H + GAP) + GAP
+        _fill(pixels, width, x, y0 + 4, x + 40, y0 + ROW_H - 4, colour)
+        _text(pixels, width, x + 6, y0 + (ROW_H - 5 * FONT) // 2, kind.value)
+        x += 48
+    return width, height, pixels
+
+
+def _fill(pixels, width, x0, y0, x1, y1, colour) -> None:
+    row = bytes(colour) * max(0, min(x1, width) - x0)
+    for y in range(y0, y1):
+        start = (y * width + x0) * 3
+        pixels[start:start + len(row)] = row
+
+
+def _text(pixels, width, x, y, text) -> None:
+    for char in text:
+        bits = GLYPHS[char]
+        for i, bit in enumerate(bits):
+            if bit == "1":
+                px, py = x + (i % 3) * FONT, y + (i // 3) * FONT
+                _fill(pixels, width, px, py, px + FONT, py + FONT, (20, 20, 20))
+        x += 4 * FONT
+
+
+def write_png(path: Path, width: int, height: int, pixels: bytearray) -> None:
+    """Minimal truecolour PNG: signature, IHDR, one zlib IDAT (filter 0 per row), IEND."""
+    stride = width * 3
+    raw = b"".join(b"\x00" + bytes(pixels[y * stride:(y + 1) * stride]) for y in range(height))
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + tag + data
+                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+                           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
