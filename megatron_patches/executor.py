@@ -2,14 +2,15 @@
 
 `forward_backward_prefix_reuse` has the signature of Megatron's own schedule functions, so a
 training loop selects it through `get_forward_backward_func()` (see `use_prefix_reuse_schedule`)
-and calls it the same way, with a `prefix_schedule.ReuseStep` as `data_iterator`. Each action of
-this rank's list goes to one handler built on Megatron's `forward_step` / `backward_step`.
+and calls it the same way, with a `prefix_schedule.ReuseStep` as `data_iterator`. This rank runs
+its row of the step's lowered schedule; each action kind has one handler, built on Megatron's
+`forward_step` / `backward_step`, with all p2p traffic in megatron_patches/p2p.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -21,7 +22,12 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
+from megatron_patches.p2p import PipelineP2P
+
 __all__ = ["forward_backward_prefix_reuse", "check_reuse_supported"]
+
+K = ActionKind
+_BACKWARD = (K.SUFFIX_BACKWARD, K.PREFIX_BACKWARD)
 
 
 def check_reuse_supported(config, step, num_microbatches) -> None:
@@ -54,27 +60,153 @@ def check_reuse_supported(config, step, num_microbatches) -> None:
             "'selective' recompute or none"
         )
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if pp != step.schedule.num_stages or pp != 1:
+    if pp != step.schedule.num_stages:
         raise ValueError(
-            f"pipeline size {pp}: this executor runs single-stage schedules "
-            f"(the step was planned for {step.schedule.num_stages} stage(s))"
+            f"the step was planned for {step.schedule.num_stages} pipeline stage(s) but the "
+            f"pipeline size is {pp}; build it with ReuseStep(batch, plan, num_stages={pp})"
         )
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
+        raise ValueError("prefix reuse does not support virtual pipeline stages yet")
 
 
-def _run_prefix_forward(step, action, model, forward_step_func, config) -> None:
-    stop = config.num_layers if parallel_state.is_pipeline_last_stage() else None
-    step.prepare(action)
-    get_attr_wrapped_model(model, "set_input_tensor")([None])
-    autocast = (torch.autocast("cuda", dtype=config.autocast_dtype) if config.enable_autocast
-                else contextlib.nullcontext())
-    with active_context(step.prefix_context(action.index, stop_after_layer=stop)), autocast:
-        try:
-            forward_step_func(step, model)
-        except PrefixForwardDone:
-            pass
-        else:
-            raise AssertionError("the prefix forward did not reach the last layer's K/V")
-    assert step.taken(), "forward_step_func must take its item with next(data_iterator)"
+class _StageRunner:
+    """One step on one pipeline rank: the state that flows between this rank's actions."""
+
+    def __init__(self, *, step, model, forward_step_func, config, pg_collection,
+                 collect_non_loss_data):
+        self.step, self.model, self.config = step, model, config
+        self.forward_step_func = forward_step_func
+        self.pg_collection = pg_collection
+        self.collect_non_loss_data = collect_non_loss_data
+        self.is_first = parallel_state.is_pipeline_first_stage()
+        self.is_last = parallel_state.is_pipeline_last_stage()
+        self.p2p = PipelineP2P(
+            group=parallel_state.get_pipeline_model_parallel_group(),
+            prev_rank=None if self.is_first else parallel_state.get_pipeline_model_parallel_prev_rank(),
+            next_rank=None if self.is_last else parallel_state.get_pipeline_model_parallel_next_rank(),
+            rank=torch.distributed.get_rank(),
+            dtype=config.pipeline_dtype or config.params_dtype,
+            device=torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available() else torch.device("cpu"),
+        )
+        self.forward_data_store: List = []
+        self.total_num_tokens = torch.zeros([], dtype=torch.int)
+        self.num_forwards = 0
+        # (kind of the work, index) -> tensors in flight on this rank
+        self.inputs: Dict[tuple, Optional[torch.Tensor]] = {}
+        self.outputs: Dict[tuple, torch.Tensor] = {}
+        self.output_grads: Dict[tuple, torch.Tensor] = {}
+        self.input_grads: Dict[tuple, Optional[torch.Tensor]] = {}
+        self.handlers = {
+            K.PREFIX_FORWARD: self.prefix_forward, K.SUFFIX_FORWARD: self.suffix_forward,
+            K.SUFFIX_BACKWARD: self.suffix_backward, K.PREFIX_BACKWARD: self.prefix_backward,
+            K.RECV_PREFIX_FORWARD: self.recv_forward, K.RECV_SUFFIX_FORWARD: self.recv_forward,
+            K.SEND_PREFIX_FORWARD: self.send_forward, K.SEND_SUFFIX_FORWARD: self.send_forward,
+            K.RECV_PREFIX_BACKWARD: self.recv_backward, K.RECV_SUFFIX_BACKWARD: self.recv_backward,
+            K.SEND_PREFIX_BACKWARD: self.send_backward, K.SEND_SUFFIX_BACKWARD: self.send_backward,
+            K.REDUCE_GRAD: lambda action: None,  # finalize_model_grads reduces at the end
+        }
+
+    # ---- shapes (every rank derives them from the shared plan; nothing is exchanged)
+    def _hidden_shape(self, action: Action):
+        work = action.kind.compute
+        rows = (self.step.prefix_length(action.index) if work in (K.PREFIX_FORWARD,
+                                                                  K.PREFIX_BACKWARD)
+                else self.step.microbatch_length(action.index))
+        return (rows, 1, self.config.hidden_size)
+
+    @staticmethod
+    def _key(action: Action) -> tuple:
+        prefix = action.kind.compute in (K.PREFIX_FORWARD, K.PREFIX_BACKWARD)
+        return ("prefix" if prefix else "suffix", action.index)
+
+    # ---- p2p handlers
+    def recv_forward(self, action):
+        self.inputs[self._key(action)] = self.p2p.recv_forward(self._hidden_shape(action),
+                                                              str(action))
+
+    def send_forward(self, action):
+        self.p2p.send_forward(self.outputs[self._key(action)], str(action))
+
+    def recv_backward(self, action):
+        self.output_grads[self._key(action)] = self.p2p.recv_backward(self._hidden_shape(action),
+                                                                      str(action))
+
+    def send_backward(self, action):
+        self.p2p.send_backward(self.input_grads.pop(self._key(action)), str(action))
+
+    # ---- compute handlers
+    def prefix_forward(self, action):
+        step, config = self.step, self.config
+        key = self._key(action)
+        step.prepare(action)
+        get_attr_wrapped_model(self.model, "set_input_tensor")([self.inputs.get(key)])
+        stop = config.num_layers if self.is_last else None
+        autocast = (torch.autocast("cuda", dtype=config.autocast_dtype)
+                    if config.enable_autocast else contextlib.nullcontext())
+        with active_context(step.prefix_context(action.index, stop_after_layer=stop)), autocast:
+            try:
+                output, _ = self.forward_step_func(step, self.model)
+            except PrefixForwardDone:
+                output = None
+        assert step.taken(), "forward_step_func must take its item with next(data_iterator)"
+        assert (output is None) == self.is_last, (
+            f"{action}: the prefix forward must stop at the last layer's K/V exactly on the "
+            "last stage")
+        if output is not None:
+            self.outputs[key] = output
+
+    def suffix_forward(self, action):
+        step, key = self.step, self._key(action)
+        step.prepare(action)
+        with active_context(step.suffix_context(action.index)):
+            output, num_tokens = schedules.forward_step(
+                self.forward_step_func, step, self.model, step.num_microbatches,
+                self.inputs.get(key), self.forward_data_store, self.config,
+                self.pg_collection.cp.size(), self.collect_non_loss_data,
+                is_first_microbatch=self.num_forwards == 0, current_microbatch=action.index,
+                is_last_stage=self.is_last,
+            )
+        assert step.taken(), "forward_step_func must take its item with next(data_iterator)"
+        self.num_forwards += 1
+        self.total_num_tokens += num_tokens
+        self.outputs[key] = output
+
+    def suffix_backward(self, action):
+        key = self._key(action)
+        with active_context(self.step.suffix_context(action.index)):
+            grad = schedules.backward_step(self.inputs.pop(key, None), self.outputs.pop(key),
+                                           self.output_grads.pop(key, None), self.config)
+        if not self.is_first:
+            self.input_grads[key] = grad
+        self.step.release_microbatch(action.index)
+
+    def prefix_backward(self, action):
+        step, key = self.step, self._key(action)
+        input_tensor = self.inputs.pop(key, None)
+        ctx = step.prefix_context(action.index, stop_after_layer=None, recomputing=True)
+        with active_context(ctx):
+            step.cache.backward(action.index, output=self.outputs.pop(key, None),
+                                output_grad=self.output_grads.pop(key, None))
+        if not self.is_first:
+            self.input_grads[key] = input_tensor.grad
+
+    def run(self, actions: List[Action], no_sync, forward_only: bool) -> None:
+        """Execute `actions` in order; only the last backward runs with gradient sync."""
+        last_backward = max((i for i, a in enumerate(actions) if a.kind in _BACKWARD),
+                            default=-1)
+        for i, action in enumerate(actions):
+            sync = contextlib.nullcontext() if i == last_backward else no_sync()
+            if action.kind in _BACKWARD:
+                with sync:
+                    self.handlers[action.kind](action)
+            else:
+                self.handlers[action.kind](action)
+        self.p2p.wait_all()
+        if forward_only:
+            self.outputs.clear()
+        assert not (self.outputs or self.output_grads or self.input_grads), (
+            "tensors left in flight after the step: the schedule and the executor disagree")
 
 
 def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, num_microbatches,
@@ -85,8 +217,8 @@ def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, nu
                                   pg_collection=None, force_all_reduce=False):
     """Run one prefix-reuse step (Phases A, B, C interleaved as the step's schedule says).
 
-    Same contract as Megatron's `forward_backward_no_pipelining`: returns the list of what the
-    loss function reported per suffix microbatch, and calls `config.finalize_model_grads_func`
+    Same contract as Megatron's schedule functions: returns the list of what the loss function
+    reported per suffix microbatch (last stage), and calls `config.finalize_model_grads_func`
     with the step's total loss-token count.
     """
     if isinstance(model, list):
@@ -101,47 +233,14 @@ def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, nu
     if pg_collection is None:
         pg_collection = schedules._build_default_pg_collection()
 
-    actions = list(step.schedule.actions[0])
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    actions = list(step.lowered.actions[rank])
     if forward_only:
-        actions = [a for a in actions if a.kind in (ActionKind.PREFIX_FORWARD,
-                                                     ActionKind.SUFFIX_FORWARD)]
-    last_backward = max((i for i, a in enumerate(actions)
-                         if a.kind in (ActionKind.SUFFIX_BACKWARD, ActionKind.PREFIX_BACKWARD)),
-                        default=-1)
-    no_sync = config.no_sync_func or contextlib.nullcontext
-    forward_data_store: List = []
-    outputs: Dict[int, torch.Tensor] = {}
-    total_num_tokens = torch.zeros([], dtype=torch.int)
-    num_forwards = 0
-
-    for i, action in enumerate(actions):
-        sync = contextlib.nullcontext() if i == last_backward else no_sync()
-        if action.kind is ActionKind.PREFIX_FORWARD:
-            _run_prefix_forward(step, action, model, forward_step_func, config)
-        elif action.kind is ActionKind.SUFFIX_FORWARD:
-            step.prepare(action)
-            with active_context(step.suffix_context(action.index)):
-                output, num_tokens = schedules.forward_step(
-                    forward_step_func, step, model, step.num_microbatches, None,
-                    forward_data_store, config, pg_collection.cp.size(), collect_non_loss_data,
-                    is_first_microbatch=num_forwards == 0, current_microbatch=action.index,
-                )
-            assert step.taken(), "forward_step_func must take its item with next(data_iterator)"
-            num_forwards += 1
-            total_num_tokens += num_tokens
-            outputs[action.index] = output
-        elif action.kind is ActionKind.SUFFIX_BACKWARD:
-            with sync, active_context(step.suffix_context(action.index)):
-                schedules.backward_step(None, outputs.pop(action.index), None, config)
-            step.release_microbatch(action.index)
-        elif action.kind is ActionKind.PREFIX_BACKWARD:
-            stop = config.num_layers
-            ctx = step.prefix_context(action.index, stop_after_layer=stop, recomputing=True)
-            with sync, active_context(ctx):
-                step.cache.backward(action.index)
-        else:
-            raise AssertionError(f"{action}: no handler for {action.kind}")
-
+        actions = [a for a in actions if a.kind.is_forward]
+    runner = _StageRunner(step=step, model=model, forward_step_func=forward_step_func,
+                          config=config, pg_collection=pg_collection,
+                          collect_non_loss_data=collect_non_loss_data)
+    runner.run(actions, config.no_sync_func or contextlib.nullcontext, forward_only)
     for group in step.cache.live_groups():  # forward-only steps keep nothing
         assert forward_only, f"group {group}: prefix cache left after a training step"
         step.cache.free(group)
@@ -149,8 +248,8 @@ def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, nu
     if config.finalize_model_grads_func is not None and not forward_only:
         config.finalize_model_grads_func(
             [model],
-            total_num_tokens if config.calculate_per_token_loss else None,
+            runner.total_num_tokens if config.calculate_per_token_loss else None,
             pg_collection=pg_collection,
             force_all_reduce=force_all_reduce,
         )
-    return forward_data_store
+    return runner.forward_data_store

@@ -88,11 +88,20 @@ class PrefixKVCache:
         return _AccumulateInto.apply(entry.k_leaf, entry.v_leaf, entry)
 
     # ---- Phase C
-    def backward(self, group: int) -> None:
-        """Run the prefix backward of `group` once with the accumulated gK/gV, then free it."""
+    def backward(self, group: int, *, output: Optional[torch.Tensor] = None,
+                 output_grad: Optional[torch.Tensor] = None) -> None:
+        """Run the prefix backward of `group` once with the accumulated gK/gV, then free it.
+
+        On a pipeline stage before the last, the prefix's output hidden states (`output`) also
+        get their gradient (`output_grad`) from the next stage's prefix backward: one
+        autograd call covers both.
+        """
         layers = self._live_layers(group)
         tensors: List[torch.Tensor] = []
         grads: List[torch.Tensor] = []
+        if output is not None and output_grad is not None and output.requires_grad:
+            tensors.append(output)
+            grads.append(output_grad)
         for entry in layers.values():
             for graph, grad in ((entry.k_graph, entry.grad_k), (entry.v_graph, entry.grad_v)):
                 if grad is not None and graph.requires_grad:

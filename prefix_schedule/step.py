@@ -21,6 +21,7 @@ from prefix_schedule.cache import PrefixKVCache
 from prefix_schedule.context import PrefixForwardContext, SuffixForwardContext
 from prefix_schedule.data import GroupBatch
 from prefix_schedule.planner import StepPlan, build_prefix_inputs, build_suffix_inputs
+from prefix_schedule.lowering import lower
 from prefix_schedule.schedule import Action, ActionKind, Schedule, build_schedule
 
 __all__ = ["ReuseStep"]
@@ -37,6 +38,8 @@ class ReuseStep:
             microbatch_groups=plan.microbatch_groups(),
             prefix_groups=[work.group for work in plan.prefixes],
         )
+        self.lowered: Schedule = lower(self.schedule)
+        """The schedule with p2p actions: what each pipeline rank executes."""
         self.cache = PrefixKVCache()
         self._prefix_work = {work.group: work for work in plan.prefixes}
         self._pending: Optional[Dict[str, torch.Tensor]] = None
@@ -46,6 +49,14 @@ class ReuseStep:
     def num_microbatches(self) -> int:
         """Suffix microbatches in the step (what Megatron calls num_microbatches)."""
         return len(self.plan.microbatches)
+
+    def prefix_length(self, group: int) -> int:
+        """Cached prefix tokens of `group` (the prefix row's length)."""
+        return self._prefix_work[group].length
+
+    def microbatch_length(self, microbatch: int) -> int:
+        """Tokens of suffix microbatch `microbatch` (its packed row's length)."""
+        return self.plan.microbatches[microbatch].num_tokens
 
     @property
     def num_loss_tokens(self) -> int:
