@@ -18,6 +18,7 @@ from prefix_schedule.losses import PolicyLossConfig
 from prefix_schedule.planner import StepPlan, build_dense_inputs
 from prefix_schedule.step import ReuseStep
 
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
@@ -89,7 +90,9 @@ def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
 def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss_config: PolicyLossConfig,
                forward_only: bool = False, step: Optional[ReuseStep] = None) -> StepResult:
     """Prefix-reuse step through `get_forward_backward_func()` with reuse selected."""
-    step = step or ReuseStep(batch, plan)
+    if step is None:
+        step = ReuseStep(batch, plan,
+                         num_stages=parallel_state.get_pipeline_model_parallel_world_size())
     with megatron_patches.use_prefix_reuse_schedule():
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
