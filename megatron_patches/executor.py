@@ -67,6 +67,25 @@ def check_reuse_supported(config, step, num_microbatches) -> None:
         )
     if parallel_state.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
         raise ValueError("prefix reuse does not support virtual pipeline stages yet")
+    _check_sequence_parallel_rows(config, step)
+
+
+def _check_sequence_parallel_rows(config, step) -> None:
+    # Sequence parallelism scatters every row along the sequence over the TP ranks (the attention
+    # hook still sees full-sequence q/k/v: the QKV projection gathers them first).
+    tp = config.tensor_model_parallel_size
+    if not config.sequence_parallel or tp == 1:
+        return
+    rows = [(f"the cached prefix of group {w.group}", w.length) for w in step.plan.prefixes]
+    rows += [(f"suffix microbatch {mb.index}", mb.num_tokens) for mb in step.plan.microbatches]
+    for what, length in rows:
+        if length % tp:
+            raise ValueError(
+                f"sequence_parallel=True splits every row over the {tp} tensor-parallel ranks, but "
+                f"{what} has {length} tokens, not a multiple of {tp}; rows are not padded yet: "
+                "turn sequence_parallel off, or use prompts and a token budget that keep every "
+                f"row length a multiple of {tp}"
+            )
 
 
 class _StageRunner:

@@ -22,11 +22,16 @@ from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
+from megatron.core.transformer.transformer_block import (  # noqa: E402
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 __all__ = [
     "TinyLlamaConfig",
     "FusedSDPACoreAttention",
+    "SequenceParallelTorchNorm",
     "initialize_single_process",
     "initialize_distributed",
     "build_model",
@@ -137,12 +142,37 @@ class FusedSDPACoreAttention(MegatronModule):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
 
+class SequenceParallelTorchNorm:
+    """torch RMSNorm / LayerNorm for a layer spec that allows `sequence_parallel=True` on CPU.
+
+    Megatron's local `WrappedTorchNorm` refuses sequence parallelism although a norm works per
+    token; the only extra need is summing its weight gradient over the TP ranks, which
+    `finalize_model_grads` does for parameters marked `sequence_parallel` (so use Megatron's DDP
+    wrapper and finalize_model_grads with it).
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm_cls = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
+        norm = norm_cls(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig) -> TransformerBlockSubmodules:
+    layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
+    layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
+                                      layer_norm=SequenceParallelTorchNorm)
+
+
 def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Optional[int] = 1234,
                 pre_process: bool = True, post_process: bool = True, **config_overrides) -> GPTModel:
     """Build a tiny Llama GPTModel with Megatron's local layer spec.
 
     `fused_attention=True` swaps the core attention for `FusedSDPACoreAttention` (same
-    parameters: core attention has none), the fair dense baseline for timing.
+    parameters: core attention has none), the fair dense baseline for timing. With
+    `sequence_parallel=True` (TP > 1) the norms are `SequenceParallelTorchNorm`.
     """
     if seed is not None:
         torch.manual_seed(seed)
@@ -151,6 +181,8 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if fused_attention:
         spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
+    if config.sequence_parallel:  # the local spec's norms refuse it
+        spec = _sequence_parallel_block_spec(spec, config)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

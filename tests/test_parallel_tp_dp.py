@@ -7,6 +7,8 @@ Every comparison is fp32, relative max-abs error <= 1e-5 (training.max_relative_
 - DP=2: groups placed by place_groups (unequal loss-token counts per rank), Megatron DDP +
   finalize_model_grads + no_sync: reuse == DP=2 dense == single-process dense over the whole
   batch; a per-rank token mean would be visibly different (the test can fail); two AdamW steps.
+- TP=2 with sequence parallelism (DDP-wrapped, even rows): same comparisons; an odd row is
+  refused before compute.
 - TP=2 x DP=2 (4 processes): reuse == dense per shard, gathered == TP=1 reference.
 Rank functions are module-level so the harness can run them in fresh processes.
 """
@@ -34,6 +36,8 @@ MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_he
              num_query_groups=2, vocab_size=256, max_seq_len=512)
 SHAPES = [(33, [6, 9, 4]), (17, [8, 3]), (50, [5, 7, 6, 2]), (9, [4, 4, 6])]
 BUDGET = 16
+# sequence parallelism: P-1, every suffix and so every packed / dense row has an even length
+SHAPES_EVEN = [(33, [6, 8, 4]), (17, [8, 2]), (9, [4, 4, 6])]
 
 
 # ---- helpers that run inside a rank ---------------------------------------------------------
@@ -46,14 +50,15 @@ def _setup(tp: int) -> None:
     initialize_distributed(seed=1234, tp=tp)
 
 
-def _build(ddp: bool = False, **model_overrides):
+def _build(ddp: bool = False, sequence_parallel: bool = False, **model_overrides):
     from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                            finalize_model_grads)
 
     from megatron_patches.models import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
-    model = build_model(TinyLlamaConfig(**{**MODEL, **model_overrides}))
+    model = build_model(TinyLlamaConfig(**{**MODEL, **model_overrides}),
+                        sequence_parallel=sequence_parallel)
     if not ddp:
         model.config.finalize_model_grads_func = scale_grads_by_token_count
         return model
@@ -175,20 +180,50 @@ class _HeadRecorder:
         self._module._core_attention_hook = self._hook
 
 
-def tp_rank(num_query_groups: int) -> dict:
-    """TP=2: reuse vs dense on this rank's shard, then gathered vs a TP=1 reference."""
+def tp_rank(num_query_groups: int, sequence_parallel: bool = False) -> dict:
+    """TP=2: reuse vs dense on this rank's shard, then gathered vs a TP=1 reference.
+
+    With sequence parallelism the model is DDP-wrapped (finalize_model_grads sums the norm
+    gradients over TP) and every row length is even (Megatron scatters rows over the 2 ranks).
+    """
     _setup(tp=2)
-    model = _build(num_query_groups=num_query_groups)
-    batch = make_batch(31, SHAPES)
+    if sequence_parallel:
+        model = _build(ddp=True, num_query_groups=num_query_groups, sequence_parallel=True)
+        batch = make_batch(31, SHAPES_EVEN)
+    else:
+        model = _build(num_query_groups=num_query_groups)
+        batch = make_batch(31, SHAPES)
     with _HeadRecorder() as heads:
         dense, dense_grads, reuse, reuse_grads = _dense_and_reuse(model, batch)
     out = _step_diffs(dense, dense_grads, reuse, reuse_grads)
     out["hook_heads"] = sorted(heads.seen)
+    out["sequence_parallel"] = model.config.sequence_parallel
+    if sequence_parallel:
+        out["odd_row_refused"] = _odd_row_refusal(model)
     full_grads = _gather_tp(model, reuse_grads)
     full_weights = _gather_tp(model, _weights(model))
     out["reference"] = _tp1_reference(batch, full_weights, full_grads, reuse.loss,
                                       dict(num_query_groups=num_query_groups))
     return out
+
+
+def _odd_row_refusal(model) -> str:
+    """A row Megatron cannot scatter over 2 ranks is refused before any compute."""
+    from megatron_patches.training import reuse_step
+    from prefix_schedule.planner import plan_microbatches
+
+    batch = make_batch(32, [(10, [3, 4])])  # cached prefix of 9 tokens
+    plan = plan_microbatches(batch, token_budget=BUDGET, max_seq_len=MODEL["max_seq_len"])
+    calls = []
+    hook = model.module.register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        reuse_step(model, batch, plan, LOSS)
+    except ValueError as exc:
+        assert not calls, "the model ran before the refusal"
+        return str(exc)
+    finally:
+        hook.remove()
+    return "not refused"
 
 
 def _local_mean_control(model, local_batch, dp_group, reference_grads) -> float:
@@ -309,6 +344,20 @@ def test_tp2_with_fewer_kv_heads_than_ranks():
     for record in results:
         assert record["hook_heads"] == [(2, 1)], record
         _assert_step(record)
+    _assert_reference(results[0]["reference"])
+
+
+@pytest.mark.megatron
+def test_tp2_sequence_parallel_reuse_equals_dense_and_tp1_reference():
+    """SP with an SP-capable torch norm (models.SequenceParallelTorchNorm): the hook sees the
+    full-sequence q/k/v of its heads, as without SP; odd rows are refused before compute."""
+    results = run_distributed(tp_rank, world_size=2,
+                              kwargs={"num_query_groups": 2, "sequence_parallel": True},
+                              timeout_s=TIMEOUT_S)
+    for record in results:
+        assert record["hook_heads"] == [(2, 1)] and record["sequence_parallel"], record
+        _assert_step(record)
+        assert "cached prefix of group 0 has 9 tokens, not a multiple of 2" in record["odd_row_refused"]
     _assert_reference(results[0]["reference"])
 
 
