@@ -19,7 +19,7 @@ from prefix_schedule.losses import PolicyLossConfig, entropy_from_logits, policy
 
 from megatron.core import parallel_state, tensor_parallel
 
-__all__ = ["make_policy_forward_step", "token_logprobs"]
+__all__ = ["make_policy_forward_step", "token_logprobs", "token_entropy"]
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -27,13 +27,32 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) per position, vocab-parallel aware (logits [b, s, V/tp], fp32).
+
+    With TP > 1: H = log(sum e^z) - sum(e^z * z) / sum(e^z), z = logits - max over the whole
+    vocabulary; the max (no gradient) and both sums are all-reduced over the TP group. The sums'
+    all-reduce has an identity backward (Megatron's reduce_from_tensor_model_parallel_region),
+    which is exact here: every TP rank computes the same H from the same sums, and d(sum)/d(own
+    part) = 1 -- the same argument as vocab_parallel_cross_entropy.
+    """
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return entropy_from_logits(logits)
+    group = parallel_state.get_tensor_model_parallel_group()
+    z = logits.float()
+    z_max = z.detach().amax(dim=-1, keepdim=True)
+    torch.distributed.all_reduce(z_max, op=torch.distributed.ReduceOp.MAX, group=group)
+    z = z - z_max
+    exp_z = z.exp()
+    sum_exp = tensor_parallel.reduce_from_tensor_model_parallel_region(exp_z.sum(-1), group=group)
+    sum_exp_z = tensor_parallel.reduce_from_tensor_model_parallel_region((exp_z * z).sum(-1),
+                                                                         group=group)
+    return sum_exp.log() - sum_exp_z / sum_exp
+
+
 def _policy_loss(item: Dict[str, torch.Tensor], config: PolicyLossConfig, logits: torch.Tensor):
     logprobs = token_logprobs(logits, item["labels"])
-    entropy = None
-    if config.entropy_coef:
-        if parallel_state.get_tensor_model_parallel_world_size() > 1:
-            raise ValueError("entropy_coef > 0 with tensor parallelism is not supported yet")
-        entropy = entropy_from_logits(logits)
+    entropy = token_entropy(logits) if config.entropy_coef else None
     loss_sum, num_tokens, metrics = policy_loss_sum(
         logprobs,
         loss_mask=item["loss_mask"],

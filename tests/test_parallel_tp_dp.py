@@ -7,12 +7,14 @@ Every comparison is fp32, relative max-abs error <= 1e-5 (training.max_relative_
 - DP=2: groups placed by place_groups (unequal loss-token counts per rank), Megatron DDP +
   finalize_model_grads + no_sync: reuse == DP=2 dense == single-process dense over the whole
   batch; a per-rank token mean would be visibly different (the test can fail); two AdamW steps.
+- TP=2 with an entropy bonus (vocab-parallel entropy): same comparisons.
 - TP=2 with sequence parallelism (DDP-wrapped, even rows): same comparisons; an odd row is
   refused before compute.
 - TP=2 x DP=2 (4 processes): reuse == dense per shard, gathered == TP=1 reference.
 Rank functions are module-level so the harness can run them in fresh processes.
 """
 
+import dataclasses
 import os
 
 import pytest
@@ -30,7 +32,7 @@ TOL = 1e-5
 # by ~lr (relative ~1e-2), far above this bound; the step-2 gradients are held to TOL.
 ADAM_TOL = 1e-4
 TIMEOUT_S = 150
-# entropy_coef stays 0: the entropy bonus is refused under TP (megatron_patches/rl.py).
+# entropy_coef is 0 except in the test of the vocab-parallel entropy (rl.token_entropy).
 LOSS = PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.28, kl_coef=0.05)
 MODEL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
              num_query_groups=2, vocab_size=256, max_seq_len=512)
@@ -180,12 +182,14 @@ class _HeadRecorder:
         self._module._core_attention_hook = self._hook
 
 
-def tp_rank(num_query_groups: int, sequence_parallel: bool = False) -> dict:
+def tp_rank(num_query_groups: int, sequence_parallel: bool = False, entropy_coef: float = 0.0) -> dict:
     """TP=2: reuse vs dense on this rank's shard, then gathered vs a TP=1 reference.
 
     With sequence parallelism the model is DDP-wrapped (finalize_model_grads sums the norm
     gradients over TP) and every row length is even (Megatron scatters rows over the 2 ranks).
     """
+    global LOSS
+    LOSS = dataclasses.replace(LOSS, entropy_coef=entropy_coef)  # this rank process only
     _setup(tp=2)
     if sequence_parallel:
         model = _build(ddp=True, num_query_groups=num_query_groups, sequence_parallel=True)
@@ -198,6 +202,7 @@ def tp_rank(num_query_groups: int, sequence_parallel: bool = False) -> dict:
     out = _step_diffs(dense, dense_grads, reuse, reuse_grads)
     out["hook_heads"] = sorted(heads.seen)
     out["sequence_parallel"] = model.config.sequence_parallel
+    out["entropy_sum"] = sum(float(r["entropy"][0]) for r in reuse.reports if "entropy" in r)
     if sequence_parallel:
         out["odd_row_refused"] = _odd_row_refusal(model)
     full_grads = _gather_tp(model, reuse_grads)
@@ -332,6 +337,22 @@ def test_tp2_reuse_equals_tp2_dense_and_tp1_reference():
     for rank, record in enumerate(results):
         assert record["hook_heads"] == [(2, 1)], record  # 4 query heads, 2 K/V heads over 2 ranks
         _assert_step(record)
+    _assert_reference(results[0]["reference"])
+
+
+@pytest.mark.megatron
+def test_tp2_entropy_bonus_is_vocab_parallel():
+    """entropy_coef > 0 under TP: rl.token_entropy all-reduces the vocabulary sums; reuse ==
+    TP=2 dense == TP=1 dense (which uses the plain full-vocabulary entropy). The coefficient is
+    large because a fresh model's near-uniform logits have a tiny entropy gradient; at 2.0 an
+    all-reduce with a summing backward (gradient x2) is off by 4e-4, at 0.05 only by 1.1e-5."""
+    results = run_distributed(tp_rank, world_size=2,
+                              kwargs={"num_query_groups": 2, "entropy_coef": 2.0},
+                              timeout_s=TIMEOUT_S)
+    for record in results:
+        _assert_step(record)
+        assert record["entropy_sum"] > 1.0, record  # the bonus was computed (about log V per token)
+    assert results[0]["entropy_sum"] == results[1]["entropy_sum"]
     _assert_reference(results[0]["reference"])
 
 
