@@ -44,10 +44,16 @@ class StepResult:
 def scale_grads_by_token_count(models, num_tokens, **_kwargs) -> None:
     """finalize_model_grads_func for un-wrapped models: divide `.grad` by the token count.
 
-    (Megatron's own finalize_model_grads does this, plus DP all-reduce, for DDP-wrapped models.)
+    (Megatron's own finalize_model_grads does this, plus DP all-reduce, for DDP-wrapped models;
+    this one serves single-replica tests: tensor and pipeline parallel, no data parallel.)
     """
     if num_tokens is None:
         return
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        # only the last stage computed the loss: take its count (as Megatron's finalize does)
+        num_tokens = num_tokens.clone()
+        torch.distributed.broadcast(num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                    group=parallel_state.get_pipeline_model_parallel_group())
     count = max(int(num_tokens), 1)
     for model in models:
         for p in model.parameters():
