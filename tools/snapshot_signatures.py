@@ -56,6 +56,14 @@ SIGNATURE_TARGETS = (
     f"{_DDP}.no_sync",
     "megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
     "megatron.core.tensor_parallel:vocab_parallel_cross_entropy",
+    "megatron.core.tensor_parallel:reduce_from_tensor_model_parallel_region",
+    f"{_SCHEDULES}_build_default_pg_collection",
+    "megatron.core.utils:get_attr_wrapped_model",
+    "megatron.core.utils:get_model_config",
+    "megatron.core.parallel_state:get_pipeline_model_parallel_prev_rank",
+    "megatron.core.parallel_state:get_pipeline_model_parallel_next_rank",
+    "megatron.core.parallel_state:get_pipeline_model_parallel_last_rank",
+    "megatron.core.parallel_state:initialize_model_parallel",
 )
 """Functions as `module:qualname`; P2PCommunicator's methods are added by `_p2p_methods`."""
 
