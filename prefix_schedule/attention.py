@@ -2,24 +2,28 @@
 to their own suffix, with gradients for the prefix K/V (see docs/DESIGN.md, Phase B).
 
 [Note: two-part attention merged by log-sum-exp]
-Part P: per group slot, the slot's suffix queries against the slot's prefix keys, not causal.
-Part S: per suffix sequence, queries = keys = the suffix, causal (square, so top-left equals
-bottom-right). Merge: lse = logaddexp(lse_P, lse_S), out = exp(lse_P - lse) out_P +
-exp(lse_S - lse) out_S. Backward calls each part's kernel backward with the MERGED out and
-MERGED lse and sums dq (the rule ring attention uses). A kernel's returned LSE is not
-differentiable; backpropagating through the merge with a detached LSE gives wrong dq/dk/prefix dK.
-No prefix copy is made, so only q/k/v/out/lse are saved besides the cache's own K/V.
+Part P: one varlen call whose batch is the group slots: the slot's suffix queries against the
+slot's prefix keys, not causal. Part S: one varlen call over the suffix sequences, queries = keys
+= the suffix, causal (square, so top-left equals bottom-right). Merge: lse = logaddexp(lse_P,
+lse_S), out = exp(lse_P - lse) out_P + exp(lse_S - lse) out_S. Backward calls each part's kernel
+backward with the MERGED out and MERGED lse and sums dq (the rule ring attention uses). A kernel's
+returned LSE is not differentiable; backpropagating through the merge with a detached LSE gives
+wrong dq/dk/prefix dK. Only q/k/v/out/lse are saved besides the cache's own K/V; with several
+non-empty prefixes in one row, part P packs them into one transient key buffer per call.
+The kernels come from prefix_schedule.attention_backends (TE, flash-attn, torch CPU, math).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 from numbers import Integral
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
+
+from prefix_schedule.attention_backends import select_backend, two_part_attention
+from prefix_schedule.attention_backends.math import math_bwd as _math_bwd, math_fwd as _math_fwd
+from prefix_schedule.attention_backends.torch_cpu import cpu_flash_bwd, cpu_flash_fwd
 
 __all__ = [
     "MODES",
@@ -143,169 +147,49 @@ def _validate(q, k, v, prefix_k, prefix_v, meta, scale) -> float:
     return float(scale)
 
 
-def _bhld(x: torch.Tensor) -> torch.Tensor:
-    """[L, H, D] -> [1, H, L, D] view (the kernels take strided inputs, no copy needed)."""
-    return x.transpose(0, 1).unsqueeze(0)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# Part kernels take [B, H, L, D] (kv heads may divide query heads), return out and a natural-log
-# LSE [B, H, L]; `causal` is only ever used with square inputs.
-def _flash_fwd(q, k, v, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-
-
-def _flash_bwd(g, q, k, v, out, lse, causal, scale):
-    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        g, q, k, v, out, lse, 0.0, causal, scale=scale)
-
-
-def _math_scores(q, k, causal, scale):
-    rep = q.shape[1] // k.shape[1]
-    acc = _acc_dtype(q.dtype)
-    s = torch.einsum("bhqd,bhkd->bhqk", q.to(acc), k.repeat_interleave(rep, 1).to(acc)) * scale
-    if causal:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, -math.inf)
-    return s, rep, acc
-
-
-def _math_fwd(q, k, v, causal, scale):
-    """Device-agnostic stand-in for the fused CPU kernel (used off CPU)."""
-    s, rep, acc = _math_scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.einsum("bhqk,bhkd->bhqd", torch.exp(s - lse[..., None]), v.repeat_interleave(rep, 1).to(acc))
-    return out.to(q.dtype), lse
-
-
-def _math_bwd(g, q, k, v, out, lse, causal, scale):
-    s, rep, acc = _math_scores(q, k, causal, scale)
-    p = torch.exp(s - lse[..., None].to(acc))
-    g, vr = g.to(acc), v.repeat_interleave(rep, 1).to(acc)
-    dv = torch.einsum("bhqk,bhqd->bhkd", p, g)
-    ds = p * (torch.einsum("bhqd,bhkd->bhqk", g, vr) - (g * out.to(acc)).sum(-1, keepdim=True))
-    dq = torch.einsum("bhqk,bhkd->bhqd", ds, k.repeat_interleave(rep, 1).to(acc)) * scale
-    dk = torch.einsum("bhqk,bhqd->bhkd", ds, q.to(acc)) * scale
-
-    def fold(x):  # sum the query-head copies of each kv head back (GQA)
-        return x.unflatten(1, (k.shape[1], rep)).sum(2).to(q.dtype)
-
-    return dq.to(q.dtype), fold(dk), fold(dv)
-
-
 def _kernels_for(device: torch.device):
-    return (_flash_fwd, _flash_bwd) if device.type == "cpu" else (_math_fwd, _math_bwd)
+    """The dense kernels the pre-backend code used ("torch" on CPU, "math" elsewhere). Nothing
+    calls it now -- backends own their kernels; pass backend="math" to force plain math -- but
+    tests/test_attention.py::test_math_kernels_match_oracle still patches this name."""
+    return (cpu_flash_fwd, cpu_flash_bwd) if device.type == "cpu" else (_math_fwd, _math_bwd)
 
 
-def _run_view(x: torch.Tensor, start: int, n: int, count: int) -> torch.Tensor:
-    """A run of `count` adjacent n-token suffixes of a [T, H, ...] buffer as a [count, H, n, ...]
-    view (no copy: the kernels take strided inputs)."""
-    return x[start:start + n * count].unflatten(0, (count, n)).transpose(1, 2)
+def _select(backend: Optional[str], q: torch.Tensor):
+    return select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
 
 
-def _write_run(buf: torch.Tensor, start: int, n: int, count: int, y: torch.Tensor) -> None:
-    buf[start:start + n * count] = y.transpose(1, 2).flatten(0, 1)
-
-
-class _TwoPart(torch.autograd.Function):
-    """See [Note: two-part attention merged by log-sum-exp]."""
-
-    @staticmethod
-    def forward(ctx, meta, scale, q, k, v, *prefix):
-        fwd, _ = _kernels_for(q.device)
-        pk, pv = prefix[:meta.num_slots], prefix[meta.num_slots:]
-        out = torch.empty_like(q)
-        lse = q.new_empty(q.shape[:2], dtype=_acc_dtype(q.dtype))
-        for run in meta.equal_runs:  # part S
-            o, l = fwd(*(_run_view(x, *run) for x in (q, k, v)), True, scale)
-            _write_run(out, *run, o)
-            _write_run(lse, *run, l)
-        for (a, b), kk, vv in zip(meta.slot_ranges, pk, pv):  # part P, merged into S in place
-            if kk.shape[0] == 0:  # no cached prefix: part S alone is the answer
-                continue
-            o_p, l_p = fwd(_bhld(q[a:b]), _bhld(kk), _bhld(vv), False, scale)
-            l_p, l_s = l_p[0].T.to(lse.dtype), lse[a:b]
-            l_new = torch.logaddexp(l_p, l_s)
-            merged = (torch.exp(l_s - l_new)[..., None] * out[a:b].to(lse.dtype)
-                      + torch.exp(l_p - l_new)[..., None] * o_p[0].transpose(0, 1).to(lse.dtype))
-            out[a:b] = merged
-            lse[a:b] = l_new
-        ctx.meta, ctx.scale = meta, scale
-        ctx.save_for_backward(q, k, v, out, lse, *prefix)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        meta, scale = ctx.meta, ctx.scale
-        q, k, v, out, lse, *prefix = ctx.saved_tensors
-        pk, pv = prefix[:meta.num_slots], prefix[meta.num_slots:]
-        _, bwd = _kernels_for(q.device)
-        g = grad_out.contiguous()
-        dq = torch.empty(q.shape, dtype=lse.dtype, device=q.device)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        for run in meta.equal_runs:  # part S, with the merged out and lse
-            grads = bwd(*(_run_view(x, *run) for x in (g, q, k, v, out, lse)), True, scale)
-            for buf, d in zip((dq, dk, dv), grads):
-                _write_run(buf, *run, d)
-        dpk, dpv = [], []
-        for (a, b), kk, vv in zip(meta.slot_ranges, pk, pv):  # part P
-            if kk.shape[0] == 0:
-                dpk.append(torch.zeros_like(kk))
-                dpv.append(torch.zeros_like(vv))
-                continue
-            d_q, d_k, d_v = bwd(_bhld(g[a:b]), _bhld(q[a:b]), _bhld(kk), _bhld(vv),
-                                _bhld(out[a:b]), lse[a:b].T.unsqueeze(0), False, scale)
-            dq[a:b] += d_q[0].transpose(0, 1)
-            dpk.append(d_k[0].transpose(0, 1))
-            dpv.append(d_v[0].transpose(0, 1))
-        return (None, None, dq.to(q.dtype), dk, dv, *dpk, *dpv)
-
-
-def _copy_attention(q, k, v, prefix_k, prefix_v, meta, scale):
-    """Public-API fallback: per suffix, [prefix ; suffix] K/V and one bottom-right causal SDPA.
-    Saves num_suffixes x prefix_len extra K/V rows for backward."""
-    gqa = q.shape[1] != k.shape[1]
-    outs = []
-    for a, b, slot in zip(meta.cu_seqlens, meta.cu_seqlens[1:], meta.seq_slot):
-        kk = torch.cat([prefix_k[slot], k[a:b]])
-        vv = torch.cat([prefix_v[slot], v[a:b]])
-        o = F.scaled_dot_product_attention(_bhld(q[a:b]), _bhld(kk), _bhld(vv), scale=scale,
-                                           attn_mask=causal_lower_right(b - a, kk.shape[0]),
-                                           enable_gqa=gqa)
-        outs.append(o[0].transpose(0, 1))
-    return torch.cat(outs)
-
-
-def shared_prefix_attention(q, k, v, prefix_k, prefix_v, meta, *, scale=None, mode="two_part"):
+def shared_prefix_attention(q, k, v, prefix_k, prefix_v, meta, *, scale=None, mode="two_part",
+                            backend=None):
     """Suffix tokens attend to their group's cached prefix and causally to their own suffix.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] (packed THD row of suffix tokens; Hq % Hkv == 0, GQA).
     prefix_k, prefix_v: one [P_g, Hkv, D] tensor per group slot of `meta`; P_g may be 0.
     meta: PackedMeta. Returns out [T, Hq, D]. Differentiable w.r.t. q, k, v and every prefix
     entry by ordinary autograd (their grads are returned, never accumulated here).
-    mode: "two_part" (default; fused CPU kernel, LSE merge, no prefix copy) or "copy".
+    mode: "two_part" (default; two varlen kernel calls merged by LSE, no prefix copy) or "copy"
+    (prefix gathered per suffix, one bottom-right causal call; the public-API fallback).
+    backend: a name of prefix_schedule.attention_backends.BACKEND_NAMES or "auto"; None uses
+    the process default (set_default_backend). Errors are raised before any compute.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     scale = _validate(q, k, v, prefix_k, prefix_v, meta, scale)
+    impl = _select(backend, q)
     if mode == "copy":
-        return _copy_attention(q, k, v, prefix_k, prefix_v, meta, scale)
-    return _TwoPart.apply(meta, scale, q, k, v, *prefix_k, *prefix_v)
+        return impl.copy_attention(q, k, v, list(prefix_k), list(prefix_v), meta, scale)
+    return two_part_attention(impl, q, k, v, list(prefix_k), list(prefix_v), meta.cu_seqlens,
+                              meta.slot_ranges, scale)
 
 
-def causal_attention(q, k, v, *, scale=None):
-    """Square causal self-attention on [L, Hq, D] / [L, Hkv, D] (fused kernel on CPU). Differentiable."""
+def causal_attention(q, k, v, *, scale=None, backend=None):
+    """Square causal self-attention on [L, Hq, D] / [L, Hkv, D]. Differentiable.
+    backend: as for shared_prefix_attention."""
     if q.dim() != 3 or q.shape[0] < 1:
         raise ValueError(f"q must be [L >= 1, heads, head_dim], got {tuple(q.shape)}")
     meta = PackedMeta(cu_seqlens=(0, q.shape[0]), seq_slot=(0,))
     no_prefix = k.new_empty((0, *k.shape[1:]))  # reuse the shared checks with P = 0
     scale = _validate(q, k, v, [no_prefix], [no_prefix], meta, scale)
-    out = F.scaled_dot_product_attention(_bhld(q), _bhld(k), _bhld(v), is_causal=True, scale=scale,
-                                         enable_gqa=q.shape[1] != k.shape[1])
-    return out[0].transpose(0, 1)
+    return _select(backend, q).causal_attention(q, k, v, scale)
 
 
 def _reference_mask(meta: PackedMeta, prefix_lens: list[int], device) -> torch.Tensor:
