@@ -5,6 +5,7 @@ torch and math directly. GPU tests for the real libraries are marked `gpu`."""
 import importlib.util
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -91,7 +92,7 @@ def test_env_overrides_auto_but_not_an_explicit_name(monkeypatch):
     ("transformer_engine", ["not installed", "transformer_engine[pytorch]"]),
 ])
 def test_explicit_unavailable_raises_with_reason_and_install_hint(monkeypatch, name, expect):
-    monkeypatch.setitem(__import__("sys").modules, name, None)  # import fails even where installed
+    monkeypatch.setitem(sys.modules, name, None)  # import fails even where installed
     with pytest.raises(ValueError) as err:
         select_backend(name, device=CPU, dtype=torch.bfloat16)
     assert all(text in str(err.value) for text in expect), str(err.value)
