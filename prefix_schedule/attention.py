@@ -22,8 +22,6 @@ from typing import Optional, Sequence
 import torch
 
 from prefix_schedule.attention_backends import select_backend, two_part_attention
-from prefix_schedule.attention_backends.math import math_bwd as _math_bwd, math_fwd as _math_fwd
-from prefix_schedule.attention_backends.torch_cpu import cpu_flash_bwd, cpu_flash_fwd
 
 __all__ = [
     "MODES",
@@ -145,13 +143,6 @@ def _validate(q, k, v, prefix_k, prefix_v, meta, scale) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale < math.inf):
         raise ValueError(f"scale must be a positive finite python float, got {scale!r}")
     return float(scale)
-
-
-def _kernels_for(device: torch.device):
-    """The dense kernels the pre-backend code used ("torch" on CPU, "math" elsewhere). Nothing
-    calls it now -- backends own their kernels; pass backend="math" to force plain math -- but
-    tests/test_attention.py::test_math_kernels_match_oracle still patches this name."""
-    return (cpu_flash_fwd, cpu_flash_bwd) if device.type == "cpu" else (_math_fwd, _math_bwd)
 
 
 def _select(backend: Optional[str], q: torch.Tensor):

@@ -110,9 +110,15 @@ def test_bf16_two_part_close_to_oracle():
 
 def test_math_kernels_match_oracle(monkeypatch):
     """The device-agnostic kernels (used off CPU) follow the same merged-LSE rule."""
-    monkeypatch.setattr(attn, "_kernels_for", lambda device: (attn._math_fwd, attn._math_bwd))
-    args, grad_out = make_problem(4, *PACKED, 8, 2, torch.float64)
-    check_against_oracle(args, grad_out, TOL[torch.float64])
+    from prefix_schedule import attention_backends
+
+    previous = attention_backends.get_default_backend()
+    attention_backends.set_default_backend("math")
+    try:
+        args, grad_out = make_problem(4, *PACKED, 8, 2, torch.float64)
+        check_against_oracle(args, grad_out, TOL[torch.float64])
+    finally:
+        attention_backends.set_default_backend(previous)
 
 
 def test_merged_lse_backward_when_prefix_and_suffix_both_matter():
