@@ -133,33 +133,49 @@ def test_on_policy_without_reference(models):
     assert_equal_step(*run_both(model, batch, 10, loss=loss)[:4])
 
 
-def test_weights_match_after_optimizer_steps(megatron_env, models):
-    from megatron_patches.training import dense_step, max_relative_diff, reuse_step
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_weights_match_after_optimizer_steps(megatron_env, models, optimizer):
+    """Two optimizer steps; gradients before each step within 1e-5, then the weights.
 
+    SGD (with momentum) is linear in the gradients: weights within 1e-5. AdamW divides every
+    entry by its own magnitude, so entries whose exact gradient is below float noise get
+    noise-driven O(lr) updates in any two dense runs with different rounding too. Its bar is
+    therefore dense's own spread: reuse may differ from stock dense by no more than 3x what a
+    second dense run with another attention kernel (fused SDPA, same weights) differs by.
+    """
     from megatron_patches.models import build_model
-    from megatron_patches.training import scale_grads_by_token_count
+    from megatron_patches.training import (dense_step, max_relative_diff, reuse_step,
+                                           scale_grads_by_token_count)
 
     cfg, base = models
     dense_model, reuse_model = build_model(cfg), build_model(cfg)
-    for m in (dense_model, reuse_model):
+    control = build_model(cfg, fused_attention=True)
+    trio = (dense_model, reuse_model, control)
+    for m in trio:
         m.load_state_dict(base.state_dict())
         m.config.finalize_model_grads_func = scale_grads_by_token_count
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)
-            for m in (dense_model, reuse_model)]
+    if optimizer == "sgd":
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in trio]
+    else:
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01) for m in trio]
+    weights = lambda m: {n: p.detach().clone() for n, p in m.named_parameters()}  # noqa: E731
     for step in range(2):
         batch = make_batch(100 + step, [(28, [6, 5, 7]), (15, [4, 9])])
         plan = plan_microbatches(batch, token_budget=12, max_seq_len=512)
-        for m, opt in zip((dense_model, reuse_model), opts):
+        for opt in opts:
             opt.zero_grad(set_to_none=True)
         dense_step(dense_model, batch, LOSS)
         reuse_step(reuse_model, batch, plan, LOSS)
+        dense_step(control, batch, LOSS)
         assert max_relative_diff(_grads(dense_model), _grads(reuse_model)) <= TOL
         for opt in opts:
             opt.step()
-        weights_d = {n: p.detach().clone() for n, p in dense_model.named_parameters()}
-        weights_r = {n: p.detach().clone() for n, p in reuse_model.named_parameters()}
-        assert max_relative_diff(weights_d, weights_r) <= TOL
-        moved = max((weights_d[n] - p).abs().max().item() for n, p in base.named_parameters())
+        reuse_diff = max_relative_diff(weights(dense_model), weights(reuse_model))
+        spread = max_relative_diff(weights(dense_model), weights(control))
+        bar = TOL if optimizer == "sgd" else max(TOL, 3 * spread)
+        assert reuse_diff <= bar, (step, reuse_diff, spread)
+        moved = max((weights(dense_model)[n] - p).abs().max().item()
+                    for n, p in base.named_parameters())
         assert moved > 0, "the optimizer step changed nothing"
 
 
