@@ -12,8 +12,10 @@ prefix and so a PF/PB pair on every stage. On each stage s:
   PB g  after every SB m that touches g (PB g consumes the gK/gV those backwards accumulated).
 Across stages: PF g and SF m on s need the same action's output from s-1 (forward flows up);
 SB m and PB g on s need the same action's input gradient from s+1 (backward flows down; the last
-stage's PB needs none). `validate_schedule` checks exactly these rules, the generator obeys them,
-and the simulator re-checks the cross-stage half through sends and receives.
+stage's PB needs none). With chunked prefixes PF/PB name prefix units (group, chunk) instead of
+groups and two rules join: PF chunk c after PF chunk c-1, PB chunk c after PB chunk c+1 (see
+[Note: prefix chunks] in units.py). `validate_schedule` checks exactly these rules, the generator
+obeys them, and the simulator re-checks the cross-stage half through sends and receives.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import io
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Collection, Mapping, Optional, Sequence
+
+from prefix_schedule.units import StepShape
 
 if TYPE_CHECKING:  # simulate imports this module; the trace only reads the result's timeline
     from prefix_schedule.simulate import SimResult
@@ -88,7 +92,8 @@ class Action:
     kind: ActionKind
     """What the action does."""
     index: int
-    """Group for PF/PB and their p2p kinds; microbatch for SF/SB and theirs; 0 for REDUCE_GRAD."""
+    """Prefix unit for PF/PB and their p2p kinds (the group id unless prefixes are chunked:
+    units.py); microbatch for SF/SB and theirs; 0 for REDUCE_GRAD."""
 
     def __post_init__(self) -> None:
         _check_count("Action.stage", self.stage, 0)
@@ -202,23 +207,10 @@ def format_grid(schedule: Schedule, marks: Optional[Mapping[tuple[int, int], str
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- shape checks and dependencies
-def _check_shape(microbatch_groups: Sequence[Sequence[int]],
-                 prefix_groups: Collection[int]) -> tuple[tuple[tuple[int, ...], ...], frozenset]:
-    groups_of = tuple(tuple(groups) for groups in microbatch_groups)
-    if not groups_of:
-        raise ValueError("microbatch_groups is empty: a step needs at least one suffix microbatch")
-    for m, groups in enumerate(groups_of):
-        for g in groups:
-            _check_count(f"microbatch {m}: group id", g, 0)
-        if len(set(groups)) != len(groups):
-            raise ValueError(f"microbatch {m} lists a group twice: {groups}; list each group once")
-    prefixed = frozenset(prefix_groups)
-    unused = sorted(prefixed - {g for groups in groups_of for g in groups})
-    if unused:
-        raise ValueError(f"prefix groups {unused} are touched by no microbatch: a cached prefix "
-                         "nobody reads cannot be scheduled; drop them from prefix_groups")
-    return groups_of, prefixed
+# ---------------------------------------------------------------- dependencies
+def _shape(microbatch_groups, prefix_groups, prefix_units) -> StepShape:
+    return StepShape(microbatch_groups=microbatch_groups, prefix_groups=prefix_groups,
+                     prefix_units=prefix_units)
 
 
 def _peer_dependency(action: Action, num_stages: int) -> Optional[tuple[int, ActionKind, int]]:
@@ -231,36 +223,30 @@ def _peer_dependency(action: Action, num_stages: int) -> Optional[tuple[int, Act
     return None
 
 
-def _local_rule(action: Action, done: set, groups_of, prefixed) -> Optional[str]:
+def _local_rule(action: Action, done: set, shape: StepShape) -> Optional[str]:
     """Why `action` may not run yet on its stage given the stage's `done` (kind, index) set."""
-    kind, i = action.kind, action.index
-    if kind is ActionKind.SUFFIX_FORWARD:
-        need = [(ActionKind.PREFIX_FORWARD, g) for g in groups_of[i] if g in prefixed]
-    elif kind is ActionKind.SUFFIX_BACKWARD:
-        need = [(ActionKind.SUFFIX_FORWARD, i)]
-    elif kind is ActionKind.PREFIX_BACKWARD:
-        need = [(ActionKind.PREFIX_FORWARD, i)] + [
-            (ActionKind.SUFFIX_BACKWARD, m) for m, groups in enumerate(groups_of) if i in groups]
-    else:
-        return None
-    missing = [f"{action.stage}{k.value}{j}" for k, j in need if (k, j) not in done]
+    need = shape.local_needs(action.kind.value, action.index)
+    missing = [f"{action.stage}{code}{j}" for code, j in need if (ActionKind(code), j) not in done]
     return f"runs before {', '.join(missing)} on its stage" if missing else None
 
 
 # ---------------------------------------------------------------- validator
 def validate_schedule(schedule: Schedule, *, microbatch_groups: Sequence[Sequence[int]],
-                      prefix_groups: Collection[int]) -> None:
+                      prefix_groups: Collection[int],
+                      prefix_units: Optional[Mapping[int, tuple[int, int]]] = None) -> None:
     """Check every rule of [Note: prefix-reuse dependency rules]; p2p actions are skipped here
-    (the simulator checks them). Raises ScheduleError with the grid and the failing step marked."""
-    groups_of, prefixed = _check_shape(microbatch_groups, prefix_groups)
+    (the simulator checks them). `prefix_units`: unit -> (group, chunk) of a chunked step
+    ([Note: prefix chunks] in units.py). Raises ScheduleError with the grid and the failing step
+    marked."""
+    shape = _shape(microbatch_groups, prefix_groups, prefix_units)
     kinds = ActionKind.SUFFIX_FORWARD, ActionKind.SUFFIX_BACKWARD, ActionKind.PREFIX_FORWARD, \
         ActionKind.PREFIX_BACKWARD
-    required = {(k, m) for m in range(len(groups_of)) for k in kinds[:2]} | {
-        (k, g) for g in prefixed for k in kinds[2:]}
+    required = {(k, m) for m in range(len(shape.microbatch_groups)) for k in kinds[:2]} | {
+        (k, u) for u in shape.units for k in kinds[2:]}
     for s, row in enumerate(schedule.actions):
         done: set = set()
         for i, action in enumerate(row):
-            problem = _row_problem(action, s, done, required, groups_of, prefixed)
+            problem = _row_problem(action, s, done, required, shape)
             if problem:
                 _fail(schedule, {(s, i): problem}, f"rank {s} step {i}: {action} {problem}")
             if action.kind.is_compute:
@@ -272,7 +258,7 @@ def validate_schedule(schedule: Schedule, *, microbatch_groups: Sequence[Sequenc
     _check_progress(schedule)
 
 
-def _row_problem(action, s, done, required, groups_of, prefixed) -> Optional[str]:
+def _row_problem(action, s, done, required, shape) -> Optional[str]:
     if action.stage != s:
         return f"belongs to stage {action.stage} but sits in rank {s}'s row"
     if not action.kind.is_compute:
@@ -282,7 +268,7 @@ def _row_problem(action, s, done, required, groups_of, prefixed) -> Optional[str
         return f"names no {what} of this step"
     if (action.kind, action.index) in done:
         return "runs twice"
-    return _local_rule(action, done, groups_of, prefixed)
+    return _local_rule(action, done, shape)
 
 
 def _check_progress(schedule: Schedule) -> None:
@@ -314,22 +300,26 @@ def _fail(schedule: Schedule, marks: Mapping[tuple[int, int], str], headline: st
 # ---------------------------------------------------------------- generator
 def build_schedule(*, num_stages: int, microbatch_groups: Sequence[Sequence[int]],
                    prefix_groups: Collection[int],
-                   cost: Optional[Callable[[Action], float]] = None) -> Schedule:
+                   cost: Optional[Callable[[Action], float]] = None,
+                   prefix_units: Optional[Mapping[int, tuple[int, int]]] = None) -> Schedule:
     """Compute-only prefix-reuse plan: 1F1B over the suffix microbatches, prefix work slotted in.
 
     The stages are played forward in (modelled) time with `cost` (default `unit_cost`). A free
     stage runs, in this order of preference: a prefix backward whose inputs are ready (frees the
-    prefix soon and fills idle time), the next 1F1B action (preceded by the PF of any group it is
-    the first to touch), or, if that must wait, the PF of the next group (fills a 1F1B bubble;
-    at most one group is forwarded ahead of its first suffix). Every pick is an action whose
-    inputs exist, so the order is deadlock-free whatever the real costs turn out to be. With one
-    stage this gives PF g, SF m, SB m, then PB g right after the SB of g's last microbatch.
-    Measured (tests, tools/plan.py): the bubble fraction is at most dense 1F1B's while a prefix
-    forward costs no more than a suffix-microbatch forward; a dearer prefix is one long chain
-    through the stages, and its fill shows as a larger fraction."""
+    prefix soon and fills idle time), the next 1F1B action (preceded by the PFs of any group it
+    is the first to touch), or, if that must wait, the next prefix unit's PF (fills a 1F1B
+    bubble; at most one group is forwarded ahead of its first suffix). Every pick is an action
+    whose inputs exist, so the order is deadlock-free whatever the real costs turn out to be.
+    With one stage this gives PF g, SF m, SB m, then PB g right after the SB of g's last
+    microbatch (a chunked group: its PF chunks in order, its PB chunks in reverse).
+    `prefix_units` (unit -> (group, chunk)) splits prefixes into chunks ([Note: prefix chunks]
+    in units.py); PF/PB indices are then unit ids. Measured (tests, tools/plan.py): the bubble
+    fraction is at most dense 1F1B's while a prefix unit's forward costs no more than a
+    suffix-microbatch forward; a dearer unprefixed prefix is one long chain through the stages,
+    and its fill shows as a larger fraction -- chunking it removes that."""
     _check_count("num_stages", num_stages, 1)
-    groups_of, prefixed = _check_shape(microbatch_groups, prefix_groups)
-    return _Planner(num_stages, groups_of, prefixed, cost or unit_cost).run()
+    shape = _shape(microbatch_groups, prefix_groups, prefix_units)
+    return _Planner(num_stages, shape, cost or unit_cost).run()
 
 
 def _one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list:
@@ -344,11 +334,14 @@ def _one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list:
 class _Planner:
     """Event-driven play of the stages; see `build_schedule` for the policy."""
 
-    def __init__(self, num_stages, groups_of, prefixed, cost) -> None:
-        self.num, self.groups_of, self.cost = num_stages, groups_of, cost
-        self.prefix_order = list(dict.fromkeys(g for gs in groups_of for g in gs if g in prefixed))
-        self.uses = {g: sum(g in gs for gs in groups_of) for g in self.prefix_order}
-        self.base = [_one_f_one_b(s, num_stages, len(groups_of)) for s in range(num_stages)]
+    def __init__(self, num_stages, shape: StepShape, cost) -> None:
+        self.num, self.shape, self.cost = num_stages, shape, cost
+        self.groups_of = shape.microbatch_groups
+        groups = dict.fromkeys(g for gs in self.groups_of for g in gs if g in shape.prefix_groups)
+        # PFs run in this order on every stage: groups by first use, each group's chunks in order
+        self.prefix_order = [u for g in groups for u in shape.chunks_of[g]]
+        self.uses = {g: sum(g in gs for gs in self.groups_of) for g in groups}
+        self.base = [_one_f_one_b(s, num_stages, len(self.groups_of)) for s in range(num_stages)]
         self.pos = [0] * num_stages
         self.left = [len(row) + 2 * len(self.prefix_order) for row in self.base]  # to place
         self.end: dict[tuple[int, ActionKind, int], float] = {}  # finish time of each placed action
@@ -377,18 +370,24 @@ class _Planner:
         dep = _peer_dependency(action, self.num)
         return dep is None or self.end.get(dep, now + 1) <= now
 
+    def _placed(self, s: int, kind: ActionKind, index: Optional[int]) -> bool:
+        return index is None or (s, kind, index) in self.end
+
     def _pick(self, s: int, now: float) -> Optional[Action]:
-        for g in self.prefix_order[:self.num_pf[s]]:
-            pb = Action(stage=s, kind=ActionKind.PREFIX_BACKWARD, index=g)
-            if self.sb_left[s][g] == 0 and (s, pb.kind, g) not in self.end and self._ready(pb, now):
+        for u in self.prefix_order[:self.num_pf[s]]:
+            pb = Action(stage=s, kind=ActionKind.PREFIX_BACKWARD, index=u)
+            # chunks backward in reverse: the next chunk's PB must be placed already
+            if (self.sb_left[s][self.shape.group_of(u)] == 0 and not self._placed(s, pb.kind, u)
+                    and self._placed(s, pb.kind, self.shape.next_chunk(u))
+                    and self._ready(pb, now)):
                 return pb
         nxt = self._next_required(s)
         if nxt is not None and self._ready(nxt, now):
             return nxt
-        if self.num_pf[s] < len(self.prefix_order) and not self.unused[s]:
-            early = Action(stage=s, kind=ActionKind.PREFIX_FORWARD,
-                           index=self.prefix_order[self.num_pf[s]])
-            if self._ready(early, now):
+        if self.num_pf[s] < len(self.prefix_order):
+            unit = self.prefix_order[self.num_pf[s]]
+            early = Action(stage=s, kind=ActionKind.PREFIX_FORWARD, index=unit)
+            if not self.unused[s] - {self.shape.group_of(unit)} and self._ready(early, now):
                 return early
         return None
 
@@ -398,8 +397,11 @@ class _Planner:
         kind, m = self.base[s][self.pos[s]]
         if kind is ActionKind.SUFFIX_FORWARD:
             for g in self.groups_of[m]:
-                if g in self.uses and (s, ActionKind.PREFIX_FORWARD, g) not in self.end:
-                    return Action(stage=s, kind=ActionKind.PREFIX_FORWARD, index=g)
+                if g in self.uses and not self._placed(s, ActionKind.PREFIX_FORWARD,
+                                                       self.shape.chunks_of[g][-1]):
+                    unit = self.prefix_order[self.num_pf[s]]
+                    assert self.shape.group_of(unit) == g, "PFs run in first-use order"
+                    return Action(stage=s, kind=ActionKind.PREFIX_FORWARD, index=unit)
         return Action(stage=s, kind=kind, index=m)
 
     def _place(self, action: Action, now: float) -> float:
@@ -410,7 +412,7 @@ class _Planner:
         if kind is ActionKind.PREFIX_FORWARD:
             assert self.prefix_order[self.num_pf[s]] == i, "PFs run in first-use order"
             self.num_pf[s] += 1
-            self.unused[s].add(i)
+            self.unused[s].add(self.shape.group_of(i))
         elif kind in (ActionKind.SUFFIX_FORWARD, ActionKind.SUFFIX_BACKWARD):
             self.pos[s] += 1
             for g in self.groups_of[i]:

@@ -236,15 +236,25 @@ class TokenCostModel:
     """Backward cost / forward cost."""
     kv_units_per_token: float = 1.0
     """Memory of a prefix token's cached K/V plus gK/gV buffer, in token-activation units."""
+    unit_tokens: Optional[Mapping[int, int]] = None
+    """Tokens of each prefix unit (PF/PB index) when prefixes are chunked ([Note: prefix chunks]
+    in units.py); None: PF/PB indices are groups and cost their whole `prefix_tokens`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_tokens", dict(self.prefix_tokens))
+        if self.unit_tokens is not None:
+            object.__setattr__(self, "unit_tokens", dict(self.unit_tokens))
+            if sum(self.unit_tokens.values()) != sum(self.prefix_tokens.values()):
+                raise ValueError(f"unit_tokens sum to {sum(self.unit_tokens.values())} but "
+                                 f"prefix_tokens to {sum(self.prefix_tokens.values())}; the chunks "
+                                 "of every group must add up to its prefix")
         object.__setattr__(self, "microbatch_rows", tuple(dict(r) for r in self.microbatch_rows))
         object.__setattr__(self, "suffix_tokens", tuple(self.suffix_tokens))
         if len(self.microbatch_rows) != len(self.suffix_tokens):
             raise ValueError(f"{len(self.microbatch_rows)} microbatch_rows entries but "
                              f"{len(self.suffix_tokens)} suffix_tokens; give one per microbatch")
-        counts = [*self.prefix_tokens.values(), *self.suffix_tokens]
+        counts = [*self.prefix_tokens.values(), *self.suffix_tokens,
+                  *(self.unit_tokens or {}).values()]
         if any(c <= 0 for c in counts) or self.backward_ratio <= 0 or self.kv_units_per_token < 0:
             raise ValueError("token counts and backward_ratio must be > 0, kv_units_per_token >= 0")
 
@@ -254,7 +264,7 @@ class TokenCostModel:
 
     def memory(self, action: Action) -> float:
         if action.kind is ActionKind.PREFIX_FORWARD:
-            return self.prefix_tokens[action.index] * (1.0 + self.kv_units_per_token)
+            return self._tokens(action) * (1.0 + self.kv_units_per_token)
         return float(self.suffix_tokens[action.index]) if action.kind.is_compute else 0.0
 
     def dense_tokens(self, m: int) -> float:
@@ -271,7 +281,8 @@ class TokenCostModel:
 
     def _tokens(self, action: Action) -> float:
         if action.kind.compute in (ActionKind.PREFIX_FORWARD, ActionKind.PREFIX_BACKWARD):
-            return float(self.prefix_tokens[action.index])
+            per_unit = self.prefix_tokens if self.unit_tokens is None else self.unit_tokens
+            return float(per_unit[action.index])
         return float(self.suffix_tokens[action.index])
 
     def _scaled(self, action: Action, tokens: float) -> float:

@@ -3,13 +3,17 @@
     python tools/plan.py --pp 4 --groups 3 --suffix-microbatches 4 --mix
     python tools/plan.py --pp 4 --groups 2 --suffix-microbatches 3,5 --prefix-tokens 2048 \\
         --microbatch-tokens 4096 --rows 4 --png plan.png --chrome-trace plan.json --save plan.csv
+    python tools/plan.py --pp 4 --groups 2 --suffix-microbatches 4 --prefix-tokens 4096 \\
+        --microbatch-tokens 1024 --prefix-chunk-tokens 1024
 
 Prints the per-rank grid, validates it, lowers it (p2p), simulates the lowered plan and prints
 makespan, bubble fraction and peak memory next to a dense 1F1B plan of the same trajectories
 (every row recomputing its prompt). Costs are unit (forward 1, backward 2) unless
---prefix-tokens is given. `--load CSV` runs a saved plan instead of generating one (the shape
-arguments must describe the same step). The PNG has one row per rank: PF blue, SF green,
-SB orange, PB purple, labelled with the group/microbatch index; a legend sits below.
+--prefix-tokens is given. `--prefix-chunk-tokens N` runs each prefix as chunks of at most N
+tokens (PF/PB indices are then prefix units, listed with their group and chunk). `--load CSV`
+runs a saved plan instead of generating one (the shape arguments must describe the same step).
+The PNG has one row per rank: PF blue, SF green, SB orange, PB purple, labelled with the
+group (prefix unit) / microbatch index; a legend sits below.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from prefix_schedule.lowering import lower  # noqa: E402
 from prefix_schedule.schedule import (ActionKind, Schedule, ScheduleError,  # noqa: E402
                                       build_schedule, format_grid, validate_schedule)
 from prefix_schedule.simulate import SimResult, TokenCostModel, compare_with_dense  # noqa: E402
+from prefix_schedule.units import chunk_spans, number_units  # noqa: E402
 
 COLOURS = {ActionKind.PREFIX_FORWARD: (66, 120, 220), ActionKind.SUFFIX_FORWARD: (70, 170, 90),
            ActionKind.SUFFIX_BACKWARD: (235, 140, 50), ActionKind.PREFIX_BACKWARD: (150, 80, 190)}
@@ -52,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="comma list of groups without a cached prefix")
     parser.add_argument("--prefix-tokens", type=int, help="cached prefix tokens per group "
                         "(switches to token costs)")
+    parser.add_argument("--prefix-chunk-tokens", type=int, help="run each prefix as chunks of at "
+                        "most this many tokens (needs --prefix-tokens)")
     parser.add_argument("--microbatch-tokens", type=int, default=4096,
                         help="suffix tokens per microbatch (token costs)")
     parser.add_argument("--rows", type=int, default=4, help="trajectory rows per microbatch")
@@ -80,7 +87,21 @@ def shape_from_args(args) -> tuple[list[tuple[int, ...]], list[int]]:
     return microbatches, [g for g in range(args.groups) if g not in dense]
 
 
-def cost_model(args, microbatches, prefix_groups) -> TokenCostModel | None:
+def prefix_units(args, prefix_groups) -> tuple[dict | None, dict | None]:
+    """(unit -> (group, chunk), unit -> tokens) with --prefix-chunk-tokens, else (None, None)."""
+    if args.prefix_chunk_tokens is None:
+        return None, None
+    if args.prefix_tokens is None:
+        raise SystemExit("--prefix-chunk-tokens needs --prefix-tokens (chunks are cut in tokens)")
+    try:
+        spans = chunk_spans(args.prefix_tokens, args.prefix_chunk_tokens)
+    except ValueError as error:
+        raise SystemExit(f"--prefix-chunk-tokens / --prefix-tokens: {error}")
+    units = number_units({g: len(spans) for g in prefix_groups})
+    return units, {u: spans[c][1] for u, (_, c) in units.items()}
+
+
+def cost_model(args, microbatches, prefix_groups, unit_tokens=None) -> TokenCostModel | None:
     if args.prefix_tokens is None:
         return None
     rows = []
@@ -88,22 +109,30 @@ def cost_model(args, microbatches, prefix_groups) -> TokenCostModel | None:
         share, extra = divmod(args.rows, len(groups))
         rows.append({g: share + (i < extra) for i, g in enumerate(groups)})
     return TokenCostModel(prefix_tokens={g: args.prefix_tokens for g in prefix_groups},
-                          microbatch_rows=rows, suffix_tokens=[args.microbatch_tokens] * len(rows))
+                          microbatch_rows=rows, suffix_tokens=[args.microbatch_tokens] * len(rows),
+                          unit_tokens=unit_tokens)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     microbatches, prefix_groups = shape_from_args(args)
-    costs = cost_model(args, microbatches, prefix_groups)
+    units, unit_tokens = prefix_units(args, prefix_groups)
+    costs = cost_model(args, microbatches, prefix_groups, unit_tokens)
     if args.load:
         plan = Schedule.from_csv(args.load.read_text())
     else:
         plan = build_schedule(num_stages=args.pp, microbatch_groups=microbatches,
-                              prefix_groups=prefix_groups, cost=costs.cost if costs else None)
-    print(f"microbatch groups: {microbatches}\nprefix groups: {prefix_groups}\n")
+                              prefix_groups=prefix_groups, cost=costs.cost if costs else None,
+                              prefix_units=units)
+    print(f"microbatch groups: {microbatches}\nprefix groups: {prefix_groups}")
+    if units is not None:
+        print("prefix units: " + " ".join(f"u{u}=g{g}c{c}[{unit_tokens[u]}]"
+                                          for u, (g, c) in units.items()))
+    print()
     print(format_grid(plan))
     try:
-        validate_schedule(plan, microbatch_groups=microbatches, prefix_groups=prefix_groups)
+        validate_schedule(plan, microbatch_groups=microbatches, prefix_groups=prefix_groups,
+                          prefix_units=units)
         lowered = lower(plan)
         comparison = compare_with_dense(plan, num_microbatches=len(microbatches), costs=costs)
     except ScheduleError as error:

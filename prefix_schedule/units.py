@@ -1,0 +1,142 @@
+"""Prefix units: a group's cached prefix as one or more chunks, each its own PF/PB action.
+
+[Note: prefix chunks]
+With `prefix_chunk_tokens` set, the P-1 cached tokens of a group are split into chunks of at most
+that many tokens (`chunk_spans`: fixed-size chunks in order, the last one may be shorter). Each
+chunk is a *prefix unit*: its own PF/PB action pair on every stage, with its own p2p (hidden
+states [chunk_len, 1, h]), so a long prefix flows through the pipeline like microbatches instead
+of one long action that must pass every stage before any suffix can start.
+Chunk c's forward is the two-part attention a suffix does, with the K/V of its group's chunks < c
+(read from the cache) as the "prefix": causal within the chunk, positions continuing at the
+chunk's offset; it stores its own K/V. Reading earlier chunks goes through the cache's
+accumulator, so chunk c's backward adds gK/gV into the fp32 buffers of chunks < c. Hence, per
+stage:
+    PF (g, c)  after PF (g, c-1);
+    PB (g, c)  after PF (g, c), every SB of g, and PB (g, c+1)   (chunks backward in reverse).
+A suffix reads the concatenation of all its group's chunks, so SF m needs every chunk's PF.
+Unit ids are the PF/PB action indices; `StepShape.units` maps them to (group, chunk). Without a
+table every prefix group is one unit whose id is the group id, so unchunked schedules read as
+before (PF g is group g's prefix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+__all__ = ["StepShape", "chunk_spans", "number_units"]
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def chunk_spans(length: int, chunk_tokens: Optional[int]) -> tuple[tuple[int, int], ...]:
+    """(start, length) of each chunk of `length` cached tokens, at most `chunk_tokens` each, in
+    order; None means one chunk. See [Note: prefix chunks]."""
+    _check_int("length", length, 1)
+    if chunk_tokens is None:
+        return ((0, length),)
+    _check_int("prefix_chunk_tokens", chunk_tokens, 1)
+    return tuple((start, min(chunk_tokens, length - start))
+                 for start in range(0, length, chunk_tokens))
+
+
+def number_units(num_chunks: Mapping[int, int]) -> dict[int, tuple[int, int]]:
+    """unit id -> (group, chunk), numbered 0, 1, ... over the groups in the mapping's order and
+    each group's chunks in order (`num_chunks`: group -> how many chunks)."""
+    table, unit = {}, 0
+    for group, count in num_chunks.items():
+        _check_int(f"number of chunks of group {group}", count, 1)
+        for chunk in range(count):
+            table[unit] = (group, chunk)
+            unit += 1
+    return table
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepShape:
+    """What a step's schedule must run: the suffix microbatches and the prefix units."""
+
+    microbatch_groups: tuple[tuple[int, ...], ...]
+    """Per suffix microbatch, the groups it touches (lists are converted to tuples)."""
+    prefix_groups: frozenset
+    """Groups with a cached prefix (a PF/PB per unit on every stage)."""
+    prefix_units: Optional[Mapping[int, tuple[int, int]]] = None
+    """unit id (the PF/PB index) -> (group, chunk); None: each prefix group is one unit with the
+    group's id. Chunks of a group must be numbered 0, 1, ... without gaps."""
+    units: dict = field(init=False)
+    """The unit table actually used (derived)."""
+    chunks_of: dict = field(init=False)
+    """group -> its unit ids in chunk order (derived)."""
+
+    def __post_init__(self) -> None:
+        groups_of = tuple(tuple(groups) for groups in self.microbatch_groups)
+        object.__setattr__(self, "microbatch_groups", groups_of)
+        object.__setattr__(self, "prefix_groups", frozenset(self.prefix_groups))
+        if not groups_of:
+            raise ValueError("microbatch_groups is empty: a step needs at least one suffix "
+                             "microbatch")
+        for m, groups in enumerate(groups_of):
+            for g in groups:
+                _check_int(f"microbatch {m}: group id", g, 0)
+            if len(set(groups)) != len(groups):
+                raise ValueError(f"microbatch {m} lists a group twice: {groups}; list each "
+                                 "group once")
+        unused = sorted(self.prefix_groups - {g for groups in groups_of for g in groups})
+        if unused:
+            raise ValueError(f"prefix groups {unused} are touched by no microbatch: a cached prefix "
+                             "nobody reads cannot be scheduled; drop them from prefix_groups")
+        units = ({g: (g, 0) for g in sorted(self.prefix_groups)} if self.prefix_units is None
+                 else dict(self.prefix_units))
+        object.__setattr__(self, "units", units)
+        object.__setattr__(self, "chunks_of", self._chunks_of(units))
+
+    def _chunks_of(self, units: dict) -> dict:
+        chunks: dict = {}
+        for unit, (group, chunk) in units.items():
+            _check_int("prefix unit id", unit, 0)
+            _check_int(f"unit {unit}: chunk", chunk, 0)
+            if group not in self.prefix_groups:
+                raise ValueError(f"prefix unit {unit} belongs to group {group}, which is not in "
+                                 f"prefix_groups {sorted(self.prefix_groups)}; list it there")
+            chunks.setdefault(group, {})[chunk] = unit
+        for group in self.prefix_groups:
+            found = sorted(chunks.get(group, {}))
+            if found != list(range(len(found))) or not found:
+                raise ValueError(f"group {group} has prefix chunks {found}; number each group's "
+                                 "chunks 0, 1, ... without gaps (one unit per chunk)")
+        return {g: tuple(c[i] for i in range(len(c))) for g, c in chunks.items()}
+
+    def group_of(self, unit: int) -> int:
+        """The group whose prefix chunk `unit` is."""
+        return self.units[unit][0]
+
+    def next_chunk(self, unit: int) -> Optional[int]:
+        """The unit of the same group's next chunk, or None for its last chunk."""
+        group, chunk = self.units[unit]
+        chunks = self.chunks_of[group]
+        return chunks[chunk + 1] if chunk + 1 < len(chunks) else None
+
+    def previous_chunk(self, unit: int) -> Optional[int]:
+        """The unit of the same group's previous chunk, or None for chunk 0."""
+        group, chunk = self.units[unit]
+        return self.chunks_of[group][chunk - 1] if chunk > 0 else None
+
+    def local_needs(self, kind_code: str, index: int) -> list[tuple[str, int]]:
+        """(kind code, index) of the compute that must precede `kind_code index` on its own stage
+        ([Note: prefix-reuse dependency rules] in schedule.py, [Note: prefix chunks])."""
+        if kind_code == "SF":
+            return [("PF", u) for g in self.microbatch_groups[index] if g in self.prefix_groups
+                    for u in self.chunks_of[g]]
+        if kind_code == "SB":
+            return [("SF", index)]
+        if kind_code == "PF":
+            previous = self.previous_chunk(index)
+            return [] if previous is None else [("PF", previous)]
+        assert kind_code == "PB", kind_code
+        group, after = self.group_of(index), self.next_chunk(index)
+        return ([("PF", index)]
+                + [("SB", m) for m, groups in enumerate(self.microbatch_groups) if group in groups]
+                + ([] if after is None else [("PB", after)]))
