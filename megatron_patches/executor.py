@@ -76,7 +76,10 @@ def _check_sequence_parallel_rows(config, step) -> None:
     tp = config.tensor_model_parallel_size
     if not config.sequence_parallel or tp == 1:
         return
-    rows = [(f"the cached prefix of group {w.group}", w.length) for w in step.plan.prefixes]
+    chunked = step.plan.prefix_chunk_tokens is not None
+    rows = [(f"prefix chunk {c.chunk} of group {c.group}" if chunked
+             else f"the cached prefix of group {c.group}", c.length)
+            for c in step.plan.prefix_units().values()]
     rows += [(f"suffix microbatch {mb.index}", mb.num_tokens) for mb in step.plan.microbatches]
     for what, length in rows:
         if length % tp:
@@ -204,8 +207,9 @@ class _StageRunner:
         step, key = self.step, self._key(action)
         input_tensor = self.inputs.pop(key, None)
         ctx = step.prefix_context(action.index, stop_after_layer=None, recomputing=True)
+        unit = step.prefix_unit(action.index)
         with active_context(ctx):
-            step.cache.backward(action.index, output=self.outputs.pop(key, None),
+            step.cache.backward(unit.group, chunk=unit.chunk, output=self.outputs.pop(key, None),
                                 output_grad=self.output_grads.pop(key, None))
         if not self.is_first:
             self.input_grads[key] = input_tensor.grad

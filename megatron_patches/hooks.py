@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from prefix_schedule.attention import causal_attention, shared_prefix_attention
+from prefix_schedule.attention import PackedMeta, causal_attention, shared_prefix_attention
 from prefix_schedule.context import (
     PrefixForwardContext,
     PrefixForwardDone,
@@ -32,8 +32,9 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
     """Megatron `Attention._run_core_attention` hook: q/k/v are post-RoPE `[s, 1, heads, d]`.
 
     Prefix context: store this layer's K/V (with their graph) in the cache, then plain causal
-    attention over the prefix -- or stop the forward after the last layer's K/V. Suffix context:
-    the packed row attends to its groups' cached K/V and causally to itself.
+    attention over the prefix -- or stop the forward after the last layer's K/V; a prefix chunk
+    c > 0 also attends to its group's cached chunks < c. Suffix context: the packed row attends to
+    its groups' cached K/V and causally to itself.
     """
     context = current_context()
     if context is None:
@@ -49,10 +50,11 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
     q, k, v = query[:, 0], key[:, 0], value[:, 0]
     if isinstance(context, PrefixForwardContext):
         if not context.recomputing:
-            context.cache.store(context.group, module.layer_number, key, value)
+            context.cache.store(context.group, module.layer_number, key, value,
+                                chunk=context.chunk)
             if context.stop_after_layer == module.layer_number:
                 raise PrefixForwardDone()
-        out = causal_attention(q, k, v, scale=scale)
+        out = _prefix_attention(context, module.layer_number, q, k, v, scale)
     else:
         assert isinstance(context, SuffixForwardContext)
         prefix_k, prefix_v = [], []
@@ -69,15 +71,31 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
     return out.reshape(out.shape[0], 1, -1)
 
 
+def _prefix_attention(context, layer, q, k, v, scale):
+    if context.chunk == 0:
+        return causal_attention(q, k, v, scale=scale)
+    # [Note: prefix chunks] (units.py): the chunk attends like a suffix whose "prefix" is the
+    # group's earlier chunks; through the reads, its backward adds to their gK/gV buffers.
+    prefix_k, prefix_v = context.cache.read(context.group, layer, before_chunk=context.chunk)
+    meta = PackedMeta(cu_seqlens=(0, q.shape[0]), seq_slot=(0,))
+    return shared_prefix_attention(q, k, v, [prefix_k], [prefix_v], meta, scale=scale)
+
+
 def rotary_pos_emb_hook(model, rotary_pos_emb):
     """Megatron `GPTModel._preprocess` hook: RoPE angles at the packed row's own positions.
 
     Suffix tokens continue at their group's cached prefix length, each sequence of the row
-    separately; prefix rows start at 0, which the stock table already gives.
+    separately; a prefix row starts at its chunk's offset (0 unchunked: the stock table).
     """
     context = current_context()
-    if not isinstance(context, SuffixForwardContext) or rotary_pos_emb is None:
+    if rotary_pos_emb is None or context is None:
         return rotary_pos_emb
+    if isinstance(context, PrefixForwardContext):
+        offset = context.position_offset
+        if offset == 0:
+            return rotary_pos_emb
+        # the stock table covers the row's full length (times TP under sequence parallelism)
+        return model.rotary_pos_emb(offset + rotary_pos_emb.shape[0])[offset:]
     table = model.rotary_pos_emb(context.max_position + 1)  # [max_pos+1, 1, 1, d], lru-cached
     positions = context.position_ids.to(table.device)
     return torch.index_select(table, 0, positions)

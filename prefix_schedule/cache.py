@@ -1,10 +1,15 @@
 """The prefix K/V cache of one training step: Phase A fills it, Phase B reads it, Phase C drains it.
 
-See [Note: gradient accumulation into the cache] in docs/DESIGN.md. Per (group, layer) an entry
-holds the K/V exactly as the attention hook saw them (post-RoPE, carrying the prefix graph), a
-detached copy that suffix microbatches read, and fp32 gradient buffers that every read's backward
-adds into. A group's entries are consumed once by `backward(group)` and then freed; any use after
-that is a protocol error and raises.
+See [Note: gradient accumulation into the cache] in docs/DESIGN.md. Per (group, chunk, layer) an
+entry holds the K/V exactly as the attention hook saw them (post-RoPE, carrying the prefix graph),
+a detached copy that suffix microbatches read, and fp32 gradient buffers that every read's
+backward adds into. A chunk's entries are consumed once by `backward(group, chunk=c)` and then
+freed; any use after that is a protocol error and raises. Unchunked prefixes are chunk 0.
+
+Chunks ([Note: prefix chunks] in units.py): a read of chunks 0..n-1 returns their K/V
+concatenated along the tokens, each chunk through its own accumulator, so a gradient slice lands
+in the buffer of the chunk it belongs to; chunk c's forward reads chunks < c that way, so chunk
+c's backward feeds the buffers of the earlier chunks, which therefore run backward later.
 """
 
 from __future__ import annotations
@@ -58,45 +63,65 @@ class _AccumulateInto(torch.autograd.Function):
 
 
 class PrefixKVCache:
-    """Per-step cache of prefix K/V for every (group, layer) on this rank."""
+    """Per-step cache of prefix K/V for every (group, chunk, layer) on this rank."""
 
     def __init__(self) -> None:
-        self._entries: Dict[int, Dict[int, _Entry]] = {}
-        self._freed: set = set()
+        self._entries: Dict[Tuple[int, int], Dict[int, _Entry]] = {}  # (group, chunk) -> layers
+        self._freed: set = set()  # (group, chunk)
 
     # ---- Phase A
-    def store(self, group: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Keep `k`, `v` (carrying the prefix graph) of `group` at `layer`.
+    def store(self, group: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+              chunk: int = 0) -> None:
+        """Keep `k`, `v` (carrying the prefix graph) of `group`'s chunk `chunk` at `layer`.
 
         Megatron gives [L, 1, H, D] (sbhd, one row); they are read back as [L, H, D].
         """
-        self._check_live(group)
-        layers = self._entries.setdefault(group, {})
+        self._check_live(group, chunk)
+        layers = self._entries.setdefault((group, chunk), {})
         if layer in layers:
-            raise CacheProtocolError(f"group {group} layer {layer}: prefix K/V stored twice")
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: prefix K/V stored "
+                                     "twice")
         if k.dim() == 4:
             assert k.shape[1] == 1 and v.shape[1] == 1, "prefix rows are run one group at a time"
         k_leaf = k.detach().reshape(k.shape[0], *k.shape[-2:]).requires_grad_(True)
         v_leaf = v.detach().reshape(v.shape[0], *v.shape[-2:]).requires_grad_(True)
         layers[layer] = _Entry(k_graph=k, v_graph=v, k_leaf=k_leaf, v_leaf=v_leaf)
 
-    # ---- Phase B
-    def read(self, group: int, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The cached [L, H, D] K/V of `group` at `layer`; their gradients accumulate in fp32."""
-        entry = self._entry(group, layer)
-        entry.num_reads += 1
-        return _AccumulateInto.apply(entry.k_leaf, entry.v_leaf, entry)
+    # ---- Phase B (and chunk forwards)
+    def read(self, group: int, layer: int, *,
+             before_chunk: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The cached [L, H, D] K/V of `group` at `layer`: all its chunks (None; every one must be
+        live), or chunks 0..before_chunk-1, concatenated; gradients accumulate per chunk in fp32."""
+        if before_chunk is None:
+            chunks = self._chunks(group)
+        else:
+            chunks = range(before_chunk)
+            if before_chunk < 1:
+                raise CacheProtocolError(f"group {group}: before_chunk={before_chunk} reads "
+                                         "nothing")
+        parts = []
+        for chunk in chunks:
+            entry = self._entry(group, chunk, layer)
+            entry.num_reads += 1
+            parts.append(_AccumulateInto.apply(entry.k_leaf, entry.v_leaf, entry))
+        if len(parts) == 1:  # unchunked: no copy
+            return parts[0]
+        return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
 
     # ---- Phase C
-    def backward(self, group: int, *, output: Optional[torch.Tensor] = None,
+    def backward(self, group: int, *, chunk: int = 0, output: Optional[torch.Tensor] = None,
                  output_grad: Optional[torch.Tensor] = None) -> None:
-        """Run the prefix backward of `group` once with the accumulated gK/gV, then free it.
+        """Run the prefix backward of `group`'s chunk once with its accumulated gK/gV, then free it.
 
         On a pipeline stage before the last, the prefix's output hidden states (`output`) also
         get their gradient (`output_grad`) from the next stage's prefix backward: one
-        autograd call covers both.
+        autograd call covers both. A later chunk of the group still live is a protocol error:
+        its backward would add to this chunk's gK/gV afterwards.
         """
-        layers = self._live_layers(group)
+        layers = self._live_layers(group, chunk)
+        if (group, chunk + 1) in self._entries:
+            raise CacheProtocolError(f"{_name(group, chunk)}: backward before that of chunk "
+                                     f"{chunk + 1}, which still adds to its gK/gV")
         tensors: List[torch.Tensor] = []
         grads: List[torch.Tensor] = []
         if output is not None and output_grad is not None and output.requires_grad:
@@ -109,26 +134,29 @@ class PrefixKVCache:
                     grads.append(grad.to(graph.dtype).reshape(graph.shape))
         if tensors:
             torch.autograd.backward(tensors, grads)
-        self.free(group)
+        self._free_chunk(group, chunk)
 
     def free(self, group: int) -> None:
-        """Drop `group`'s entries (after Phase C, or without backward in forward-only steps)."""
-        self._live_layers(group)
-        del self._entries[group]
-        self._freed.add(group)
+        """Drop every live chunk of `group` (forward-only steps; Phase C frees chunk by chunk)."""
+        chunks = [c for g, c in self._entries if g == group]
+        if not chunks:
+            self._live_layers(group, 0)  # raises the precise error
+        for chunk in chunks:
+            self._free_chunk(group, chunk)
 
     # ---- introspection
-    def layers(self, group: int) -> Tuple[int, ...]:
-        """Layers stored for `group` (sorted)."""
-        return tuple(sorted(self._live_layers(group)))
+    def layers(self, group: int, *, chunk: int = 0) -> Tuple[int, ...]:
+        """Layers stored for `group`'s chunk `chunk` (sorted)."""
+        return tuple(sorted(self._live_layers(group, chunk)))
 
     def live_groups(self) -> Tuple[int, ...]:
-        """Groups with entries not yet freed."""
-        return tuple(sorted(self._entries))
+        """Groups with a chunk not yet freed."""
+        return tuple(sorted({g for g, _ in self._entries}))
 
     def num_reads(self, group: int) -> int:
-        """How many (microbatch, layer) reads `group` has served."""
-        return sum(e.num_reads for e in self._live_layers(group).values())
+        """How many (read, chunk, layer) reads the live chunks of `group` have served."""
+        return sum(e.num_reads for c in self._chunks(group)
+                   for e in self._live_layers(group, c).values())
 
     def nbytes(self) -> int:
         """Bytes held by live K/V copies and gradient buffers (excluding the prefix graphs)."""
@@ -140,18 +168,38 @@ class PrefixKVCache:
                         total += t.numel() * t.element_size()
         return total
 
-    def _check_live(self, group: int) -> None:
-        if group in self._freed:
-            raise CacheProtocolError(f"group {group}: its prefix cache was already freed")
+    def _free_chunk(self, group: int, chunk: int) -> None:
+        del self._entries[(group, chunk)]
+        self._freed.add((group, chunk))
 
-    def _live_layers(self, group: int) -> Dict[int, _Entry]:
-        self._check_live(group)
-        if group not in self._entries:
-            raise CacheProtocolError(f"group {group}: no prefix K/V stored (Phase A missing)")
-        return self._entries[group]
+    def _chunks(self, group: int) -> range:
+        """0..n-1 for a group whose chunks are exactly those, all live; raises otherwise."""
+        freed = sorted(c for g, c in self._freed if g == group)
+        live = sorted(c for g, c in self._entries if g == group)
+        if freed:  # a whole-group read must never silently miss a chunk
+            self._check_live(group, freed[0])
+        missing = next((c for c in range(len(live) + 1) if c not in live), 0)
+        if missing < len(live) or not live:
+            self._live_layers(group, missing)  # raises: Phase A missing
+        return range(len(live))
 
-    def _entry(self, group: int, layer: int) -> _Entry:
-        layers = self._live_layers(group)
+    def _check_live(self, group: int, chunk: int) -> None:
+        if (group, chunk) in self._freed:
+            raise CacheProtocolError(f"{_name(group, chunk)}: its prefix cache was already freed")
+
+    def _live_layers(self, group: int, chunk: int) -> Dict[int, _Entry]:
+        self._check_live(group, chunk)
+        if (group, chunk) not in self._entries:
+            raise CacheProtocolError(f"{_name(group, chunk)}: no prefix K/V stored (Phase A "
+                                     "missing)")
+        return self._entries[(group, chunk)]
+
+    def _entry(self, group: int, chunk: int, layer: int) -> _Entry:
+        layers = self._live_layers(group, chunk)
         if layer not in layers:
-            raise CacheProtocolError(f"group {group} layer {layer}: no prefix K/V stored")
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: no prefix K/V stored")
         return layers[layer]
+
+
+def _name(group: int, chunk: int) -> str:
+    return f"group {group}" if chunk == 0 else f"group {group} chunk {chunk}"

@@ -34,7 +34,8 @@ class PrefixForwardDone(Exception):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PrefixForwardContext:
-    """Phase A: the rows being run are group `group`'s cached prefix tokens."""
+    """Phase A: the rows being run are group `group`'s cached prefix tokens (or one chunk of them:
+    [Note: prefix chunks] in units.py)."""
 
     group: int
     """Group whose prefix is being run."""
@@ -45,6 +46,20 @@ class PrefixForwardContext:
     pipeline stage); None on earlier stages, whose output travels on."""
     recomputing: bool = False
     """True during Phase C: a recomputed attention must not store K/V again."""
+    chunk: int = 0
+    """Chunk of the group's prefix being run; chunk c > 0 also attends to the cached K/V of the
+    group's chunks < c."""
+    position_offset: int = 0
+    """Position of the row's first token (the chunk's start in the prefix; 0 unchunked)."""
+
+    def __post_init__(self) -> None:
+        for name in ("group", "chunk", "position_offset"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"PrefixForwardContext.{name} must be an int >= 0, got {value!r}")
+        if (self.chunk == 0) != (self.position_offset == 0):
+            raise ValueError(f"chunk {self.chunk} at position offset {self.position_offset}: only "
+                             "chunk 0 starts at position 0 (chunks are never empty)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -11,19 +11,26 @@ Packing is greedy and order-preserving: groups in order, trajectories in order; 
 current microbatch if it still fits the budget, else a new microbatch starts. So a group may span
 many microbatches, a microbatch may hold several groups, and a group's segments inside one
 microbatch are contiguous.
+
+With `prefix_chunk_tokens`, each group's cached tokens run as chunks of at most that many tokens,
+each its own prefix unit (PF/PB action): see [Note: prefix chunks] in units.py and
+`StepPlan.prefix_units`. The suffix rows do not change.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
 from prefix_schedule.data import GroupBatch
+from prefix_schedule.units import chunk_spans
 
 __all__ = [
     "Segment",
     "SuffixMicrobatch",
     "PrefixWork",
+    "PrefixChunk",
     "StepPlan",
     "plan_microbatches",
     "build_suffix_inputs",
@@ -106,6 +113,25 @@ class PrefixWork:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PrefixChunk:
+    """One prefix unit: tokens start..start+length-1 of a group's cached prefix, run as one
+    PF/PB action ([Note: prefix chunks] in units.py)."""
+
+    group: int
+    """Index of the group in the batch."""
+    chunk: int
+    """Position of the chunk in its group (0 first)."""
+    start: int
+    """Offset of the chunk's first token in the cached prefix (= its first position)."""
+    length: int
+    """Tokens of the chunk (>= 1)."""
+
+    def __post_init__(self) -> None:
+        for name, minimum in (("group", 0), ("chunk", 0), ("start", 0), ("length", 1)):
+            _check_int(getattr(self, name), f"PrefixChunk.{name}", minimum)
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepPlan:
     """What one optimizer step runs: cached prefixes and packed suffix microbatches."""
 
@@ -115,11 +141,16 @@ class StepPlan:
     """One entry per group that uses the cache, in group order."""
     token_budget: int
     """Maximum tokens of one microbatch row."""
+    prefix_chunk_tokens: Optional[int] = None
+    """Run each cached prefix as chunks of at most this many tokens (one PF/PB each); None: one
+    chunk per group. See `prefix_units`."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "microbatches", tuple(self.microbatches))
         object.__setattr__(self, "prefixes", tuple(self.prefixes))
         _check_int(self.token_budget, "StepPlan.token_budget", 1)
+        if self.prefix_chunk_tokens is not None:
+            _check_int(self.prefix_chunk_tokens, "prefix_chunk_tokens", 1)
         for i, mb in enumerate(self.microbatches):
             if mb.index != i:
                 raise ValueError(f"microbatch at position {i} has index {mb.index}; number them 0, 1, ...")
@@ -140,6 +171,19 @@ class StepPlan:
             raise ValueError(f"prefixes {listed} do not match the cached groups of the segments "
                              f"{cached}; give exactly one PrefixWork(group, length=cached_len) per "
                              "group that reads the cache")
+
+    def prefix_units(self) -> dict[int, PrefixChunk]:
+        """Prefix unit id (the PF/PB index of the schedule) -> its chunk.
+
+        Without chunking a group's one unit has the group's id, so schedules read as before;
+        with `prefix_chunk_tokens` units are numbered 0, 1, ... in (group, chunk) order."""
+        if self.prefix_chunk_tokens is None:
+            return {w.group: PrefixChunk(group=w.group, chunk=0, start=0, length=w.length)
+                    for w in self.prefixes}
+        chunks = [PrefixChunk(group=w.group, chunk=c, start=start, length=length)
+                  for w in self.prefixes
+                  for c, (start, length) in enumerate(chunk_spans(w.length, self.prefix_chunk_tokens))]
+        return dict(enumerate(chunks))
 
     def microbatch_groups(self) -> list[tuple[int, ...]]:
         """Groups that read the prefix cache, per microbatch."""
@@ -165,6 +209,10 @@ class StepPlan:
         prefixes = ", ".join(f"g{w.group}[{w.length}]" for w in self.prefixes) or "none"
         lines = [f"StepPlan: {len(self.microbatches)} microbatches, token budget {self.token_budget}, "
                  f"cached prefixes: {prefixes}"]
+        if self.prefix_chunk_tokens is not None:
+            lines.append(f"  prefix units (chunks of <= {self.prefix_chunk_tokens} tokens): " + " ".join(
+                f"u{u}=g{c.group}c{c.chunk}[{c.start}:{c.start + c.length}]"
+                for u, c in self.prefix_units().items()))
         dense = set()
         for mb in self.microbatches:
             parts = []
@@ -203,9 +251,13 @@ def _check_budget(batch: GroupBatch, token_budget: int) -> None:
 
 
 def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
-                      run_singletons_dense: bool = True) -> StepPlan:
-    """Greedy, order-preserving packing of every trajectory's row; see the module docstring."""
+                      run_singletons_dense: bool = True,
+                      prefix_chunk_tokens: Optional[int] = None) -> StepPlan:
+    """Greedy, order-preserving packing of every trajectory's row; see the module docstring.
+    `prefix_chunk_tokens`: see StepPlan (None: each cached prefix runs as one chunk)."""
     _check_int(token_budget, "token_budget", 1)
+    if prefix_chunk_tokens is not None:
+        _check_int(prefix_chunk_tokens, "prefix_chunk_tokens", 1)
     batch.validate(max_seq_len=max_seq_len)
     _check_budget(batch, token_budget)
     rows: list[list[Segment]] = []
@@ -224,7 +276,8 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
         for s in mb.segments:
             if s.cached_len > 0:
                 prefixes.setdefault(s.group, PrefixWork(group=s.group, length=s.cached_len))
-    return StepPlan(microbatches=microbatches, prefixes=tuple(prefixes.values()), token_budget=token_budget)
+    return StepPlan(microbatches=microbatches, prefixes=tuple(prefixes.values()), token_budget=token_budget,
+                    prefix_chunk_tokens=prefix_chunk_tokens)
 
 
 # ---- tensor builders ---------------------------------------------------------------------------
@@ -278,15 +331,24 @@ def build_suffix_inputs(batch: GroupBatch, mb: SuffixMicrobatch) -> dict[str, to
     return _as_batch_dim({name: torch.cat([r[name] for r in rows]) for name in rows[0]})
 
 
-def build_prefix_inputs(batch: GroupBatch, work: PrefixWork) -> dict[str, torch.Tensor]:
-    """The cached part of a group's prompt: tokens prefix[:-1] at positions 0..P-2, [1, P-1]."""
+def build_prefix_inputs(batch: GroupBatch,
+                        work: Union[PrefixWork, PrefixChunk]) -> dict[str, torch.Tensor]:
+    """The cached part of a group's prompt: tokens prefix[:-1] at positions 0..P-2, [1, P-1];
+    for a PrefixChunk only its tokens prefix[start:start+length] at their positions."""
     if not 0 <= work.group < len(batch.groups):
         raise ValueError(f"group {work.group} is not in the batch (it has {len(batch.groups)} groups)")
     prefix = batch.groups[work.group].prefix
-    if work.length != prefix.numel() - 1:
-        raise ValueError(f"PrefixWork for group {work.group} has length {work.length} but the group "
-                         f"caches P-1 = {prefix.numel() - 1} tokens; the plan does not belong to this batch")
-    return _as_batch_dim({"tokens": prefix[:-1], "position_ids": torch.arange(work.length)})
+    if isinstance(work, PrefixWork):
+        work = PrefixChunk(group=work.group, chunk=0, start=0, length=work.length)
+        fits = work.length == prefix.numel() - 1
+    else:
+        fits = work.start + work.length <= prefix.numel() - 1
+    if not fits:
+        raise ValueError(f"{work} does not fit group {work.group}, which caches P-1 = "
+                         f"{prefix.numel() - 1} tokens; the plan does not belong to this batch")
+    end = work.start + work.length
+    return _as_batch_dim({"tokens": prefix[work.start:end],
+                          "position_ids": torch.arange(work.start, end)})
 
 
 def build_dense_inputs(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torch.Tensor]:

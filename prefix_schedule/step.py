@@ -20,7 +20,7 @@ from prefix_schedule.attention import PackedMeta
 from prefix_schedule.cache import PrefixKVCache
 from prefix_schedule.context import PrefixForwardContext, SuffixForwardContext
 from prefix_schedule.data import GroupBatch
-from prefix_schedule.planner import StepPlan, build_prefix_inputs, build_suffix_inputs
+from prefix_schedule.planner import PrefixChunk, StepPlan, build_prefix_inputs, build_suffix_inputs
 from prefix_schedule.lowering import lower
 from prefix_schedule.schedule import Action, ActionKind, Schedule, build_schedule
 
@@ -33,15 +33,16 @@ class ReuseStep:
     def __init__(self, batch: GroupBatch, plan: StepPlan, *, num_stages: int = 1) -> None:
         self.batch = batch
         self.plan = plan
+        self._units: Dict[int, PrefixChunk] = plan.prefix_units()
         self.schedule: Schedule = build_schedule(
             num_stages=num_stages,
             microbatch_groups=plan.microbatch_groups(),
             prefix_groups=[work.group for work in plan.prefixes],
+            prefix_units={u: (c.group, c.chunk) for u, c in self._units.items()},
         )
         self.lowered: Schedule = lower(self.schedule)
         """The schedule with p2p actions: what each pipeline rank executes."""
         self.cache = PrefixKVCache()
-        self._prefix_work = {work.group: work for work in plan.prefixes}
         self._pending: Optional[Dict[str, torch.Tensor]] = None
         self._suffix_contexts: Dict[int, SuffixForwardContext] = {}
 
@@ -50,9 +51,13 @@ class ReuseStep:
         """Suffix microbatches in the step (what Megatron calls num_microbatches)."""
         return len(self.plan.microbatches)
 
-    def prefix_length(self, group: int) -> int:
-        """Cached prefix tokens of `group` (the prefix row's length)."""
-        return self._prefix_work[group].length
+    def prefix_unit(self, unit: int) -> PrefixChunk:
+        """The chunk that prefix unit `unit` (a PF/PB index of the schedule) runs."""
+        return self._units[unit]
+
+    def prefix_length(self, unit: int) -> int:
+        """Tokens of prefix unit `unit` (its row's length; the whole cached prefix unchunked)."""
+        return self._units[unit].length
 
     def microbatch_length(self, microbatch: int) -> int:
         """Tokens of suffix microbatch `microbatch` (its packed row's length)."""
@@ -68,7 +73,7 @@ class ReuseStep:
         """Make `action`'s inputs the next item (called by the executor before a forward)."""
         assert self._pending is None, f"{action}: the previous item was never taken"
         if action.kind is ActionKind.PREFIX_FORWARD:
-            item = build_prefix_inputs(self.batch, self._prefix_work[action.index])
+            item = build_prefix_inputs(self.batch, self._units[action.index])
             item["kind"] = "prefix"
         elif action.kind is ActionKind.SUFFIX_FORWARD:
             item = build_suffix_inputs(self.batch, self.plan.microbatches[action.index])
@@ -94,10 +99,12 @@ class ReuseStep:
         return item
 
     # ---- contexts for the hooks
-    def prefix_context(self, group: int, *, stop_after_layer: Optional[int],
+    def prefix_context(self, unit: int, *, stop_after_layer: Optional[int],
                        recomputing: bool = False) -> PrefixForwardContext:
-        """Context of group `group`'s prefix forward (or of its recompute in Phase C)."""
-        return PrefixForwardContext(group=group, cache=self.cache,
+        """Context of prefix unit `unit`'s forward (or of its recompute in Phase C)."""
+        chunk = self._units[unit]
+        return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
+                                    position_offset=chunk.start, cache=self.cache,
                                     stop_after_layer=stop_after_layer, recomputing=recomputing)
 
     def suffix_context(self, microbatch: int) -> SuffixForwardContext:
