@@ -10,8 +10,8 @@ that would raise on this machine anyway (so nothing that worked changes):
   `torch.cuda.current_stream()` -> a stream stand-in (DDP grad buckets).
 * The model-parallel RNG tracker keeps CPU generator states instead of CUDA ones
   (`model_parallel_cuda_manual_seed` is mandatory even with dropout 0: attention forks it).
-* `device="cuda"` factories inside Megatron functions: the default causal mask and the token
-  counter in every schedule are created on the CPU.
+* `device="cuda"` factories inside Megatron functions: the default causal mask, the token
+  counter in every schedule, and the optimizer's flags / grad-norm buffers are created on the CPU.
 See ../shared/notes/megatron-on-cpu.md for where each was measured.
 """
 
@@ -95,6 +95,15 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _on_cpu(factory):
+    def make(*args, **kwargs):
+        if kwargs.get("device") == "cuda":
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return make
+
+
 class _CpuFactoryTorch(types.ModuleType):
     """`torch` as seen from one Megatron module: `device="cuda"` in factories becomes the CPU."""
 
@@ -104,11 +113,11 @@ class _CpuFactoryTorch(types.ModuleType):
     def __getattr__(self, name):
         return getattr(torch, name)
 
-    @staticmethod
-    def zeros(*args, **kwargs):
-        if kwargs.get("device") == "cuda":
-            kwargs["device"] = "cpu"
-        return torch.zeros(*args, **kwargs)
+    zeros = staticmethod(_on_cpu(torch.zeros))
+    ones = staticmethod(_on_cpu(torch.ones))
+    empty = staticmethod(_on_cpu(torch.empty))
+    full = staticmethod(_on_cpu(torch.full))
+    tensor = staticmethod(_on_cpu(torch.tensor))
 
 
 def _patch_megatron_modules() -> None:
@@ -117,9 +126,14 @@ def _patch_megatron_modules() -> None:
     from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer import utils as transformer_utils
 
+    from megatron.core import utils as core_utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
-    schedules.torch = _CpuFactoryTorch()
+    for module in (schedules, megatron_optimizer, clip_grads, core_utils):
+        module.torch = _CpuFactoryTorch()
 
     def _get_rng_state(*_args, clone: bool = False, **_kwargs):
         state = torch.get_rng_state()

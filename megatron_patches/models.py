@@ -194,4 +194,5 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
         position_embedding_type="rope",
         rotary_base=10000,
     )
-    return model.to(cfg.params_dtype)
+    model = model.to(cfg.params_dtype)
+    return model.cuda() if torch.cuda.is_available() else model

@@ -25,7 +25,7 @@ from megatron.core.utils import get_model_config
 import megatron_patches
 from megatron_patches.rl import make_policy_forward_step
 
-__all__ = ["StepResult", "dense_step", "reuse_step", "scale_grads_by_token_count",
+__all__ = ["StepResult", "dense_items", "dense_step", "reuse_step", "scale_grads_by_token_count",
            "param_grads", "max_relative_diff"]
 
 
@@ -61,7 +61,8 @@ def scale_grads_by_token_count(models, num_tokens, **_kwargs) -> None:
                 p.grad.div_(count)
 
 
-def _dense_items(batch: GroupBatch) -> Iterator[Dict[str, torch.Tensor]]:
+def dense_items(batch: GroupBatch) -> Iterator[Dict[str, torch.Tensor]]:
+    """Data iterator of the dense baseline: each trajectory's full row, in batch order."""
     for g, group in enumerate(batch.groups):
         for t in range(len(group.trajectories)):
             item = build_dense_inputs(batch, g, t)
@@ -83,7 +84,7 @@ def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
         forward_step_func=make_policy_forward_step(loss_config),
-        data_iterator=_dense_items(batch),
+        data_iterator=dense_items(batch),
         model=[model],
         num_microbatches=num_rows,
         seq_length=0,
