@@ -17,9 +17,13 @@ import importlib
 import importlib.util
 import os
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
+
+from megatron_patches.declarations import (  # the patches themselves; re-exported
+    ATTENTION_CORE_HOOK, GPT_ROPE_POSITIONS_HOOK, PATCHES, SCHEDULE_SELECTION_HOOK,
+    SUPPORTED_VERSIONS, Hunk, SourcePatch,
+)
 
 __all__ = [
     "APPLIED", "CONFLICT", "NOT_APPLIED", "PATCHES", "SUPPORTED_VERSIONS", "Hunk",
@@ -37,191 +41,6 @@ _INSTALL_HINT = (
     "megatron-core=={v}`, or check out tag core_v{v} of Megatron-LM and pass its root with --root"
 )
 
-
-@dataclass(frozen=True, kw_only=True)
-class Hunk:
-    """One exact-text replacement in a target file."""
-
-    old: str
-    """Stock text; must occur exactly once in the target (anchor with enough context)."""
-    new: str
-    """Replacement text; must occur exactly once once applied (so revert is exact)."""
-
-    def __post_init__(self):
-        if not self.old or not self.new or self.old == self.new:
-            raise ValueError("Hunk: old and new must be non-empty and differ")
-        if self.old in self.new or self.new in self.old:
-            # Either text inside the other makes "applied" and "stock" indistinguishable.
-            raise ValueError("Hunk: old must not contain new, nor new old; widen the anchor")
-
-
-@dataclass(frozen=True, kw_only=True)
-class SourcePatch:
-    """A named, versioned source patch to one file of Megatron."""
-
-    id: str
-    """Short kebab-case name, also the file name of its rendering in patches/."""
-    target: str
-    """Path of the file relative to the directory that contains `megatron/`."""
-    description: str
-    """One sentence: what the patch adds and why."""
-    supported_versions: tuple[str, ...]
-    """megatron-core versions (`MAJOR.MINOR.PATCH`) whose stock text the hunks were written for."""
-    hunks: tuple[Hunk, ...]
-    """Replacements, applied in order; each anchor is unique in the stock file."""
-    hook: str
-    """Module-level attribute the patch adds to the target module (None = stock behaviour)."""
-    references: tuple[tuple[str, str], ...] = ()
-    """(qualname in the target module, name) pairs: once patched, that function's code uses name."""
-
-    def __post_init__(self):
-        if not self.id or not self.id.replace("-", "").isalnum() or self.id != self.id.lower():
-            raise ValueError(f"SourcePatch.id {self.id!r} must be lower-case kebab-case")
-        target = Path(self.target)
-        if target.is_absolute() or ".." in target.parts or target.suffix != ".py":
-            raise ValueError(f"SourcePatch.target {self.target!r}: a relative path to a .py file")
-        bad = [v for v in self.supported_versions if len(v.split(".")) != 3]
-        if not self.supported_versions or bad:
-            raise ValueError(f"SourcePatch.supported_versions: want MAJOR.MINOR.PATCH, got {bad}")
-        if not self.hunks or not all(isinstance(h, Hunk) for h in self.hunks):
-            raise ValueError(f"SourcePatch {self.id}: hunks must be a non-empty tuple of Hunk")
-        if not self.hook.isidentifier() or not any(self.hook in h.new for h in self.hunks):
-            raise ValueError(f"SourcePatch {self.id}: hook {self.hook!r} must be added by a hunk")
-
-
-SUPPORTED_VERSIONS = ("0.19.2",)
-
-
-def _insert(before: str, lines: str, after: str) -> Hunk:
-    """A hunk that inserts lines between two adjacent stock snippets (the anchor)."""
-    return Hunk(old=before + after, new=before + lines + after)
-
-
-def _hook_declaration(patch_id: str, hook: str, comment: str) -> str:
-    return f"\n# megatron-prefix-reuse (megatron_patches, {patch_id}): {comment}\n{hook} = None\n"
-
-
-ATTENTION_CORE_HOOK = SourcePatch(
-    id="attention-core-hook",
-    target="megatron/core/transformer/attention.py",
-    description=(
-        "Attention._run_core_attention first asks _core_attention_hook (post-RoPE q/k/v), and the "
-        "inline core-attention call in Attention.forward goes through _run_core_attention."
-    ),
-    supported_versions=SUPPORTED_VERSIONS,
-    hunks=(
-        _insert(
-            "    HAVE_FUSED_QKV_ROPE = False\n",
-            _hook_declaration(
-                "attention-core-hook", "_core_attention_hook",
-                "when set,\n# Attention._run_core_attention calls it first; it returns the core "
-                "attention output,\n# or NotImplemented to run the stock core attention module.",
-            ),
-            "\n\nclass LinearQkvInterface(Protocol):\n",
-        ),
-        _insert('''\
-        """Run the configured core attention module."""
-''', '''\
-        if _core_attention_hook is not None:
-            core_attn_out = _core_attention_hook(
-                self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                attention_bias=attention_bias, packed_seq_params=packed_seq_params, **extra_kwargs,
-            )
-            if core_attn_out is not NotImplemented:
-                return core_attn_out
-''', '''\
-        return apply_module(self.core_attention)(
-'''),
-        Hunk(old='''\
-                with core_attn_manager as query:
-                    core_attn_out = apply_module(self.core_attention)(
-''', new='''\
-                with core_attn_manager as query:
-                    # megatron-prefix-reuse: via _run_core_attention so its hook applies here too.
-                    core_attn_out = self._run_core_attention(
-'''),
-    ),
-    hook="_core_attention_hook",
-    references=(
-        ("Attention._run_core_attention", "_core_attention_hook"),
-        ("Attention.forward", "_run_core_attention"),
-    ),
-)
-
-GPT_ROPE_POSITIONS_HOOK = SourcePatch(
-    id="gpt-rope-positions-hook",
-    target="megatron/core/models/gpt/gpt_model.py",
-    description=(
-        "GPTModel._preprocess passes the RoPE table it built through _rotary_pos_emb_hook, which "
-        "may replace it with per-token positions (a suffix continues at its prefix length)."
-    ),
-    supported_versions=SUPPORTED_VERSIONS,
-    hunks=(
-        _insert(
-            "logger = logging.getLogger(__name__)\n",
-            _hook_declaration(
-                "gpt-rope-positions-hook", "_rotary_pos_emb_hook",
-                "when set,\n# GPTModel._preprocess replaces its RoPE table with "
-                "hook(model, rotary_pos_emb).",
-            ),
-            "\n\nclass GPTModel(LanguageModule):\n",
-        ),
-        _insert('''\
-                rotary_pos_emb = self.rotary_pos_emb(
-                    rotary_seq_len,
-                    packed_seq=packed_seq_params is not None
-                    and packed_seq_params.qkv_format == 'thd',
-                    cp_group=packed_seq_params.cp_group if packed_seq_params is not None else None,
-                )
-''', '''\
-                if _rotary_pos_emb_hook is not None:
-                    rotary_pos_emb = _rotary_pos_emb_hook(self, rotary_pos_emb)
-''', '''\
-        elif self.position_embedding_type == 'yarn':
-'''),
-    ),
-    hook="_rotary_pos_emb_hook",
-    references=(("GPTModel._preprocess", "_rotary_pos_emb_hook"),),
-)
-
-SCHEDULE_SELECTION_HOOK = SourcePatch(
-    id="schedule-selection-hook",
-    target="megatron/core/pipeline_parallel/schedules.py",
-    description=(
-        "get_forward_backward_func first asks _forward_backward_func_hook, so prefix reuse is "
-        "selected the way Megatron selects its schedules; a None result keeps the stock choice."
-    ),
-    supported_versions=SUPPORTED_VERSIONS,
-    hunks=(
-        _insert(
-            "Shape = Union[List[int], torch.Size]\n",
-            _hook_declaration(
-                "schedule-selection-hook", "_forward_backward_func_hook",
-                "when set,\n# get_forward_backward_func asks it first; a None result keeps "
-                "Megatron's choice.",
-            ),
-            "\n\ndef get_forward_backward_func(\n",
-        ),
-        _insert('''\
-            multi-module (cross-grid) collection is passed, select the bridge schedule.
-
-    """
-''', '''\
-    if _forward_backward_func_hook is not None:
-        forward_backward_func = _forward_backward_func_hook(pp_size=pp_size, vp_size=vp_size)
-        if forward_backward_func is not None:
-            return forward_backward_func
-''', '''\
-    if isinstance(schedule_pg_collection, MultiModuleProcessGroupCollection):
-'''),
-    ),
-    hook="_forward_backward_func_hook",
-    references=(("get_forward_backward_func", "_forward_backward_func_hook"),),
-)
-
-PATCHES: tuple[SourcePatch, ...] = (
-    ATTENTION_CORE_HOOK, GPT_ROPE_POSITIONS_HOOK, SCHEDULE_SELECTION_HOOK,
-)
 
 
 class PatchStatus(NamedTuple):
