@@ -1,17 +1,25 @@
 """tools/bench.py and examples/grpo_demo.py run end to end on a tiny configuration.
 
-Both run as subprocesses (each initialises its own one-process Megatron), started together so
-their import times overlap. Only behaviour is asserted: the JSON fields and the relations between
-them, the gradient agreement, the demo's exit status and its agreement line -- never timings.
+The bench (one process and a `--pp 2` layout) and the demo run as subprocesses (each initialises
+its own Megatron), started together so their import times overlap. Only behaviour is asserted:
+the JSON fields and the relations between them, the gradient agreement, the layout and attention
+backend recorded, the demo's exit status and its agreement line -- never timings. The launcher
+behind `--pp/--tp/--dp` (megatron_patches/launch.py) is checked on its own for a failing and a
+hung rank.
 """
 
 import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
+
+from megatron_patches.launch import LaunchError, launch
+from prefix_schedule import attention_backends
 
 pytestmark = pytest.mark.megatron
 
@@ -21,14 +29,21 @@ TINY_BENCH = ["--prefix-len", "64", "--suffix-len", "8", "--group-size", "3", "-
               "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "256",
               "--steps", "1", "--warmup", "0"]
 TIMEOUT = 240
+FIELDS = {"dense_seconds", "stock_dense_seconds", "reuse_seconds", "speedup", "ideal_speedup",
+          "ideal_speedup_basis", "efficiency", "attention_backend", "max_grad_rel_diff",
+          "loss_dense", "loss_reuse", "layout", "model", "workload", "token_budget", "threads",
+          "threads_per_rank", "steps"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Start the bench and the quick demo at once; wait for both."""
-    out = tmp_path_factory.mktemp("bench") / "bench.json"
+    """Start the bench (one process, and PP=2 with the math backend) and the quick demo at once."""
+    out = tmp_path_factory.mktemp("bench")
+    bench = [sys.executable, str(ROOT / "tools" / "bench.py"), *TINY_BENCH]
     commands = {
-        "bench": [sys.executable, str(ROOT / "tools" / "bench.py"), *TINY_BENCH, "--json", str(out)],
+        "bench": [*bench, "--json", str(out / "bench.json")],
+        "bench_pp2": [*bench, "--pp", "2", "--attention-backend", "math", "--timeout", "200",
+                      "--json", str(out / "bench_pp2.json")],
         "demo": [sys.executable, str(ROOT / "examples" / "grpo_demo.py"), "--quick"],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -44,14 +59,7 @@ def runs(tmp_path_factory):
     return results, out
 
 
-def test_bench_json_fields_are_consistent(runs):
-    (rc, stdout), out = runs[0]["bench"], runs[1]
-    assert rc == 0, stdout[-3000:]
-    result = json.loads(out.read_text())
-    assert set(result) == {
-        "dense_seconds", "stock_dense_seconds", "reuse_seconds", "speedup", "ideal_speedup",
-        "efficiency", "max_grad_rel_diff", "loss_dense", "loss_reuse", "model", "workload",
-        "token_budget", "threads", "steps"}
+def _check_result(result: dict) -> None:
     for name in ("dense_seconds", "stock_dense_seconds", "reuse_seconds"):
         assert result[name] > 0, name
     assert math.isclose(result["speedup"], result["dense_seconds"] / result["reuse_seconds"])
@@ -65,7 +73,34 @@ def test_bench_json_fields_are_consistent(runs):
     assert result["workload"] == {"prefix_len": 64, "suffix_len": 8, "group_size": 3,
                                   "num_groups": 2}
     assert (result["token_budget"], result["threads"], result["steps"]) == (3 * 8, 2, 1)
+
+
+def test_bench_json_fields_are_consistent(runs):
+    (rc, stdout), out = runs[0]["bench"], runs[1]
+    assert rc == 0, stdout[-3000:]
+    result = json.loads((out / "bench.json").read_text())
+    assert set(result) == FIELDS
+    _check_result(result)
+    assert result["layout"] == {"pp": 1, "tp": 1, "dp": 1} and result["threads_per_rank"] == 2
+    # "auto" records what selection picks for the model's fp32 CPU tensors (head_dim 64 / 4)
+    auto = attention_backends.select_backend("auto", device="cpu", dtype=torch.float32, head_dim=16)
+    assert result["attention_backend"] == auto.name
     assert "speedup" in stdout and "efficiency" in stdout
+
+
+def test_bench_pp2_runs_two_stage_processes(runs):
+    (rc, stdout), out = runs[0]["bench_pp2"], runs[1]
+    assert rc == 0, stdout[-3000:]
+    result = json.loads((out / "bench_pp2.json").read_text())
+    assert set(result) == FIELDS  # no "placement" without DP
+    _check_result(result)
+    assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1}
+    assert result["threads_per_rank"] == 1  # 2 threads over 2 processes
+    assert result["attention_backend"] == "math"
+    # the ideal is the whole batch's FLOP ratio, the same as without the pipeline
+    single = json.loads((out / "bench.json").read_text())
+    assert result["ideal_speedup"] == single["ideal_speedup"]
+    assert "pp 2 x tp 1 x dp 1 = 2 process(es)" in stdout
 
 
 def test_demo_trains_both_runs_and_checks_agreement(runs):
@@ -75,8 +110,45 @@ def test_demo_trains_both_runs_and_checks_agreement(runs):
     assert "max relative weight difference" in stdout
 
 
+REFUSALS = [
+    (["--group-size", "0"], "--group-size=0"),
+    (["--pp", "3"], "--num-layers=4 does not split over --pp=3"),
+    (["--tp", "3"], "--num-attention-heads=8 is not a multiple of --tp=3"),
+    (["--dp", "32"], "fewer than dp_size=32"),
+    (["--attention-backend", "transformer_engine"], "attention backend 'transformer_engine'"),
+]
+
+
 def test_bench_refuses_bad_flags_before_compute():
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), "--group-size", "0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2
-    assert "--group-size=0" in proc.stderr
+    """Exit status 2 and the reason on stderr, from the parent, before any rank starts (the
+    cases run at once: each is only an interpreter start)."""
+    procs = [(flags, message, subprocess.Popen(
+        [sys.executable, str(ROOT / "tools" / "bench.py"), *flags], cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for flags, message in REFUSALS]
+    for flags, message, proc in procs:
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (flags, stderr[-2000:])
+        assert message in stderr, (flags, stderr[-2000:])
+
+
+def launched_rank(mode: str) -> int:
+    """A rank function for the launcher test (module-level: ranks import it by name)."""
+    rank = torch.distributed.get_rank()
+    if mode == "raise" and rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    if mode == "hang" and rank == 1:
+        time.sleep(300)
+    torch.distributed.barrier()
+    return rank
+
+
+def test_launch_surfaces_a_rank_traceback_and_kills_a_hang():
+    assert launch(launched_rank, world_size=2, args=("ok",), timeout_s=120) == [0, 1]
+    with pytest.raises(LaunchError, match="rank 1 fails on purpose") as failed:
+        launch(launched_rank, world_size=2, args=("raise",), timeout_s=120)
+    assert "rank 1 failed first" in str(failed.value)
+    start = time.monotonic()
+    with pytest.raises(LaunchError, match="timed out after 10 s") as hung:
+        launch(launched_rank, world_size=2, args=("hang",), timeout_s=10)
+    assert time.monotonic() - start < 60
+    assert "in launched_rank" in str(hung.value)  # the hung rank's stack, from faulthandler

@@ -1,4 +1,4 @@
-"""Dense vs prefix-reuse training step, side by side in one process: same weights, same data.
+"""Dense vs prefix-reuse training step, side by side: same weights, same data.
 
 Three paths time one forward+backward step each (gradients zeroed between steps, no optimizer):
 
@@ -8,7 +8,7 @@ Three paths time one forward+backward step each (gradients zeroed between steps,
 - stock dense: the same with Megatron's local attention, which on CPU materialises the score
   matrix (unfused). It is the numerical reference: `max_grad_rel_diff` compares reuse with it.
 - reuse: the prefix-reuse schedule on the local-spec model (the reuse hooks replace its core
-  attention).
+  attention; `--attention-backend` picks their kernel, the JSON names the one used).
 
 Steps are interleaved (dense, stock, reuse, dense, ...) so machine noise hits the paths alike;
 the median per path is reported. `ideal_speedup` is the analytic FLOP ratio of the actual plan
@@ -17,7 +17,17 @@ model counts matmuls only, and reuse also skips the prefix's per-token elementwi
 norms, activations) G-1 times. Interleaving evens out steady noise, not bursts from other jobs:
 the table's min/max per path show how quiet the machine was.
 
+Parallel layouts: `--pp/--tp/--dp` start pp*tp*dp gloo processes on this machine (one process,
+no subprocess, when all are 1), each with max(1, threads // world size) threads. Pipeline stages
+use Megatron's 1F1B for dense (variable row lengths); DP ranks are Megatron-DDP-wrapped and each
+runs its share from `prefix_schedule.placement.place_groups`, dense and reuse on the same share.
+A step's time is the slowest rank's (all-reduce MAX); `max_grad_rel_diff` is the max over ranks;
+`ideal_speedup` stays the FLOP ratio of the whole batch (pipeline bubbles and DP imbalance are
+what `efficiency` then shows). A rank's failure is reported with its traceback; `--timeout`
+bounds the whole multi-process run.
+
     python tools/bench.py [--prefix-len 1024 --suffix-len 64 --group-size 8 --num-groups 2 ...]
+    python tools/bench.py --pp 2 --json out.json
 """
 from __future__ import annotations
 
@@ -39,20 +49,24 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from prefix_schedule import attention_backends  # noqa: E402
 from prefix_schedule.data import Group, GroupBatch, Trajectory  # noqa: E402
 from prefix_schedule.flops import ModelDims, ideal_speedup  # noqa: E402
 from prefix_schedule.losses import PolicyLossConfig  # noqa: E402
+from prefix_schedule.placement import Placement, place_groups  # noqa: E402
 from prefix_schedule.planner import StepPlan, plan_microbatches  # noqa: E402
 
 __all__ = ["BenchConfig", "make_batch", "run_bench", "format_table", "parse_args", "main"]
 
 LOSS = PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.05)
 PATHS = ("dense", "stock_dense", "reuse")
+IDEAL_BASIS = ("FLOP ratio dense/reuse of the whole (global) batch planned as one step "
+               "(prefix_schedule/flops.py); ignores pipeline bubbles and DP imbalance")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BenchConfig:
-    """Workload, model shape and measurement settings of one benchmark run."""
+    """Workload, model shape, parallel layout and measurement settings of one benchmark run."""
 
     prefix_len: int = 1024
     """Shared prompt tokens per group (P >= 2, so that something is cached)."""
@@ -81,16 +95,28 @@ class BenchConfig:
     warmup: int = 1
     """Untimed steps per path before timing."""
     threads: int = 2
-    """torch.set_num_threads."""
+    """torch.set_num_threads (split evenly over the processes of a parallel layout)."""
     seed: int = 0
     """Seed of the weights and the data."""
+    pp: int = 1
+    """Pipeline-parallel stages (world size = pp * tp * dp processes on this machine)."""
+    tp: int = 1
+    """Tensor-parallel ranks."""
+    dp: int = 1
+    """Data-parallel ranks (groups placed by prefix_schedule.placement.place_groups)."""
+    attention_backend: str = "auto"
+    """Shared-prefix attention kernel of the reuse path: auto or a name of
+    prefix_schedule.attention_backends.BACKEND_NAMES."""
+    timeout: int = 900
+    """Seconds the multi-process run may take, start-up included, before it is killed as hung."""
     skip_stock: bool = False
     """Do not time the stock (unfused) dense path; it still gives the one-step gradient reference."""
 
     def __post_init__(self) -> None:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
                         hidden_size=1, ffn_hidden_size=1, num_attention_heads=1,
-                        num_query_groups=1, vocab_size=2, steps=1, warmup=0, threads=1, seed=0)
+                        num_query_groups=1, vocab_size=2, steps=1, warmup=0, threads=1, seed=0,
+                        pp=1, tp=1, dp=1, timeout=1)
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -100,6 +126,27 @@ class BenchConfig:
         elif self.token_budget < self.suffix_len:
             raise ValueError(f"--token-budget={self.token_budget} is smaller than a suffix row "
                              f"({self.suffix_len} tokens); use --token-budget >= {self.suffix_len}")
+        choices = (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES
+        if self.attention_backend not in choices:
+            raise ValueError(f"--attention-backend={self.attention_backend!r}; choose one of {choices}")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """What Megatron needs of the shape for this layout, said before any process starts."""
+        if self.num_layers % self.pp:
+            raise ValueError(f"--num-layers={self.num_layers} does not split over --pp={self.pp} "
+                             "stages; give a multiple of --pp")
+        for name in ("num_attention_heads", "ffn_hidden_size", "vocab_size"):
+            if getattr(self, name) % self.tp:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} is not a multiple "
+                                 f"of --tp={self.tp}")
+        if self.num_query_groups % self.tp and self.tp % self.num_query_groups:
+            raise ValueError(f"--num-query-groups={self.num_query_groups} must be a multiple or a "
+                             f"divisor of --tp={self.tp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
 
     def model_dims(self) -> ModelDims:
         """The FLOP-model view of the model (validates the head arithmetic too)."""
@@ -108,6 +155,14 @@ class BenchConfig:
                          num_attention_heads=self.num_attention_heads,
                          num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
                          gated_linear_unit=True)
+
+    def placement(self, batch: GroupBatch) -> Optional[Placement]:
+        """The DP placement of `batch` (None without DP); every rank computes the same one."""
+        if self.dp == 1:
+            return None
+        return place_groups(batch, dp_size=self.dp, dims=self.model_dims(),
+                            token_budget=self.token_budget,
+                            max_seq_len=self.prefix_len + self.suffix_len)
 
 
 def make_batch(config: BenchConfig) -> GroupBatch:
@@ -136,31 +191,76 @@ def make_batch(config: BenchConfig) -> GroupBatch:
     return GroupBatch(groups=groups)
 
 
-def _build_models(config: BenchConfig):
-    """(local-spec model, fused-SDPA model with the same weights), Megatron initialised."""
+def _plan(config: BenchConfig, batch: GroupBatch) -> StepPlan:
+    return plan_microbatches(batch, token_budget=config.token_budget,
+                             max_seq_len=config.prefix_len + config.suffix_len)
+
+
+def _selected_backend(config: BenchConfig, device="cpu", dtype=torch.float32) -> str:
+    """Set the process default to the requested backend; the one the reuse hook will run.
+    ValueError (with the reason) if the requested one cannot run here."""
+    attention_backends.set_default_backend(config.attention_backend)
+    head_dim = config.hidden_size // config.num_attention_heads
+    return attention_backends.select_backend(device=device, dtype=dtype, head_dim=head_dim).name
+
+
+# ---- inside the process (or each rank) that runs the models ----------------------------------
+
+def _build_models(config: BenchConfig, distributed: bool):
+    """(local-spec model, fused-SDPA model with the same weights), Megatron initialised; one
+    pipeline stage's part of each; DDP-wrapped with data parallelism."""
     import megatron_patches
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_single_process
-    from megatron_patches.training import scale_grads_by_token_count
+    from megatron_patches.models import (TinyLlamaConfig, build_model, initialize_distributed,
+                                         initialize_single_process)
+    from megatron.core import parallel_state  # after models: that enables the CPU layer first
 
     megatron_patches.install()
-    initialize_single_process(seed=config.seed)
+    if distributed:
+        initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp)
+    else:
+        initialize_single_process(seed=config.seed)
     shape = TinyLlamaConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
                             ffn_hidden_size=config.ffn_hidden_size,
                             num_attention_heads=config.num_attention_heads,
                             num_query_groups=config.num_query_groups, vocab_size=config.vocab_size,
                             max_seq_len=config.prefix_len + config.suffix_len)
-    local = build_model(shape, seed=config.seed)
+    stage = {}
+    if config.pp > 1:  # stock dense 1F1B then handles rows of any length
+        stage = dict(pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
+                     variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    local = build_model(shape, seed=config.seed, **stage)
     # Another init seed, so that equal weights can only come from load_state_dict.
-    fused = build_model(shape, fused_attention=True, seed=config.seed + 1)
+    fused = build_model(shape, fused_attention=True, seed=config.seed + 1, **stage)
     fused.load_state_dict(local.state_dict())
-    for model in (local, fused):
+    return _finalize(local, config.dp), _finalize(fused, config.dp)
+
+
+def _finalize(model, dp: int):
+    """Loss-token normalisation: our un-wrapped finalize, or Megatron DDP + finalize_model_grads."""
+    from megatron_patches.training import scale_grads_by_token_count
+
+    if dp == 1:
         model.config.finalize_model_grads_func = scale_grads_by_token_count
-    return local, fused
+        return model
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+
+    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = model.no_sync
+    return model
+
+
+def _zero(model) -> None:
+    if hasattr(model, "zero_grad_buffer"):  # DDP keeps gradients in main_grad buffers
+        model.zero_grad_buffer()
+    model.zero_grad(set_to_none=True)
 
 
 def _timed(model, run: Callable[[], object]) -> float:
     """Wall seconds of one fwd+bwd step, gradients zeroed (set to None) beforehand."""
-    model.zero_grad(set_to_none=True)
+    _zero(model)
     start = time.perf_counter()
     run()
     return time.perf_counter() - start
@@ -170,18 +270,41 @@ def _check_step(local, batch: GroupBatch, plan: StepPlan) -> Dict[str, float]:
     """One untimed step of stock dense and of reuse on the local model: losses, gradient diff."""
     from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
 
-    local.zero_grad(set_to_none=True)
+    _zero(local)
     dense = dense_step(local, batch, LOSS)
     dense_grads = param_grads(local)
-    local.zero_grad(set_to_none=True)
+    _zero(local)
     reuse = reuse_step(local, batch, plan, LOSS)
     diff = max_relative_diff(dense_grads, param_grads(local))
-    local.zero_grad(set_to_none=True)
-    return {"loss_dense": dense.loss, "loss_reuse": reuse.loss, "max_grad_rel_diff": diff}
+    _zero(local)
+    if torch.distributed.get_world_size() == 1:
+        return {"loss_dense": dense.loss, "loss_reuse": reuse.loss, "max_grad_rel_diff": diff}
+    return {"loss_dense": _global_loss(dense), "loss_reuse": _global_loss(reuse),
+            "max_grad_rel_diff": _all_max(diff)}
+
+
+def _all_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t)
+
+
+def _global_loss(result) -> float:
+    """Token mean over the whole batch: the last stage of each DP replica reports (one TP rank)."""
+    from megatron.core import parallel_state
+
+    totals = torch.zeros(2, dtype=torch.float64)
+    if (parallel_state.is_pipeline_last_stage()
+            and parallel_state.get_tensor_model_parallel_rank() == 0):
+        totals += torch.tensor([result.loss * result.num_tokens, float(result.num_tokens)],
+                               dtype=torch.float64)
+    torch.distributed.all_reduce(totals)
+    return float(totals[0] / totals[1])
 
 
 def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
                 plan: StepPlan) -> Dict[str, List[float]]:
+    """Seconds per timed step and path; with several ranks a step's time is the slowest rank's."""
     from megatron_patches.training import dense_step, reuse_step
 
     runs = {
@@ -191,15 +314,35 @@ def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
     }
     if config.skip_stock:
         del runs["stock_dense"]
+    reduce = _all_max if torch.distributed.get_world_size() > 1 else float
     times: Dict[str, List[float]] = {name: [] for name in runs}
     for step in range(config.warmup + config.steps):
         for name, (model, run) in runs.items():  # interleaved: noise hits every path alike
-            seconds = _timed(model, run)
+            seconds = reduce(_timed(model, run))  # the MAX also lines the ranks up for the next
             if step >= config.warmup:
                 times[name].append(seconds)
-    local.zero_grad(set_to_none=True)
-    fused.zero_grad(set_to_none=True)
+    _zero(local)
+    _zero(fused)
     return times
+
+
+def _measure(config: BenchConfig, distributed: bool = False) -> dict:
+    """Build, check and time in this process, or in each rank of a layout (`distributed`, run by
+    megatron_patches.launch: its pipeline stage / TP shard / DP share); every rank returns the
+    same reduced numbers."""
+    local, fused = _build_models(config, distributed)
+    batch = make_batch(config)
+    placement = config.placement(batch)
+    if placement is not None:
+        from megatron.core import parallel_state
+
+        batch = placement.ranks[parallel_state.get_data_parallel_rank()].batch
+    plan = _plan(config, batch)
+    param = next(local.parameters())
+    backend = _selected_backend(config, param.device, param.dtype)
+    check = _check_step(local, batch, plan)
+    return {"times": _time_paths(config, local, fused, batch, plan),
+            "attention_backend": backend, **check}
 
 
 def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] = None) -> dict:
@@ -208,26 +351,33 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
     `raw_times`, if given, receives every timed step's seconds per path (for the table's spread).
     """
     dims = config.model_dims()
-    torch.set_num_threads(config.threads)
+    threads = max(1, config.threads // config.world_size)
     batch = make_batch(config)
-    plan = plan_microbatches(batch, token_budget=config.token_budget,
-                             max_seq_len=config.prefix_len + config.suffix_len)
-    ideal = ideal_speedup(dims, batch, plan)
-    local, fused = _build_models(config)
-    check = _check_step(local, batch, plan)
-    times = _time_paths(config, local, fused, batch, plan)
+    ideal = ideal_speedup(dims, batch, _plan(config, batch))
+    placement = config.placement(batch)
+    if config.world_size == 1:
+        torch.set_num_threads(config.threads)
+        measured = _measure(config)
+    else:
+        from megatron_patches.launch import launch
+
+        measured = launch(_measure, world_size=config.world_size, args=(config, True),
+                          timeout_s=config.timeout, threads_per_rank=threads)[0]
+    times = measured.pop("times")
     if raw_times is not None:
         raw_times.update(times)
     median = {name: statistics.median(values) for name, values in times.items()}
     speedup = median["dense"] / median["reuse"]
-    return {
+    result = {
         "dense_seconds": median["dense"],
         "stock_dense_seconds": median.get("stock_dense"),
         "reuse_seconds": median["reuse"],
         "speedup": speedup,
         "ideal_speedup": ideal,
+        "ideal_speedup_basis": IDEAL_BASIS,
         "efficiency": speedup / ideal,
-        **check,
+        **measured,
+        "layout": {"pp": config.pp, "tp": config.tp, "dp": config.dp},
         "model": {name: getattr(dims, name) for name in (
             "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
             "num_query_groups", "vocab_size", "gated_linear_unit")},
@@ -235,13 +385,17 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
             "prefix_len", "suffix_len", "group_size", "num_groups")},
         "token_budget": config.token_budget,
         "threads": config.threads,
+        "threads_per_rank": threads,
         "steps": config.steps,
     }
+    if placement is not None:
+        result["placement"] = placement.describe()
+    return result
 
 
 def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = None) -> str:
     """A short human-readable summary of a result dict (with min/max per path if given times)."""
-    w, m = result["workload"], result["model"]
+    w, m, lay = result["workload"], result["model"], result["layout"]
     raw_times = raw_times or {}
 
     def row(label: str, name: str) -> str:
@@ -251,18 +405,24 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         spread = f"{min(values):>10.4f}{max(values):>10.4f}" if values else ""
         return f"{label:<30}{result[name + '_seconds']:>12.4f}{spread}"
 
+    world = lay["pp"] * lay["tp"] * lay["dp"]
     lines = [
         f"workload: {w['num_groups']} groups x {w['group_size']} trajectories, prefix "
         f"{w['prefix_len']}, suffix {w['suffix_len']}, token budget {result['token_budget']}",
         f"model: {m['num_layers']} layers, hidden {m['hidden_size']}, ffn {m['ffn_hidden_size']}, "
         f"heads {m['num_attention_heads']}/{m['num_query_groups']} kv, vocab {m['vocab_size']}; "
         f"{result['threads']} threads, median of {result['steps']} steps",
-        f"{'fwd+bwd seconds':<30}{'median':>12}{'min':>10}{'max':>10}",
+        f"layout: pp {lay['pp']} x tp {lay['tp']} x dp {lay['dp']} = {world} process(es), "
+        f"{result['threads_per_rank']} thread(s) each; attention backend "
+        f"{result['attention_backend']}",
+        *([result["placement"]] if "placement" in result else []),
+        f"{'fwd+bwd seconds' + (' (slowest rank)' if world > 1 else ''):<30}"
+        f"{'median':>12}{'min':>10}{'max':>10}",
         row("dense (fused SDPA)", "dense"),
         row("stock dense (local, unfused)", "stock_dense"),
         row("reuse", "reuse"),
-        f"speedup {result['speedup']:.3f}x  ideal {result['ideal_speedup']:.3f}x  "
-        f"efficiency {result['efficiency']:.3f}",
+        f"speedup {result['speedup']:.3f}x  ideal {result['ideal_speedup']:.3f}x (whole-batch "
+        f"FLOPs)  efficiency {result['efficiency']:.3f}",
         f"loss dense {result['loss_dense']:.6f}  reuse {result['loss_reuse']:.6f}  "
         f"max grad rel diff vs stock dense {result['max_grad_rel_diff']:.2e}",
     ]
@@ -273,7 +433,7 @@ def _field_docs() -> Dict[str, str]:
     """BenchConfig's attribute docstrings (the --help text of each flag)."""
     tree = ast.parse(Path(__file__).read_text())
     body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BenchConfig").body
-    return {a.target.id: d.value.value for a, d in zip(body, body[1:])
+    return {a.target.id: " ".join(d.value.value.split()) for a, d in zip(body, body[1:])
             if isinstance(a, ast.AnnAssign) and isinstance(d, ast.Expr)
             and isinstance(d.value, ast.Constant)}
 
@@ -283,12 +443,15 @@ def parse_args(argv=None) -> tuple[BenchConfig, Optional[Path]]:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults, docs = BenchConfig(), _field_docs()
+    special = ("skip_stock", "token_budget", "attention_backend")
     for field in dataclasses.fields(BenchConfig):
-        if field.name in ("skip_stock", "token_budget"):
-            continue
-        p.add_argument("--" + field.name.replace("_", "-"), type=int,
-                       default=getattr(defaults, field.name), help=docs.get(field.name))
+        if field.name not in special:
+            p.add_argument("--" + field.name.replace("_", "-"), type=int,
+                           default=getattr(defaults, field.name), help=docs.get(field.name))
     p.add_argument("--token-budget", type=int, default=None, help=docs["token_budget"])
+    p.add_argument("--attention-backend", default=defaults.attention_backend,
+                   choices=(attention_backends.AUTO,) + attention_backends.BACKEND_NAMES,
+                   help=docs["attention_backend"])
     p.add_argument("--skip-stock", action="store_true", help=docs["skip_stock"])
     p.add_argument("--json", type=Path, default=None, help="write the result dict here")
     args = vars(p.parse_args(argv))
@@ -300,11 +463,19 @@ def main(argv=None) -> int:
     try:
         config, out = parse_args(argv)
         config.model_dims()
+        config.placement(make_batch(config))  # e.g. fewer trajectories than DP ranks
+        _selected_backend(config)  # a backend that cannot run here, with the reason
     except ValueError as exc:
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 2
+    from megatron_patches.launch import LaunchError
+
     raw_times: Dict[str, List[float]] = {}
-    result = run_bench(config, raw_times)
+    try:
+        result = run_bench(config, raw_times)
+    except LaunchError as exc:  # every rank's traceback and output tail
+        print(f"bench.py: a rank failed:\n{exc}", file=sys.stderr)
+        return 1
     print(format_table(result, raw_times))
     if out is not None:
         out.write_text(json.dumps(result, indent=2) + "\n")
