@@ -31,19 +31,20 @@ TINY_BENCH = ["--prefix-len", "64", "--suffix-len", "8", "--group-size", "3", "-
 TIMEOUT = 240
 FIELDS = {"dense_seconds", "stock_dense_seconds", "reuse_seconds", "speedup", "ideal_speedup",
           "ideal_speedup_basis", "efficiency", "attention_backend", "max_grad_rel_diff",
-          "loss_dense", "loss_reuse", "layout", "model", "workload", "token_budget", "threads",
-          "threads_per_rank", "steps"}
+          "loss_dense", "loss_reuse", "layout", "model", "workload", "token_budget",
+          "prefix_chunk_tokens", "threads", "threads_per_rank", "steps"}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Start the bench (one process, and PP=2 with the math backend) and the quick demo at once."""
+    """Start the bench (one process; PP=2 with the math backend and prefix chunks) and the quick
+    demo at once."""
     out = tmp_path_factory.mktemp("bench")
     bench = [sys.executable, str(ROOT / "tools" / "bench.py"), *TINY_BENCH]
     commands = {
         "bench": [*bench, "--json", str(out / "bench.json")],
         "bench_pp2": [*bench, "--pp", "2", "--attention-backend", "math", "--timeout", "200",
-                      "--json", str(out / "bench_pp2.json")],
+                      "--prefix-chunk-tokens", "32", "--json", str(out / "bench_pp2.json")],
         "demo": [sys.executable, str(ROOT / "examples" / "grpo_demo.py"), "--quick"],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -82,6 +83,7 @@ def test_bench_json_fields_are_consistent(runs):
     assert set(result) == FIELDS
     _check_result(result)
     assert result["layout"] == {"pp": 1, "tp": 1, "dp": 1} and result["threads_per_rank"] == 2
+    assert result["prefix_chunk_tokens"] is None
     # "auto" records what selection picks for the model's fp32 CPU tensors (head_dim 64 / 4)
     auto = attention_backends.select_backend("auto", device="cpu", dtype=torch.float32, head_dim=16)
     assert result["attention_backend"] == auto.name
@@ -97,6 +99,7 @@ def test_bench_pp2_runs_two_stage_processes(runs):
     assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1}
     assert result["threads_per_rank"] == 1  # 2 threads over 2 processes
     assert result["attention_backend"] == "math"
+    assert result["prefix_chunk_tokens"] == 32  # 63 cached tokens: 2 chunks per group
     # the ideal is the whole batch's FLOP ratio, the same as without the pipeline
     single = json.loads((out / "bench.json").read_text())
     assert result["ideal_speedup"] == single["ideal_speedup"]

@@ -90,6 +90,9 @@ class BenchConfig:
     """Vocabulary size."""
     token_budget: Optional[int] = None
     """Tokens per suffix microbatch; None = group_size * suffix_len (one group's suffixes)."""
+    prefix_chunk_tokens: Optional[int] = None
+    """Run each cached prefix as chunks of at most this many tokens (one pipeline job each);
+    None = one chunk per group."""
     steps: int = 3
     """Timed steps per path (the median is reported)."""
     warmup: int = 1
@@ -126,6 +129,8 @@ class BenchConfig:
         elif self.token_budget < self.suffix_len:
             raise ValueError(f"--token-budget={self.token_budget} is smaller than a suffix row "
                              f"({self.suffix_len} tokens); use --token-budget >= {self.suffix_len}")
+        if self.prefix_chunk_tokens is not None and self.prefix_chunk_tokens < 1:
+            raise ValueError(f"--prefix-chunk-tokens={self.prefix_chunk_tokens}; give an int >= 1")
         choices = (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES
         if self.attention_backend not in choices:
             raise ValueError(f"--attention-backend={self.attention_backend!r}; choose one of {choices}")
@@ -193,7 +198,8 @@ def make_batch(config: BenchConfig) -> GroupBatch:
 
 def _plan(config: BenchConfig, batch: GroupBatch) -> StepPlan:
     return plan_microbatches(batch, token_budget=config.token_budget,
-                             max_seq_len=config.prefix_len + config.suffix_len)
+                             max_seq_len=config.prefix_len + config.suffix_len,
+                             prefix_chunk_tokens=config.prefix_chunk_tokens)
 
 
 def _selected_backend(config: BenchConfig, device="cpu", dtype=torch.float32) -> str:
@@ -384,6 +390,7 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
         "workload": {name: getattr(config, name) for name in (
             "prefix_len", "suffix_len", "group_size", "num_groups")},
         "token_budget": config.token_budget,
+        "prefix_chunk_tokens": config.prefix_chunk_tokens,
         "threads": config.threads,
         "threads_per_rank": threads,
         "steps": config.steps,
@@ -408,7 +415,9 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
     world = lay["pp"] * lay["tp"] * lay["dp"]
     lines = [
         f"workload: {w['num_groups']} groups x {w['group_size']} trajectories, prefix "
-        f"{w['prefix_len']}, suffix {w['suffix_len']}, token budget {result['token_budget']}",
+        f"{w['prefix_len']}, suffix {w['suffix_len']}, token budget {result['token_budget']}"
+        + (f", prefix chunks of <= {result['prefix_chunk_tokens']} tokens"
+           if result["prefix_chunk_tokens"] else ""),
         f"model: {m['num_layers']} layers, hidden {m['hidden_size']}, ffn {m['ffn_hidden_size']}, "
         f"heads {m['num_attention_heads']}/{m['num_query_groups']} kv, vocab {m['vocab_size']}; "
         f"{result['threads']} threads, median of {result['steps']} steps",
@@ -443,12 +452,14 @@ def parse_args(argv=None) -> tuple[BenchConfig, Optional[Path]]:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults, docs = BenchConfig(), _field_docs()
-    special = ("skip_stock", "token_budget", "attention_backend")
+    special = ("skip_stock", "token_budget", "prefix_chunk_tokens", "attention_backend")
     for field in dataclasses.fields(BenchConfig):
         if field.name not in special:
             p.add_argument("--" + field.name.replace("_", "-"), type=int,
                            default=getattr(defaults, field.name), help=docs.get(field.name))
     p.add_argument("--token-budget", type=int, default=None, help=docs["token_budget"])
+    p.add_argument("--prefix-chunk-tokens", type=int, default=None,
+                   help=docs["prefix_chunk_tokens"])
     p.add_argument("--attention-backend", default=defaults.attention_backend,
                    choices=(attention_backends.AUTO,) + attention_backends.BACKEND_NAMES,
                    help=docs["attention_backend"])
@@ -464,7 +475,8 @@ def main(argv=None) -> int:
         config, out = parse_args(argv)
         config.model_dims()
         config.placement(make_batch(config))  # e.g. fewer trajectories than DP ranks
-        _selected_backend(config)  # a backend that cannot run here, with the reason
+        # a backend that cannot run here, with the reason (models sit where build_model puts them)
+        _selected_backend(config, "cuda" if torch.cuda.is_available() else "cpu")
     except ValueError as exc:
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 2
