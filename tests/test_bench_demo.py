@@ -96,7 +96,7 @@ def test_bench_pp2_runs_two_stage_processes(runs):
     result = json.loads((out / "bench_pp2.json").read_text())
     assert set(result) == FIELDS  # no "placement" without DP
     _check_result(result)
-    assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1}
+    assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1}  # the sizes Megatron ran with
     assert result["threads_per_rank"] == 1  # 2 threads over 2 processes
     assert result["attention_backend"] == "math"
     assert result["prefix_chunk_tokens"] == 32  # 63 cached tokens: 2 chunks per group

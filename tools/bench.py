@@ -348,7 +348,16 @@ def _measure(config: BenchConfig, distributed: bool = False) -> dict:
     backend = _selected_backend(config, param.device, param.dtype)
     check = _check_step(local, batch, plan)
     return {"times": _time_paths(config, local, fused, batch, plan),
-            "attention_backend": backend, **check}
+            "attention_backend": backend, **check, "layout": _megatron_layout()}
+
+
+def _megatron_layout() -> Dict[str, int]:
+    """The parallel sizes Megatron actually ran with (the JSON's `layout`)."""
+    from megatron.core import parallel_state as ps
+
+    return {"pp": ps.get_pipeline_model_parallel_world_size(),
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
 
 
 def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] = None) -> dict:
@@ -383,7 +392,6 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
         "ideal_speedup_basis": IDEAL_BASIS,
         "efficiency": speedup / ideal,
         **measured,
-        "layout": {"pp": config.pp, "tp": config.tp, "dp": config.dp},
         "model": {name: getattr(dims, name) for name in (
             "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
             "num_query_groups", "vocab_size", "gated_linear_unit")},
