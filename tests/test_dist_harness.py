@@ -34,7 +34,7 @@ def test_harness_returns_values_in_rank_order():
 
 def test_harness_reports_a_failed_rank_with_its_output():
     with pytest.raises(DistributedRunError) as info:
-        run_distributed(harness_rank, world_size=2, args=("raise",), timeout_s=60, grace_s=1)
+        run_distributed(harness_rank, world_size=2, args=("raise",), timeout_s=60)
     message = str(info.value)
     assert "rank 1 failed on purpose" in message and "rank 1 says goodbye" in message
 
