@@ -63,3 +63,27 @@ def test_pp4_group_spanning_many_microbatches():
     shapes = [(37, [7, 8, 6, 9, 5, 7, 8]), (12, [4, 6])]
     results = run_distributed(_pp_rank, world_size=4, args=(4, shapes, 9, 4), timeout_s=240)
     _check(results)
+
+
+def _p2p_log_rank():
+    import logging
+    import os
+
+    os.environ["PREFIX_REUSE_P2P_LOG"] = "1"
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("megatron_patches.p2p").addHandler(handler)
+    _pp_rank(2, [(12, [3, 4])], 8, 5)
+    return records
+
+
+def test_p2p_log_names_every_operation_with_rank_and_counter():
+    logs = run_distributed(_p2p_log_rank, world_size=2, timeout_s=180)
+    for rank, lines in enumerate(logs):
+        assert lines, f"rank {rank} logged no p2p operation"
+        assert all(f"[p2p rank {rank} #" in line for line in lines)
+        counters = [int(line.split("#")[1].split("]")[0]) for line in lines]
+        assert counters == list(range(1, len(lines) + 1))
+    assert any("send" in line and "PFS" in line for line in logs[0])
+    assert any("recv" in line and "PFR" in line for line in logs[1])
