@@ -20,7 +20,7 @@ from prefix_schedule.step import ReuseStep
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
-from megatron.core.utils import get_attr_wrapped_model, get_model_config
+from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap_model
 
 from megatron_patches.p2p import PipelineP2P
 
@@ -30,7 +30,7 @@ K = ActionKind
 _BACKWARD = (K.SUFFIX_BACKWARD, K.PREFIX_BACKWARD)
 
 
-def check_reuse_supported(config, step, num_microbatches) -> None:
+def check_reuse_supported(config, step, num_microbatches, model=None) -> None:
     """ValueErrors, before any compute, for settings where reuse would not equal dense."""
     if not isinstance(step, ReuseStep):
         raise ValueError(
@@ -59,6 +59,17 @@ def check_reuse_supported(config, step, num_microbatches) -> None:
             "recompute_granularity='full' would drop the prefix K/V graph of Phase A; use "
             "'selective' recompute or none"
         )
+    if config.context_parallel_size > 1:
+        raise ValueError("prefix reuse does not support context parallelism yet; set "
+                         "context_parallel_size=1")
+    if config.multi_latent_attention:
+        raise ValueError("prefix reuse does not hook multi-latent attention (MLA) yet")
+    position_embedding = (getattr(unwrap_model(model), "position_embedding_type", "rope")
+                          if model is not None else "rope")
+    if position_embedding not in ("rope", "learned_absolute", "none"):
+        raise ValueError(
+            f"position_embedding_type={position_embedding!r}: only 'rope' (and learned absolute "
+            "positions) continue at the prefix length in reuse steps; yarn / mrope are not hooked")
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     if pp != step.schedule.num_stages:
         raise ValueError(
@@ -252,7 +263,7 @@ def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, nu
         data_iterator = data_iterator[0]
     step: ReuseStep = data_iterator
     config = get_model_config(model)
-    check_reuse_supported(config, step, num_microbatches)
+    check_reuse_supported(config, step, num_microbatches, model)
     if pg_collection is None:
         pg_collection = schedules._build_default_pg_collection()
 

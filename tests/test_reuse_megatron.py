@@ -119,3 +119,11 @@ def test_wrong_iterator_and_microbatch_count_are_refused(megatron_env):
     step = ReuseStep(batch, plan_microbatches(batch, token_budget=4, max_seq_len=512))
     assert "ReuseStep" in _call_reuse(model, iter([{}]), 1)
     assert "num_microbatches" in _call_reuse(model, step, step.num_microbatches + 1)
+
+
+def test_position_embeddings_that_are_not_hooked_are_refused(megatron_env):
+    model = _model()
+    model.position_embedding_type = "yarn"  # as a yarn model would report it
+    batch = make_batch(12, [(10, [3, 4])])
+    step = ReuseStep(batch, plan_microbatches(batch, token_budget=8, max_seq_len=512))
+    assert "yarn" in _call_reuse(model, step, step.num_microbatches)

@@ -60,6 +60,7 @@ SIGNATURE_TARGETS = (
     f"{_SCHEDULES}_build_default_pg_collection",
     "megatron.core.utils:get_attr_wrapped_model",
     "megatron.core.utils:get_model_config",
+    "megatron.core.utils:unwrap_model",
     "megatron.core.parallel_state:get_pipeline_model_parallel_prev_rank",
     "megatron.core.parallel_state:get_pipeline_model_parallel_next_rank",
     "megatron.core.parallel_state:get_pipeline_model_parallel_last_rank",
