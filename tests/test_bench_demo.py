@@ -8,6 +8,7 @@ behind `--pp/--tp/--dp` (megatron_patches/launch.py) is checked on its own for a
 hung rank.
 """
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -32,7 +33,10 @@ TIMEOUT = 240
 FIELDS = {"dense_seconds", "stock_dense_seconds", "reuse_seconds", "speedup", "ideal_speedup",
           "ideal_speedup_basis", "efficiency", "attention_backend", "max_grad_rel_diff",
           "loss_dense", "loss_reuse", "layout", "model", "workload", "token_budget",
-          "prefix_chunk_tokens", "threads", "threads_per_rank", "steps"}
+          "prefix_chunk_tokens", "threads", "threads_per_rank", "steps", "memory"}
+MEMORY_FIELDS = {"dense_peak_saved_bytes", "reuse_peak_saved_bytes",
+                 "reuse_suffix_phase_peak_bytes", "reuse_cache_bytes", "suffix_phase_reduction",
+                 "basis"}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +92,17 @@ def test_bench_json_fields_are_consistent(runs):
     auto = attention_backends.select_backend("auto", device="cpu", dtype=torch.float32, head_dim=16)
     assert result["attention_backend"] == auto.name
     assert "speedup" in stdout and "efficiency" in stdout
+    memory = result["memory"]
+    assert set(memory) == MEMORY_FIELDS
+    for name in MEMORY_FIELDS - {"basis", "suffix_phase_reduction"}:
+        assert isinstance(memory[name], int) and memory[name] > 0, name
+    # the suffix phase is part of the step; the cache is part of what the phase holds
+    assert memory["reuse_cache_bytes"] < memory["reuse_suffix_phase_peak_bytes"]
+    assert memory["reuse_suffix_phase_peak_bytes"] <= memory["reuse_peak_saved_bytes"]
+    assert memory["reuse_peak_saved_bytes"] < memory["dense_peak_saved_bytes"]
+    assert math.isclose(memory["suffix_phase_reduction"], 1 - memory[
+        "reuse_suffix_phase_peak_bytes"] / memory["dense_peak_saved_bytes"])
+    assert "held-for-backward MiB: dense peak" in stdout
 
 
 def test_bench_pp2_runs_two_stage_processes(runs):
@@ -100,6 +115,7 @@ def test_bench_pp2_runs_two_stage_processes(runs):
     assert result["threads_per_rank"] == 1  # 2 threads over 2 processes
     assert result["attention_backend"] == "math"
     assert result["prefix_chunk_tokens"] == 32  # 63 cached tokens: 2 chunks per group
+    assert result["memory"] is None  # measured in the single-process path only
     # the ideal is the whole batch's FLOP ratio, the same as without the pipeline
     single = json.loads((out / "bench.json").read_text())
     assert result["ideal_speedup"] == single["ideal_speedup"]
@@ -111,6 +127,59 @@ def test_demo_trains_both_runs_and_checks_agreement(runs):
     assert rc == 0, stdout[-3000:]
     assert "agreement OK" in stdout
     assert "max relative weight difference" in stdout
+
+
+@pytest.fixture
+def memory_probe(monkeypatch):
+    path = ROOT / "tools" / "memory_probe.py"
+    spec = importlib.util.spec_from_file_location("memory_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "memory_probe", module)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_memory_probe_counts_saved_storages_once_until_backward_frees_them(memory_probe):
+    weight = torch.ones(4, 4, requires_grad=True)  # a parameter: excluded
+    x = torch.randn(8, 4, requires_grad=True)  # 128 bytes
+    extra = torch.zeros(16)  # 64 bytes held outside autograd (the cache's role)
+    meter = memory_probe.SavedBytesMeter(exclude=[weight], extra=lambda: [extra, x])
+    with meter:
+        h = x @ weight  # saves x (and weight: excluded)
+        y = (x[:4] * h[:4]).sum() + (x[4:] * h[4:]).sum()  # x's views: x's storage, once; h: 128
+        assert meter.live_bytes == 128 + 128
+        meter.phase(True)
+        meter.phase(False)
+        assert meter.held_bytes() == 256 + 64  # `extra` joins; x's storage is not counted twice
+        y.backward()
+    assert meter.live_bytes == 0  # every saved reference released by the backward
+    assert meter.peak_bytes == meter.phase_peak_bytes == 320
+    assert meter.held_bytes() == 64 + 128  # x is no longer saved: now counted as an extra
+
+
+
+def test_suffix_phase_spans_first_suffix_forward_to_last_release(memory_probe):
+    from prefix_schedule.schedule import Action, ActionKind
+
+    class Step:  # the two methods the executor calls, as a ReuseStep has them
+        num_microbatches = 2
+        prepare = release_microbatch = staticmethod(lambda _: None)
+
+    step, meter = Step(), memory_probe.SavedBytesMeter()
+    memory_probe.watch_suffix_phase(step, meter)
+    held = torch.zeros(32)  # 128 bytes held during the prefix forward only: not in the phase
+    with meter:
+        prefix = held.requires_grad_().square().sum()
+        step.prepare(Action(stage=0, kind=ActionKind.PREFIX_FORWARD, index=0))
+        prefix.backward()
+        step.prepare(Action(stage=0, kind=ActionKind.SUFFIX_FORWARD, index=0))
+        suffix = torch.zeros(4, requires_grad=True).square().sum()  # saves 16 bytes
+        suffix.backward()  # SB, then the executor releases the microbatch
+        step.release_microbatch(0)
+        assert meter.phase_peak_bytes == 16
+        step.release_microbatch(1)  # the last: the phase closes
+        late = torch.zeros(64, requires_grad=True).square().sum()  # 256 bytes, after the phase
+    assert (meter.phase_peak_bytes, meter.peak_bytes) == (16, 256)
 
 
 REFUSALS = [

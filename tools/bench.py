@@ -17,6 +17,15 @@ model counts matmuls only, and reuse also skips the prefix's per-token elementwi
 norms, activations) G-1 times. Interleaving evens out steady noise, not bursts from other jobs:
 the table's min/max per path show how quiet the machine was.
 
+Memory (`memory` in the JSON, single-process runs only; None with several processes): after
+timing, one extra untimed step per path (fused dense, reuse) runs under tools/memory_probe.py,
+which counts the bytes autograd holds for backward -- saved-tensor storages, each once, while
+any saved reference to them is alive -- plus, for reuse, the prefix cache's K/V copies and fp32
+gK/gV. It is not the allocator's peak: parameters, gradients, optimizer state and transient
+temporaries are excluded. `reuse_suffix_phase_peak_bytes` is the peak from the first suffix
+forward to the release of the last suffix microbatch (the prefix graphs, still waiting for
+Phase C, are held then too); `suffix_phase_reduction` = 1 - that / dense's whole-step peak.
+
 Parallel layouts: `--pp/--tp/--dp` start pp*tp*dp gloo processes on this machine (one process,
 no subprocess, when all are 1), each with max(1, threads // world size) threads. Pipeline stages
 use Megatron's 1F1B for dense (variable row lengths); DP ranks are Megatron-DDP-wrapped and each
@@ -56,10 +65,16 @@ from prefix_schedule.losses import PolicyLossConfig  # noqa: E402
 from prefix_schedule.placement import Placement, place_groups  # noqa: E402
 from prefix_schedule.planner import StepPlan, plan_microbatches  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/memory_probe.py, however run
+import memory_probe  # noqa: E402
+
 __all__ = ["BenchConfig", "make_batch", "run_bench", "format_table", "parse_args", "main"]
 
 LOSS = PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.05)
 PATHS = ("dense", "stock_dense", "reuse")
+MEMORY_BASIS = ("bytes autograd holds for backward (saved-tensor storages, each once; "
+                "parameters excluded) plus, for reuse, the prefix cache's K/V copies and gK/gV; "
+                "one untimed step per path; not the allocator's peak (tools/memory_probe.py)")
 IDEAL_BASIS = ("FLOP ratio dense/reuse of the whole (global) batch planned as one step "
                "(prefix_schedule/flops.py); ignores pipeline bubbles and DP imbalance")
 
@@ -347,8 +362,31 @@ def _measure(config: BenchConfig, distributed: bool = False) -> dict:
     param = next(local.parameters())
     backend = _selected_backend(config, param.device, param.dtype)
     check = _check_step(local, batch, plan)
-    return {"times": _time_paths(config, local, fused, batch, plan),
-            "attention_backend": backend, **check, "layout": _megatron_layout()}
+    times = _time_paths(config, local, fused, batch, plan)
+    memory = None if distributed else _memory(local, fused, batch, plan)  # after: untimed
+    return {"times": times, "attention_backend": backend, **check, "memory": memory,
+            "layout": _megatron_layout()}
+
+
+def _memory(local, fused, batch: GroupBatch, plan: StepPlan) -> Dict[str, float]:
+    """One extra step per path under tools/memory_probe.py: bytes held for backward (saved
+    activations, plus the prefix cache for reuse; not the allocator's peak)."""
+    from megatron_patches.training import dense_step, reuse_step
+    from prefix_schedule.step import ReuseStep
+
+    _zero(fused)
+    dense = memory_probe.measure_dense(fused, lambda: dense_step(fused, batch, LOSS))
+    _zero(local)
+    reuse = memory_probe.measure_reuse(
+        local, ReuseStep(batch, plan), lambda step: reuse_step(local, batch, plan, LOSS, step=step))
+    _zero(local)
+    _zero(fused)
+    return {"dense_peak_saved_bytes": dense.peak_saved_bytes,
+            "reuse_peak_saved_bytes": reuse.peak_saved_bytes,
+            "reuse_suffix_phase_peak_bytes": reuse.suffix_phase_peak_bytes,
+            "reuse_cache_bytes": reuse.cache_peak_bytes,
+            "suffix_phase_reduction": 1 - reuse.suffix_phase_peak_bytes / dense.peak_saved_bytes,
+            "basis": MEMORY_BASIS}
 
 
 def _megatron_layout() -> Dict[str, int]:
@@ -442,8 +480,20 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         f"FLOPs)  efficiency {result['efficiency']:.3f}",
         f"loss dense {result['loss_dense']:.6f}  reuse {result['loss_reuse']:.6f}  "
         f"max grad rel diff vs stock dense {result['max_grad_rel_diff']:.2e}",
+        _memory_line(result["memory"]),
     ]
     return "\n".join(lines)
+
+
+def _memory_line(memory: Optional[dict]) -> str:
+    if memory is None:
+        return "held-for-backward memory: not measured with several processes"
+    mib = 2.0 ** 20
+    return (f"held-for-backward MiB: dense peak {memory['dense_peak_saved_bytes'] / mib:.1f}, "
+            f"reuse peak {memory['reuse_peak_saved_bytes'] / mib:.1f}, reuse suffix phase "
+            f"{memory['reuse_suffix_phase_peak_bytes'] / mib:.1f} "
+            f"({-100 * memory['suffix_phase_reduction']:+.0f}% vs dense), cache "
+            f"{memory['reuse_cache_bytes'] / mib:.1f}")
 
 
 def _field_docs() -> Dict[str, str]:
