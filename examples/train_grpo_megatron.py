@@ -36,6 +36,8 @@ def parse_args(argv=None):
     p.add_argument("--max-response-len", type=int, default=48)
     p.add_argument("--token-budget", type=int, default=256)
     p.add_argument("--prefix-chunk-tokens", type=int, default=None)
+    p.add_argument("--offload-prefix-activations", action="store_true",
+                   help="park Phase A's saved activations in pinned host memory until Phase C")
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=1e-4)
@@ -120,7 +122,8 @@ def main(argv=None) -> int:
             plan = plan_microbatches(local, token_budget=args.token_budget,
                                      max_seq_len=cfg.max_seq_len,
                                      prefix_chunk_tokens=args.prefix_chunk_tokens)
-            data = ReuseStep(local, plan, num_stages=args.pp)
+            data = ReuseStep(local, plan, num_stages=args.pp,
+                             offload_prefix_activations=args.offload_prefix_activations)
             num_microbatches = data.num_microbatches
         reports = forward_backward(forward_step_func=make_policy_forward_step(loss_config),
                                    data_iterator=data, model=[model],

@@ -177,7 +177,11 @@ class _StageRunner:
         stop = config.num_layers if self.is_last else None
         autocast = (torch.autocast("cuda", dtype=config.autocast_dtype)
                     if config.enable_autocast else contextlib.nullcontext())
-        with active_context(step.prefix_context(action.index, stop_after_layer=stop)), autocast:
+        # Dormant prefix activations (needed again only in Phase C) can live in host memory.
+        offload = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+                   if step.offload_prefix_activations else contextlib.nullcontext())
+        with active_context(step.prefix_context(action.index, stop_after_layer=stop)), autocast, \
+                offload:
             try:
                 output, _ = self.forward_step_func(step, self.model)
             except PrefixForwardDone:

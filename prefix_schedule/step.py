@@ -30,9 +30,13 @@ __all__ = ["ReuseStep"]
 class ReuseStep:
     """Data, plan, schedule and prefix cache of one step (one per rank)."""
 
-    def __init__(self, batch: GroupBatch, plan: StepPlan, *, num_stages: int = 1) -> None:
+    def __init__(self, batch: GroupBatch, plan: StepPlan, *, num_stages: int = 1,
+                 offload_prefix_activations: bool = False) -> None:
         self.batch = batch
         self.plan = plan
+        self.offload_prefix_activations = offload_prefix_activations
+        """Keep what Phase A saves for backward in pinned host memory until Phase C: during the
+        suffix phase only the prefix K/V and gK/gV stay on the device (a no-op on CPU)."""
         self._units: Dict[int, PrefixChunk] = plan.prefix_units()
         self.schedule: Schedule = build_schedule(
             num_stages=num_stages,

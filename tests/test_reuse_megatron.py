@@ -127,3 +127,30 @@ def test_position_embeddings_that_are_not_hooked_are_refused(megatron_env):
     batch = make_batch(12, [(10, [3, 4])])
     step = ReuseStep(batch, plan_microbatches(batch, token_budget=8, max_seq_len=512))
     assert "yarn" in _call_reuse(model, step, step.num_microbatches)
+
+
+def test_prefix_activation_offload_keeps_the_math(megatron_env):
+    """Phase A's saved tensors parked in host memory (save_on_cpu) until Phase C: same gradients."""
+    from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
+
+    model = _model()
+    batch = make_batch(13, [(30, [6, 5, 7]), (18, [4, 9])])
+    plan = plan_microbatches(batch, token_budget=10, max_seq_len=512, prefix_chunk_tokens=12)
+    dense_step(model, batch, LOSS)
+    dense = param_grads(model)
+    model.zero_grad(set_to_none=True)
+    step = ReuseStep(batch, plan, offload_prefix_activations=True)
+    packed = []
+    original = torch.autograd.graph.save_on_cpu.__init__
+
+    def spy(self, *args, **kwargs):
+        packed.append(1)
+        original(self, *args, **kwargs)
+
+    torch.autograd.graph.save_on_cpu.__init__ = spy
+    try:
+        reuse_step(model, batch, plan, LOSS, step=step)
+    finally:
+        torch.autograd.graph.save_on_cpu.__init__ = original
+    assert len(packed) == len(plan.prefix_units()), "every prefix forward offloads"
+    assert max_relative_diff(dense, param_grads(model)) <= TOL
