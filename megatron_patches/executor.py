@@ -186,7 +186,7 @@ class _StageRunner:
                 output, _ = self.forward_step_func(step, self.model)
             except PrefixForwardDone:
                 output = None
-        assert step.taken(), "forward_step_func must take its item with next(data_iterator)"
+        step.finish_forward()  # a rank may leave the item unread (TP ranks > 0 in get_batch)
         assert (output is None) == self.is_last, (
             f"{action}: the prefix forward must stop at the last layer's K/V exactly on the "
             "last stage")
@@ -204,7 +204,7 @@ class _StageRunner:
                 is_first_microbatch=self.num_forwards == 0, current_microbatch=action.index,
                 is_last_stage=self.is_last,
             )
-        assert step.taken(), "forward_step_func must take its item with next(data_iterator)"
+        step.finish_forward()  # a rank may leave the item unread (TP ranks > 0 in get_batch)
         self.num_forwards += 1
         self.total_num_tokens += num_tokens
         self.outputs[key] = output

@@ -75,7 +75,7 @@ class ReuseStep:
     # ---- the data-iterator protocol
     def prepare(self, action: Action) -> None:
         """Make `action`'s inputs the next item (called by the executor before a forward)."""
-        assert self._pending is None, f"{action}: the previous item was never taken"
+        assert self._pending is None, f"{action}: the previous forward was not finished"
         if action.kind is ActionKind.PREFIX_FORWARD:
             item = build_prefix_inputs(self.batch, self._units[action.index])
             item["kind"] = "prefix"
@@ -89,6 +89,15 @@ class ReuseStep:
     def taken(self) -> bool:
         """True once the prepared item was consumed by `next()`."""
         return self._pending is None
+
+    def finish_forward(self) -> None:
+        """Drop the prepared item if this rank's forward_step_func did not read it.
+
+        Megatron's own `get_batch` reads the iterator on tensor-parallel rank 0 only and
+        broadcasts the batch; the other ranks never call `next()`, and that is fine: the hooks
+        take positions and cache slots from the reuse context, not from the item.
+        """
+        self._pending = None
 
     def __iter__(self) -> "ReuseStep":
         return self

@@ -154,3 +154,37 @@ def test_prefix_activation_offload_keeps_the_math(megatron_env):
         torch.autograd.graph.save_on_cpu.__init__ = original
     assert len(packed) == len(plan.prefix_units()), "every prefix forward offloads"
     assert max_relative_diff(dense, param_grads(model)) <= TOL
+
+
+def test_forward_step_func_may_leave_the_item_unread(megatron_env):
+    """Megatron's get_batch reads the iterator on TP rank 0 only and broadcasts: a rank whose
+    forward_step_func never calls next() must still run the step exactly."""
+    from functools import partial
+
+    from megatron_patches import rl
+    from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
+
+    model = _model()
+    batch = make_batch(14, [(22, [5, 7]), (9, [4])])
+    plan = plan_microbatches(batch, token_budget=8, max_seq_len=512, run_singletons_dense=False)
+    dense_step(model, batch, LOSS)
+    dense = param_grads(model)
+    model.zero_grad(set_to_none=True)
+    step = ReuseStep(batch, plan)
+    # what TP rank 0 would broadcast: each forward's item, built apart from the iterator
+    from prefix_schedule.planner import build_prefix_inputs, build_suffix_inputs
+    units = plan.prefix_units()
+    copies = iter([build_prefix_inputs(batch, units[a.index]) if a.kind.value == "PF"
+                   else build_suffix_inputs(batch, plan.microbatches[a.index])
+                   for a in step.schedule.actions[0] if a.kind.value in ("PF", "SF")])
+
+    def forward_step(data_iterator, m):
+        del data_iterator  # never read, like a TP rank > 0
+        item = next(copies)
+        out = m(item["tokens"], item["position_ids"], None)
+        return out, (partial(rl._policy_loss, item, LOSS) if "labels" in item else None)
+
+    from megatron_patches.executor import forward_backward_prefix_reuse
+    forward_backward_prefix_reuse(forward_step_func=forward_step, data_iterator=step,
+                                  model=[model], num_microbatches=step.num_microbatches)
+    assert max_relative_diff(dense, param_grads(model)) <= TOL
