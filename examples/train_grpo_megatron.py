@@ -78,24 +78,19 @@ def main(argv=None) -> int:
     initialize_distributed(seed=1234 + args.seed, tp=args.tp, pp=args.pp)
 
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (DistributedDataParallel,
-                                           DistributedDataParallelConfig, finalize_model_grads)
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_patches.rl import make_policy_forward_step
+    from megatron_patches.training import prepare_for_training
     from prefix_schedule import PolicyLossConfig, ReuseStep, plan_microbatches
     from prefix_schedule.placement import place_groups
 
     cfg = TinyLlamaConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                           ffn_hidden_size=args.hidden_size * 8 // 3 // 16 * 16,
                           max_seq_len=args.prefix_len + args.max_response_len)
-    model = build_model(cfg, pre_process=ps.is_pipeline_first_stage(),
-                        post_process=ps.is_pipeline_last_stage(),
-                        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
-    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = model.no_sync
+    model = build_model(cfg)  # this pipeline stage's layers
+    model = prepare_for_training(model, ddp=True)  # Megatron DDP + finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, params_dtype=cfg.params_dtype,
         clip_grad=1.0 if torch.cuda.is_available() else 0.0), [model])  # CPU: no clipping

@@ -167,13 +167,19 @@ def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig) -> Tran
 
 
 def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Optional[int] = 1234,
-                pre_process: bool = True, post_process: bool = True, **config_overrides) -> GPTModel:
-    """Build a tiny Llama GPTModel with Megatron's local layer spec.
+                **config_overrides) -> GPTModel:
+    """Build this pipeline stage's part of a tiny Llama GPTModel with Megatron's local layer spec.
 
     `fused_attention=True` swaps the core attention for `FusedSDPACoreAttention` (same
     parameters: core attention has none), the fair dense baseline for timing. With
-    `sequence_parallel=True` (TP > 1) the norms are `SequenceParallelTorchNorm`.
+    `sequence_parallel=True` (TP > 1) the norms are `SequenceParallelTorchNorm`. With pipeline
+    parallelism the config allows variable row lengths, so that stock dense 1F1B (the reference)
+    can run rows of any length.
     """
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        config_overrides = {"variable_seq_lengths": True,
+                            "moe_token_dispatcher_type": "alltoall",  # required by the former
+                            **config_overrides}
     if seed is not None:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
@@ -188,8 +194,8 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
-        pre_process=pre_process,
-        post_process=post_process,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=10000,

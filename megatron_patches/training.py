@@ -20,12 +20,12 @@ from prefix_schedule.step import ReuseStep
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import get_model_config
 
 import megatron_patches
 from megatron_patches.rl import make_policy_forward_step
 
 __all__ = ["StepResult", "dense_items", "dense_step", "reuse_step", "scale_grads_by_token_count",
+           "prepare_for_training", "zero_grads",
            "param_grads", "max_relative_diff"]
 
 
@@ -112,6 +112,29 @@ def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss_config: PolicyLoss
         forward_only=forward_only,
     )
     return _summarise(reports)
+
+
+def prepare_for_training(model, *, ddp: bool):
+    """Loss-token normalisation for a built model: un-wrapped with `scale_grads_by_token_count`
+    (tensor/pipeline parallel, one replica), or Megatron's DDP wrapper with its
+    `finalize_model_grads` and `no_sync` (data parallel). Returns the model to train."""
+    if not ddp:
+        model.config.finalize_model_grads_func = scale_grads_by_token_count
+        return model
+    from megatron.core.distributed import (DistributedDataParallel,
+                                           DistributedDataParallelConfig, finalize_model_grads)
+
+    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    model.config.finalize_model_grads_func = finalize_model_grads
+    model.config.no_sync_func = model.no_sync
+    return model
+
+
+def zero_grads(model) -> None:
+    """Clear gradients, including a DDP wrapper's main_grad buffers."""
+    if hasattr(model, "zero_grad_buffer"):
+        model.zero_grad_buffer()
+    model.zero_grad(set_to_none=True)
 
 
 def param_grads(model) -> Dict[str, torch.Tensor]:

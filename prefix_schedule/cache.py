@@ -15,7 +15,7 @@ c's backward feeds the buffers of the earlier chunks, which therefore run backwa
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -158,15 +158,17 @@ class PrefixKVCache:
         return sum(e.num_reads for c in self._chunks(group)
                    for e in self._live_layers(group, c).values())
 
-    def nbytes(self) -> int:
-        """Bytes held by live K/V copies and gradient buffers (excluding the prefix graphs)."""
-        total = 0
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The live K/V copies and fp32 gradient buffers (not the prefix graphs they came from)."""
         for layers in self._entries.values():
             for e in layers.values():
                 for t in (e.k_leaf, e.v_leaf, e.grad_k, e.grad_v):
                     if t is not None:
-                        total += t.numel() * t.element_size()
-        return total
+                        yield t
+
+    def nbytes(self) -> int:
+        """Bytes held by live K/V copies and gradient buffers (excluding the prefix graphs)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def _free_chunk(self, group: int, chunk: int) -> None:
         del self._entries[(group, chunk)]

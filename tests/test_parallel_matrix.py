@@ -26,38 +26,20 @@ BUDGET = 12
 
 
 def _build(ddp: bool):
-    from megatron.core import parallel_state
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
-
     from megatron_patches.models import TinyLlamaConfig, build_model
-    from megatron_patches.training import scale_grads_by_token_count
+    from megatron_patches.training import prepare_for_training
 
-    model = build_model(TinyLlamaConfig(**MODEL),
-                        pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage(),
-                        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
-    if not ddp:
-        model.config.finalize_model_grads_func = scale_grads_by_token_count
-        return model
-    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = model.no_sync
-    return model
-
-
-def _zero(model):
-    if hasattr(model, "zero_grad_buffer"):
-        model.zero_grad_buffer()
-    model.zero_grad(set_to_none=True)
+    return prepare_for_training(build_model(TinyLlamaConfig(**MODEL)), ddp=ddp)
 
 
 def _optimizer_step(model, optimizer):
+    from megatron_patches.training import zero_grads
+
     for p in model.parameters():  # DDP keeps gradients in main_grad
         if getattr(p, "main_grad", None) is not None:
             p.grad = p.main_grad.to(p.dtype)
     optimizer.step()
-    _zero(model)
+    zero_grads(model)
 
 
 def matrix_rank(tp: int, pp: int, ddp: bool) -> dict:

@@ -56,27 +56,18 @@ def _setup(tp: int) -> None:
 
 
 def _build(ddp: bool = False, sequence_parallel: bool = False, **model_overrides):
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
-
     from megatron_patches.models import TinyLlamaConfig, build_model
-    from megatron_patches.training import scale_grads_by_token_count
+    from megatron_patches.training import prepare_for_training
 
     model = build_model(TinyLlamaConfig(**{**MODEL, **model_overrides}),
                         sequence_parallel=sequence_parallel)
-    if not ddp:
-        model.config.finalize_model_grads_func = scale_grads_by_token_count
-        return model
-    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = model.no_sync
-    return model
+    return prepare_for_training(model, ddp=ddp)
 
 
 def _zero(model) -> None:
-    if hasattr(model, "zero_grad_buffer"):
-        model.zero_grad_buffer()
-    model.zero_grad(set_to_none=True)
+    from megatron_patches.training import zero_grads
+
+    zero_grads(model)
 
 
 def _grads(model):

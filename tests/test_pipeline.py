@@ -10,8 +10,6 @@ pytestmark = pytest.mark.megatron
 
 
 def _pp_rank(pp, shapes, token_budget, seed):
-    import torch
-
     import megatron_patches
     from megatron.core import parallel_state
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
@@ -25,9 +23,7 @@ def _pp_rank(pp, shapes, token_budget, seed):
     cfg = TinyLlamaConfig(num_layers=4, hidden_size=64, ffn_hidden_size=176,
                           num_attention_heads=4, num_query_groups=2, vocab_size=256,
                           max_seq_len=512)
-    model = build_model(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage(),
-                        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    model = build_model(cfg)
     model.config.finalize_model_grads_func = scale_grads_by_token_count
     batch = make_batch(seed, shapes)
     dense = dense_step(model, batch, LOSS)

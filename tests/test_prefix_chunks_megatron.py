@@ -88,9 +88,7 @@ def _pp_rank(shapes, token_budget, chunk_tokens, seed):
     megatron_patches.install()
     initialize_distributed(seed=1234, pp=2)
     cfg = TinyLlamaConfig(**{**SMALL, "num_layers": 4})
-    model = build_model(cfg, pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage(),
-                        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
+    model = build_model(cfg)
     model.config.finalize_model_grads_func = scale_grads_by_token_count
     batch = make_batch(seed, shapes)
     dense = dense_step(model, batch, LOSS)

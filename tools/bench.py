@@ -233,7 +233,6 @@ def _build_models(config: BenchConfig, distributed: bool):
     import megatron_patches
     from megatron_patches.models import (TinyLlamaConfig, build_model, initialize_distributed,
                                          initialize_single_process)
-    from megatron.core import parallel_state  # after models: that enables the CPU layer first
 
     megatron_patches.install()
     if distributed:
@@ -245,38 +244,20 @@ def _build_models(config: BenchConfig, distributed: bool):
                             num_attention_heads=config.num_attention_heads,
                             num_query_groups=config.num_query_groups, vocab_size=config.vocab_size,
                             max_seq_len=config.prefix_len + config.suffix_len)
-    stage = {}
-    if config.pp > 1:  # stock dense 1F1B then handles rows of any length
-        stage = dict(pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     variable_seq_lengths=True, moe_token_dispatcher_type="alltoall")
-    local = build_model(shape, seed=config.seed, **stage)
+    local = build_model(shape, seed=config.seed)  # this pipeline stage's part
     # Another init seed, so that equal weights can only come from load_state_dict.
-    fused = build_model(shape, fused_attention=True, seed=config.seed + 1, **stage)
+    fused = build_model(shape, fused_attention=True, seed=config.seed + 1)
     fused.load_state_dict(local.state_dict())
-    return _finalize(local, config.dp), _finalize(fused, config.dp)
+    from megatron_patches.training import prepare_for_training
 
-
-def _finalize(model, dp: int):
-    """Loss-token normalisation: our un-wrapped finalize, or Megatron DDP + finalize_model_grads."""
-    from megatron_patches.training import scale_grads_by_token_count
-
-    if dp == 1:
-        model.config.finalize_model_grads_func = scale_grads_by_token_count
-        return model
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
-
-    model = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
-    model.config.finalize_model_grads_func = finalize_model_grads
-    model.config.no_sync_func = model.no_sync
-    return model
+    return (prepare_for_training(local, ddp=config.dp > 1),
+            prepare_for_training(fused, ddp=config.dp > 1))
 
 
 def _zero(model) -> None:
-    if hasattr(model, "zero_grad_buffer"):  # DDP keeps gradients in main_grad buffers
-        model.zero_grad_buffer()
-    model.zero_grad(set_to_none=True)
+    from megatron_patches.training import zero_grads
+
+    zero_grads(model)
 
 
 def _timed(model, run: Callable[[], object]) -> float:

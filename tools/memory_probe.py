@@ -163,16 +163,6 @@ def watch_suffix_phase(step, meter: SavedBytesMeter) -> None:
     step.prepare, step.release_microbatch = watched_prepare, watched_release
 
 
-def _cache_tensors(cache) -> Iterable[torch.Tensor]:
-    # PrefixKVCache has no public accessor for its tensors; nbytes() alone cannot de-duplicate
-    # storages it shares with the prefix graph's saved tensors.
-    for layers in cache._entries.values():
-        for entry in layers.values():
-            for t in (entry.k_leaf, entry.v_leaf, entry.grad_k, entry.grad_v):
-                if t is not None:
-                    yield t
-
-
 def measure_dense(model, run: Callable[[], object]) -> MemoryReport:
     """Held bytes of one dense step `run()` on `model` (parameters excluded)."""
     with SavedBytesMeter(exclude=list(model.parameters())) as meter:
@@ -186,7 +176,7 @@ def measure_reuse(model, step, run: Callable[[object], object]) -> MemoryReport:
 
     def extra() -> Iterable[torch.Tensor]:
         cache_peak[0] = max(cache_peak[0], step.cache.nbytes())
-        return _cache_tensors(step.cache)
+        return step.cache.tensors()
 
     meter = SavedBytesMeter(exclude=list(model.parameters()), extra=extra)
     watch_suffix_phase(step, meter)
