@@ -1,5 +1,5 @@
 """megatron-prefix-reuse: shared-prefix reuse for RL post-training on Megatron-LM."""
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="megatron-prefix-reuse",
@@ -8,7 +8,8 @@ setup(
         "Run the shared prompt of a GRPO/PPO group once (prefix forward, suffix microbatches "
         "over cached K/V, prefix backward once) inside Megatron-LM, exactly equal to dense training."
     ),
-    packages=["prefix_schedule", "megatron_patches"],
+    packages=find_packages(include=["prefix_schedule", "prefix_schedule.*", "megatron_patches",
+                                    "megatron_patches.*"]),
     package_data={"megatron_patches": ["snapshots/*.json", "patches/*.patch"]},
     python_requires=">=3.10",
     # megatron-core is pinned (see megatron_patches/registry.py); on Python 3.11 it installs with

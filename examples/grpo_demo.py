@@ -5,15 +5,15 @@ Dense training runs each [prompt; response] row through the model: the prompt G 
 reuse runs the prompt once and is exactly the same computation (docs/DESIGN.md):
 
   Phase A  prefix forward, once per group: every layer's K/V of the prompt go to a cache
-           (prefix_schedule/cache.py); the forward stops after the last layer's K/V.
+           (prefix_schedule/runtime/cache.py); the forward stops after the last layer's K/V.
   Phase B  the G responses are packed into ordinary Megatron microbatches under a token budget
-           (prefix_schedule/planner.py); their attention also reads the group's cached K/V
-           (megatron_patches/hooks.py -> prefix_schedule/attention.py), and their backward adds
+           (prefix_schedule/planning/planner.py); their attention also reads the group's cached K/V
+           (megatron_patches/hooks.py -> prefix_schedule/attention/core.py), and their backward adds
            the prompt-side gradients gK/gV into fp32 buffers of the cache.
   Phase C  prefix backward, once per group, driven by the accumulated gK/gV.
 
 The executor (megatron_patches/executor.py) walks a schedule of these actions
-(prefix_schedule/schedule.py); Megatron selects it like any other schedule via
+(prefix_schedule/pipeline/); Megatron selects it like any other schedule via
 `get_forward_backward_func()` (megatron_patches/training.py shows both calls).
 
 What this script does: a fixed random prompt per group; each step draws G random responses per
@@ -55,9 +55,9 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefix_schedule.data import Group, GroupBatch, Trajectory  # noqa: E402
+from prefix_schedule.planning.data import Group, GroupBatch, Trajectory  # noqa: E402
 from prefix_schedule.losses import PolicyLossConfig, grpo_advantages  # noqa: E402
-from prefix_schedule.planner import plan_microbatches  # noqa: E402
+from prefix_schedule.planning.planner import plan_microbatches  # noqa: E402
 
 __all__ = ["DemoConfig", "QUICK", "main"]
 

@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     from megatron_patches.rl import make_policy_forward_step
     from megatron_patches.training import prepare_for_training
     from prefix_schedule import PolicyLossConfig, ReuseStep, plan_microbatches
-    from prefix_schedule.placement import place_groups
+    from prefix_schedule.planning.placement import place_groups
 
     cfg = TinyLlamaConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                           ffn_hidden_size=args.hidden_size * 8 // 3 // 16 * 16,

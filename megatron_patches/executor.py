@@ -14,9 +14,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from prefix_schedule.context import PrefixForwardDone, active_context
-from prefix_schedule.schedule import Action, ActionKind
-from prefix_schedule.step import ReuseStep
+from prefix_schedule.runtime.context import PrefixForwardDone, active_context
+from prefix_schedule.pipeline import Action, ActionKind
+from prefix_schedule.runtime.step import ReuseStep
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules

@@ -1,6 +1,6 @@
 """The functions installed into Megatron's hook points (see registry.py for the source patches).
 
-Both hooks are inert unless the executor has set a reuse context (prefix_schedule.context), so a
+Both hooks are inert unless the executor has set a reuse context (prefix_schedule.runtime.context), so a
 process can train dense and with prefix reuse side by side.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from prefix_schedule.attention import PackedMeta, causal_attention, shared_prefix_attention
-from prefix_schedule.context import (
+from prefix_schedule.runtime.context import (
     PrefixForwardContext,
     PrefixForwardDone,
     SuffixForwardContext,

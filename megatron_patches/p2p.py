@@ -3,7 +3,7 @@
 [Note: p2p ordering rule]
 Every rank holds the same lowered schedule, so for each ordered pair of neighbouring ranks
 (a -> b) the sequence of tensors a sends equals, in order, the sequence b receives; the
-lowering pass produces that and the simulator checks it (prefix_schedule/lowering.py,
+lowering pass produces that and the simulator checks it (prefix_schedule/pipeline/lowering.py,
 simulate.py). Matching is therefore FIFO per direction and never depends on two same-shaped
 tensors racing: with PP=2 the previous and next peer are the same rank, but the two directions
 carry different kinds of traffic (0 -> 1 forward activations, 1 -> 0 gradients) and each is

@@ -13,10 +13,10 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from prefix_schedule.data import GroupBatch
+from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.losses import PolicyLossConfig
-from prefix_schedule.planner import StepPlan, build_dense_inputs
-from prefix_schedule.step import ReuseStep
+from prefix_schedule.planning.planner import StepPlan, build_dense_inputs
+from prefix_schedule.runtime.step import ReuseStep
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func

@@ -3,10 +3,10 @@
 Nothing in this package imports Megatron (megatron_patches/ does).
 """
 
-from prefix_schedule.data import Group, GroupBatch, Trajectory
+from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
 from prefix_schedule.losses import PolicyLossConfig, grpo_advantages
-from prefix_schedule.planner import StepPlan, plan_microbatches
-from prefix_schedule.step import ReuseStep
+from prefix_schedule.planning.planner import StepPlan, plan_microbatches
+from prefix_schedule.runtime.step import ReuseStep
 
 __all__ = [
     "Group",

@@ -1,8 +1,17 @@
 """Test tiers: plan/attention/data tests need no Megatron; `megatron_env` sets up real Megatron
 on CPU (gloo, one process) with the prefix-reuse hooks installed; `gpu` tests skip without CUDA."""
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
+
+# CI must not depend on the draw: the "ci" profile (default) replays the same examples every run;
+# HYPOTHESIS_PROFILE=explore draws fresh ones (run it locally to hunt for new counterexamples).
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import fake_attention_libs as fakes
-import prefix_schedule.attention_backends as backends
+import prefix_schedule.attention.backends as backends
 from prefix_schedule.attention import causal_attention, reference_attention, shared_prefix_attention
-from prefix_schedule.attention_backends import (ENV_VAR, Availability, get_backend, select_backend,
+from prefix_schedule.attention.backends import (ENV_VAR, Availability, get_backend, select_backend,
                                                 set_default_backend)
-from prefix_schedule.attention_backends.two_part import suffix_call
+from prefix_schedule.attention.backends.two_part import suffix_call
 from test_attention import CASES, PACKED, TOL, as_f64, assert_rel_close, make_problem, out_and_grads
 
 CPU, F64 = torch.device("cpu"), torch.float64

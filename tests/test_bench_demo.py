@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megatron_patches.launch import LaunchError, launch
-from prefix_schedule import attention_backends
+from prefix_schedule.attention import backends as attention_backends
 
 pytestmark = pytest.mark.megatron
 
@@ -159,7 +159,7 @@ def test_memory_probe_counts_saved_storages_once_until_backward_frees_them(memor
 
 
 def test_suffix_phase_spans_first_suffix_forward_to_last_release(memory_probe):
-    from prefix_schedule.schedule import Action, ActionKind
+    from prefix_schedule.pipeline import Action, ActionKind
 
     class Step:  # the two methods the executor calls, as a ReuseStep has them
         num_microbatches = 2

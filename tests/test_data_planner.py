@@ -4,8 +4,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_schedule.data import Group, GroupBatch, Trajectory
-from prefix_schedule.planner import (
+from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
+from prefix_schedule.planning.planner import (
     PrefixWork,
     Segment,
     StepPlan,

@@ -10,9 +10,9 @@ import zlib
 import pytest
 import torch
 
-from prefix_schedule.data import Group, GroupBatch, Trajectory
+from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
 from prefix_schedule.losses import PolicyLossConfig
-from prefix_schedule.planner import plan_microbatches
+from prefix_schedule.planning.planner import plan_microbatches
 
 pytestmark = pytest.mark.megatron
 

@@ -3,9 +3,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from prefix_schedule.data import Group, GroupBatch, Trajectory
-from prefix_schedule.flops import ModelDims, dense_flops, ideal_speedup, reuse_flops
-from prefix_schedule.planner import plan_microbatches
+from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
+from prefix_schedule.planning.flops import ModelDims, dense_flops, ideal_speedup, reuse_flops
+from prefix_schedule.planning.planner import plan_microbatches
 
 # L=2, h=4, f=8, a=2, g=1, V=10, d=h/a=2. Per token and layer: QKV 2*4*(2*2+2*1*2) = 64,
 # out proj 2*4*4 = 32, MLP 2*4*8 + 2*8*4 = 128 -> 224; output layer 2*4*10 = 80 per token;

@@ -47,8 +47,8 @@ def matrix_rank(tp: int, pp: int, ddp: bool) -> dict:
     from megatron.core import parallel_state
     from megatron_patches.models import initialize_distributed
     from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
-    from prefix_schedule.placement import place_groups
-    from prefix_schedule.planner import plan_microbatches
+    from prefix_schedule.planning.placement import place_groups
+    from prefix_schedule.planning.planner import plan_microbatches
 
     megatron_patches.install()
     initialize_distributed(seed=1234, tp=tp, pp=pp)

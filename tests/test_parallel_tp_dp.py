@@ -79,7 +79,7 @@ def _grads(model):
 def _dense_and_reuse(model, batch):
     """(dense result, dense grads, reuse result, reuse grads) of `batch` on this rank."""
     from megatron_patches.training import dense_step, reuse_step
-    from prefix_schedule.planner import plan_microbatches
+    from prefix_schedule.planning.planner import plan_microbatches
 
     _zero(model)
     dense = dense_step(model, batch, LOSS)
@@ -209,7 +209,7 @@ def tp_rank(num_query_groups: int, sequence_parallel: bool = False, entropy_coef
 def _odd_row_refusal(model) -> str:
     """A row Megatron cannot scatter over 2 ranks is refused before any compute."""
     from megatron_patches.training import reuse_step
-    from prefix_schedule.planner import plan_microbatches
+    from prefix_schedule.planning.planner import plan_microbatches
 
     batch = make_batch(32, [(10, [3, 4])])  # cached prefix of 9 tokens
     plan = plan_microbatches(batch, token_budget=BUDGET, max_seq_len=MODEL["max_seq_len"])
@@ -250,7 +250,7 @@ def dp_rank() -> dict:
     from megatron.core import parallel_state
 
     from megatron_patches.training import dense_step, max_relative_diff
-    from prefix_schedule.placement import place_groups
+    from prefix_schedule.planning.placement import place_groups
 
     _setup(tp=1)
     rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -291,7 +291,7 @@ def tp_dp_rank() -> dict:
     """TP=2 x DP=2: DDP reuse vs DDP dense per shard; gathered vs a TP=1 reference on rank 0."""
     from megatron.core import parallel_state
 
-    from prefix_schedule.placement import place_groups
+    from prefix_schedule.planning.placement import place_groups
 
     _setup(tp=2)
     dp_rank_ = parallel_state.get_data_parallel_rank()

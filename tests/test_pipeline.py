@@ -15,7 +15,7 @@ def _pp_rank(pp, shapes, token_budget, seed):
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
                                            reuse_step, scale_grads_by_token_count)
-    from prefix_schedule.planner import plan_microbatches
+    from prefix_schedule.planning.planner import plan_microbatches
     from test_equivalence import LOSS, make_batch
 
     megatron_patches.install()

@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_schedule.data import Group, GroupBatch, Trajectory
-from prefix_schedule.flops import ModelDims, reuse_flops
-from prefix_schedule.placement import place_groups
-from prefix_schedule.planner import plan_microbatches
+from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
+from prefix_schedule.planning.flops import ModelDims, reuse_flops
+from prefix_schedule.planning.placement import place_groups
+from prefix_schedule.planning.planner import plan_microbatches
 
 DIMS = ModelDims(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
                  num_query_groups=2, vocab_size=256, gated_linear_unit=True)

@@ -1,22 +1,22 @@
 """Prefix chunking without a model: chunk spans and unit tables, the chunk rules in the generator,
 validator and simulator, the bubble against dense 1F1B, the planner's units and row builder, the
 cache's per-chunk gradient routing, and tools/plan.py --prefix-chunk-tokens.
-([Note: prefix chunks] in prefix_schedule/units.py.)"""
+([Note: prefix chunks] in prefix_schedule/pipeline/units.py.)"""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_schedule.cache import CacheProtocolError, PrefixKVCache
-from prefix_schedule.data import Group, GroupBatch, Trajectory
-from prefix_schedule.lowering import lower
-from prefix_schedule.planner import PrefixChunk, build_prefix_inputs, plan_microbatches
-from prefix_schedule.schedule import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
+from prefix_schedule.runtime.cache import CacheProtocolError, PrefixKVCache
+from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
+from prefix_schedule.pipeline.lowering import lower
+from prefix_schedule.planning.planner import PrefixChunk, build_prefix_inputs, plan_microbatches
+from prefix_schedule.pipeline import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
                                       validate_schedule)
-from prefix_schedule.simulate import TokenCostModel, compare_with_dense, simulate
-from prefix_schedule.step import ReuseStep
-from prefix_schedule.units import StepShape, chunk_spans, number_units
+from prefix_schedule.pipeline.simulate import TokenCostModel, compare_with_dense, simulate
+from prefix_schedule.runtime.step import ReuseStep
+from prefix_schedule.pipeline.units import StepShape, chunk_spans, number_units
 from test_schedule import load_tool, microbatches_for, step_shapes
 
 PB = ActionKind.PREFIX_BACKWARD

@@ -1,4 +1,4 @@
-"""Chunked prefixes ([Note: prefix chunks] in prefix_schedule/units.py) inside real Megatron equal
+"""Chunked prefixes ([Note: prefix chunks] in prefix_schedule/pipeline/units.py) inside real Megatron equal
 stock Megatron dense training: fp32, loss and every parameter gradient within 1e-5 relative, at
 PP=1 (one process) and PP=2 (gloo, tests/dist_harness.py)."""
 
@@ -64,8 +64,8 @@ def test_chunked_forward_only_matches_dense_and_frees_the_cache(model):
     import torch
 
     from megatron_patches.training import dense_step, reuse_step
-    from prefix_schedule.planner import plan_microbatches
-    from prefix_schedule.step import ReuseStep
+    from prefix_schedule.planning.planner import plan_microbatches
+    from prefix_schedule.runtime.step import ReuseStep
 
     batch = make_batch(62, [(20, [6, 3, 5]), (11, [4, 4])])
     plan = plan_microbatches(batch, token_budget=8, max_seq_len=512, prefix_chunk_tokens=4)
@@ -83,7 +83,7 @@ def _pp_rank(shapes, token_budget, chunk_tokens, seed):
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
                                            reuse_step, scale_grads_by_token_count)
-    from prefix_schedule.planner import plan_microbatches
+    from prefix_schedule.planning.planner import plan_microbatches
 
     megatron_patches.install()
     initialize_distributed(seed=1234, pp=2)

@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefix_schedule.lowering import add_grad_reduce, add_p2p, lower
-from prefix_schedule.schedule import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
+from prefix_schedule.pipeline.lowering import add_grad_reduce, add_p2p, lower
+from prefix_schedule.pipeline import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
                                       parse_action, validate_schedule)
-from prefix_schedule.simulate import (DeadlockError, TokenCostModel, build_dense_1f1b,
+from prefix_schedule.pipeline.simulate import (DeadlockError, TokenCostModel, build_dense_1f1b, chrome_trace,
                                       compare_with_dense, simulate)
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -355,7 +355,7 @@ def test_a_prefix_dearer_than_a_microbatch_still_idles_less_than_dense():
 
 def test_chrome_trace_has_one_slice_per_compute_action():
     plan = build_schedule(**MUTATION_SHAPE)
-    trace = json.loads(plan.to_chrome_trace(simulate(lower(plan))))
+    trace = json.loads(chrome_trace(simulate(lower(plan))))
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(slices) == sum(len(row) for row in plan.actions)
     assert {e["name"] for e in slices} == {str(a) for row in plan.actions for a in row}

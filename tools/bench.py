@@ -12,7 +12,7 @@ Three paths time one forward+backward step each (gradients zeroed between steps,
 
 Steps are interleaved (dense, stock, reuse, dense, ...) so machine noise hits the paths alike;
 the median per path is reported. `ideal_speedup` is the analytic FLOP ratio of the actual plan
-(prefix_schedule/flops.py); `efficiency` = speedup / ideal_speedup. It can exceed 1: the FLOP
+(prefix_schedule/planning/flops.py); `efficiency` = speedup / ideal_speedup. It can exceed 1: the FLOP
 model counts matmuls only, and reuse also skips the prefix's per-token elementwise work (RoPE,
 norms, activations) G-1 times. Interleaving evens out steady noise, not bursts from other jobs:
 the table's min/max per path show how quiet the machine was.
@@ -29,7 +29,7 @@ Phase C, are held then too); `suffix_phase_reduction` = 1 - that / dense's whole
 Parallel layouts: `--pp/--tp/--dp` start pp*tp*dp gloo processes on this machine (one process,
 no subprocess, when all are 1), each with max(1, threads // world size) threads. Pipeline stages
 use Megatron's 1F1B for dense (variable row lengths); DP ranks are Megatron-DDP-wrapped and each
-runs its share from `prefix_schedule.placement.place_groups`, dense and reuse on the same share.
+runs its share from `prefix_schedule.planning.placement.place_groups`, dense and reuse on the same share.
 A step's time is the slowest rank's (all-reduce MAX); `max_grad_rel_diff` is the max over ranks;
 `ideal_speedup` stays the FLOP ratio of the whole batch (pipeline bubbles and DP imbalance are
 what `efficiency` then shows). A rank's failure is reported with its traceback; `--timeout`
@@ -58,12 +58,12 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefix_schedule import attention_backends  # noqa: E402
-from prefix_schedule.data import Group, GroupBatch, Trajectory  # noqa: E402
-from prefix_schedule.flops import ModelDims, ideal_speedup  # noqa: E402
+from prefix_schedule.attention import backends as attention_backends  # noqa: E402
+from prefix_schedule.planning.data import Group, GroupBatch, Trajectory  # noqa: E402
+from prefix_schedule.planning.flops import ModelDims, ideal_speedup  # noqa: E402
 from prefix_schedule.losses import PolicyLossConfig  # noqa: E402
-from prefix_schedule.placement import Placement, place_groups  # noqa: E402
-from prefix_schedule.planner import StepPlan, plan_microbatches  # noqa: E402
+from prefix_schedule.planning.placement import Placement, place_groups  # noqa: E402
+from prefix_schedule.planning.planner import StepPlan, plan_microbatches  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/memory_probe.py, however run
 import memory_probe  # noqa: E402
@@ -76,7 +76,7 @@ MEMORY_BASIS = ("bytes autograd holds for backward (saved-tensor storages, each 
                 "parameters excluded) plus, for reuse, the prefix cache's K/V copies and gK/gV; "
                 "one untimed step per path; not the allocator's peak (tools/memory_probe.py)")
 IDEAL_BASIS = ("FLOP ratio dense/reuse of the whole (global) batch planned as one step "
-               "(prefix_schedule/flops.py); ignores pipeline bubbles and DP imbalance")
+               "(prefix_schedule/planning/flops.py); ignores pipeline bubbles and DP imbalance")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,10 +121,10 @@ class BenchConfig:
     tp: int = 1
     """Tensor-parallel ranks."""
     dp: int = 1
-    """Data-parallel ranks (groups placed by prefix_schedule.placement.place_groups)."""
+    """Data-parallel ranks (groups placed by prefix_schedule.planning.placement.place_groups)."""
     attention_backend: str = "auto"
     """Shared-prefix attention kernel of the reuse path: auto or a name of
-    prefix_schedule.attention_backends.BACKEND_NAMES."""
+    prefix_schedule.attention.backends.BACKEND_NAMES."""
     timeout: int = 900
     """Seconds the multi-process run may take, start-up included, before it is killed as hung."""
     skip_stock: bool = False
@@ -353,7 +353,7 @@ def _memory(local, fused, batch: GroupBatch, plan: StepPlan) -> Dict[str, float]
     """One extra step per path under tools/memory_probe.py: bytes held for backward (saved
     activations, plus the prefix cache for reuse; not the allocator's peak)."""
     from megatron_patches.training import dense_step, reuse_step
-    from prefix_schedule.step import ReuseStep
+    from prefix_schedule.runtime.step import ReuseStep
 
     _zero(fused)
     dense = memory_probe.measure_dense(fused, lambda: dense_step(fused, batch, LOSS))

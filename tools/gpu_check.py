@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 from prefix_schedule.attention import PackedMeta, reference_attention, shared_prefix_attention  # noqa: E402
-from prefix_schedule.attention_backends import BACKEND_NAMES, availability  # noqa: E402
+from prefix_schedule.attention.backends import BACKEND_NAMES, availability  # noqa: E402
 
 # max |error| / max |oracle| per tensor; fp32 (the CPU run) allows 1e-4 because a length-1
 # suffix's dK is a small difference of large terms (fp32 SDPA in copy mode is as far off).

@@ -144,7 +144,7 @@ class SavedBytesMeter:
 def watch_suffix_phase(step, meter: SavedBytesMeter) -> None:
     """Open `meter`'s phase at the first suffix forward of `step` (a ReuseStep) and close it at the
     release of its last suffix microbatch, by wrapping the instance's methods."""
-    from prefix_schedule.schedule import ActionKind
+    from prefix_schedule.pipeline import ActionKind
 
     prepare, release = step.prepare, step.release_microbatch
     released = set()

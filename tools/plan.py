@@ -29,11 +29,12 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefix_schedule.lowering import lower  # noqa: E402
-from prefix_schedule.schedule import (ActionKind, Schedule, ScheduleError,  # noqa: E402
+from prefix_schedule.pipeline.lowering import lower  # noqa: E402
+from prefix_schedule.pipeline import (ActionKind, Schedule, ScheduleError,  # noqa: E402
                                       build_schedule, format_grid, validate_schedule)
-from prefix_schedule.simulate import SimResult, TokenCostModel, compare_with_dense  # noqa: E402
-from prefix_schedule.units import chunk_spans, number_units  # noqa: E402
+from prefix_schedule.pipeline.simulate import (SimResult, TokenCostModel, chrome_trace,  # noqa: E402
+                                               compare_with_dense)
+from prefix_schedule.pipeline.units import chunk_spans, number_units  # noqa: E402
 
 COLOURS = {ActionKind.PREFIX_FORWARD: (66, 120, 220), ActionKind.SUFFIX_FORWARD: (70, 170, 90),
            ActionKind.SUFFIX_BACKWARD: (235, 140, 50), ActionKind.PREFIX_BACKWARD: (150, 80, 190)}
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
     if args.save:
         args.save.write_text(plan.to_csv())
     if args.chrome_trace:
-        args.chrome_trace.write_text(plan.to_chrome_trace(comparison.plan))
+        args.chrome_trace.write_text(chrome_trace(comparison.plan))
     if args.png:
         write_png(args.png, *draw_timeline(comparison.plan))
     return 0

@@ -1,6 +1,6 @@
 """The copy-free two-part path on any backend's varlen kernels.
 
-See [Note: two-part attention merged by log-sum-exp] in prefix_schedule/attention.py and
+See [Note: two-part attention merged by log-sum-exp] in prefix_schedule/attention/core.py and
 [Note: varlen kernel contract] in _base.py. Part S is one call over the suffix sequences
 (causal, square); part P is one call whose batch is the group slots (queries = the slot's
 suffix tokens, keys = that slot's prefix, not causal). Both calls are described on the host
@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from prefix_schedule.attention_backends._base import Backend, VarlenCall
+from prefix_schedule.attention.backends._base import Backend, VarlenCall
 
 __all__ = ["PrefixLayout", "prefix_layout", "suffix_call", "two_part_attention"]
 
@@ -143,3 +143,14 @@ def two_part_attention(backend: Backend, q, k, v, prefix_k, prefix_v, cu_seqlens
     layout = prefix_layout(tuple(tuple(r) for r in slot_ranges),
                            tuple(int(p.shape[0]) for p in prefix_k), backend.empty_kv_ok)
     return _TwoPart.apply(backend, s_call, layout, scale, q, k, v, *prefix_k, *prefix_v)
+
+
+def causal_attention(backend: Backend, q, k, v, scale: float) -> torch.Tensor:
+    """Square causal self-attention on `backend`: its own kernel if it has one
+    (`causal_attention` method), else part S of the two-part path with no prefix."""
+    own = getattr(backend, "causal_attention", None)
+    if own is not None:
+        return own(q, k, v, scale)
+    n = q.shape[0]
+    empty = k.new_empty((0, *k.shape[1:]))
+    return two_part_attention(backend, q, k, v, [empty], [empty], (0, n), ((0, n),), scale)

@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from prefix_schedule.data import GroupBatch
+from prefix_schedule.planning.data import GroupBatch
 
 __all__ = ["ModelDims", "dense_flops", "reuse_flops", "ideal_speedup"]
 

@@ -24,21 +24,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
+from prefix_schedule.pipeline.ir import check_count
+
 __all__ = ["StepShape", "chunk_spans", "number_units"]
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 def chunk_spans(length: int, chunk_tokens: Optional[int]) -> tuple[tuple[int, int], ...]:
     """(start, length) of each chunk of `length` cached tokens, at most `chunk_tokens` each, in
     order; None means one chunk. See [Note: prefix chunks]."""
-    _check_int("length", length, 1)
+    check_count("length", length, 1)
     if chunk_tokens is None:
         return ((0, length),)
-    _check_int("prefix_chunk_tokens", chunk_tokens, 1)
+    check_count("prefix_chunk_tokens", chunk_tokens, 1)
     return tuple((start, min(chunk_tokens, length - start))
                  for start in range(0, length, chunk_tokens))
 
@@ -48,7 +45,7 @@ def number_units(num_chunks: Mapping[int, int]) -> dict[int, tuple[int, int]]:
     each group's chunks in order (`num_chunks`: group -> how many chunks)."""
     table, unit = {}, 0
     for group, count in num_chunks.items():
-        _check_int(f"number of chunks of group {group}", count, 1)
+        check_count(f"number of chunks of group {group}", count, 1)
         for chunk in range(count):
             table[unit] = (group, chunk)
             unit += 1
@@ -80,7 +77,7 @@ class StepShape:
                              "microbatch")
         for m, groups in enumerate(groups_of):
             for g in groups:
-                _check_int(f"microbatch {m}: group id", g, 0)
+                check_count(f"microbatch {m}: group id", g, 0)
             if len(set(groups)) != len(groups):
                 raise ValueError(f"microbatch {m} lists a group twice: {groups}; list each "
                                  "group once")
@@ -96,8 +93,8 @@ class StepShape:
     def _chunks_of(self, units: dict) -> dict:
         chunks: dict = {}
         for unit, (group, chunk) in units.items():
-            _check_int("prefix unit id", unit, 0)
-            _check_int(f"unit {unit}: chunk", chunk, 0)
+            check_count("prefix unit id", unit, 0)
+            check_count(f"unit {unit}: chunk", chunk, 0)
             if group not in self.prefix_groups:
                 raise ValueError(f"prefix unit {unit} belongs to group {group}, which is not in "
                                  f"prefix_groups {sorted(self.prefix_groups)}; list it there")
@@ -126,7 +123,7 @@ class StepShape:
 
     def local_needs(self, kind_code: str, index: int) -> list[tuple[str, int]]:
         """(kind code, index) of the compute that must precede `kind_code index` on its own stage
-        ([Note: prefix-reuse dependency rules] in schedule.py, [Note: prefix chunks])."""
+        ([Note: prefix-reuse dependency rules] in ir.py, [Note: prefix chunks])."""
         if kind_code == "SF":
             return [("PF", u) for g in self.microbatch_groups[index] if g in self.prefix_groups
                     for u in self.chunks_of[g]]

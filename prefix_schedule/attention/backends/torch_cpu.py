@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from prefix_schedule.attention_backends._base import (Backend, acc_dtype, sdpa_causal_attention,
+from prefix_schedule.attention.backends._base import (Backend, acc_dtype, sdpa_causal_attention,
                                                       sdpa_copy_attention)
 
 __all__ = ["LoopBackend", "TorchCpuBackend", "cpu_flash_bwd", "cpu_flash_fwd"]

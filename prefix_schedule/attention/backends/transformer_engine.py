@@ -26,9 +26,9 @@ from typing import Optional
 
 import torch
 
-from prefix_schedule.attention_backends._base import (Backend, LibraryUnsupported, check_cuda,
+from prefix_schedule.attention.backends._base import (Backend, LibraryUnsupported, check_cuda,
                                                       check_head_dim, copy_call, gather_copy_kv, to_device)
-from prefix_schedule.attention_backends.flash_attn import version_tuple
+from prefix_schedule.attention.backends.flash_attn import version_tuple
 
 __all__ = ["TransformerEngineBackend"]
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from prefix_schedule.data import Group, GroupBatch
-from prefix_schedule.flops import ModelDims, reuse_flops
-from prefix_schedule.planner import StepPlan, plan_microbatches
+from prefix_schedule.planning.data import Group, GroupBatch
+from prefix_schedule.planning.flops import ModelDims, reuse_flops
+from prefix_schedule.planning.planner import StepPlan, plan_microbatches
 
 __all__ = ["GroupShare", "RankShard", "Placement", "place_groups"]
 

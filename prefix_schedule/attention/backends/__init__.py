@@ -18,12 +18,12 @@ from typing import Optional
 
 import torch
 
-from prefix_schedule.attention_backends._base import Availability, Backend
-from prefix_schedule.attention_backends.flash_attn import FlashAttnBackend
-from prefix_schedule.attention_backends.math import MathBackend
-from prefix_schedule.attention_backends.torch_cpu import TorchCpuBackend
-from prefix_schedule.attention_backends.transformer_engine import TransformerEngineBackend
-from prefix_schedule.attention_backends.two_part import two_part_attention
+from prefix_schedule.attention.backends._base import Availability, Backend
+from prefix_schedule.attention.backends.flash_attn import FlashAttnBackend
+from prefix_schedule.attention.backends.math import MathBackend
+from prefix_schedule.attention.backends.torch_cpu import TorchCpuBackend
+from prefix_schedule.attention.backends.transformer_engine import TransformerEngineBackend
+from prefix_schedule.attention.backends.two_part import two_part_attention
 
 __all__ = [
     "AUTO",

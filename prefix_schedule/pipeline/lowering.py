@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from prefix_schedule.schedule import Action, ActionKind, Schedule, ScheduleError
+from prefix_schedule.pipeline.ir import Action, ActionKind, Schedule, ScheduleError
 
 __all__ = ["PASSES", "add_grad_reduce", "add_p2p", "lower", "peer_of", "recv_kind", "send_kind"]
 

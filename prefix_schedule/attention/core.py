@@ -10,7 +10,7 @@ backward with the MERGED out and MERGED lse and sums dq (the rule ring attention
 returned LSE is not differentiable; backpropagating through the merge with a detached LSE gives
 wrong dq/dk/prefix dK. Only q/k/v/out/lse are saved besides the cache's own K/V; with several
 non-empty prefixes in one row, part P packs them into one transient key buffer per call.
-The kernels come from prefix_schedule.attention_backends (TE, flash-attn, torch CPU, math).
+The kernels come from prefix_schedule.attention.backends (TE, flash-attn, torch CPU, math).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from prefix_schedule.attention_backends import select_backend, two_part_attention
+from prefix_schedule.attention.backends import select_backend, two_part_attention
+from prefix_schedule.attention.backends.two_part import causal_attention as backend_causal_attention
 
 __all__ = [
     "MODES",
@@ -159,7 +160,7 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, meta, *, scale=None, mo
     entry by ordinary autograd (their grads are returned, never accumulated here).
     mode: "two_part" (default; two varlen kernel calls merged by LSE, no prefix copy) or "copy"
     (prefix gathered per suffix, one bottom-right causal call; the public-API fallback).
-    backend: a name of prefix_schedule.attention_backends.BACKEND_NAMES or "auto"; None uses
+    backend: a name of prefix_schedule.attention.backends.BACKEND_NAMES or "auto"; None uses
     the process default (set_default_backend). Errors are raised before any compute.
     """
     if mode not in MODES:
@@ -180,7 +181,7 @@ def causal_attention(q, k, v, *, scale=None, backend=None):
     meta = PackedMeta(cu_seqlens=(0, q.shape[0]), seq_slot=(0,))
     no_prefix = k.new_empty((0, *k.shape[1:]))  # reuse the shared checks with P = 0
     scale = _validate(q, k, v, [no_prefix], [no_prefix], meta, scale)
-    return _select(backend, q).causal_attention(q, k, v, scale)
+    return backend_causal_attention(_select(backend, q), q, k, v, scale)
 
 
 def _reference_mask(meta: PackedMeta, prefix_lens: list[int], device) -> torch.Tensor:

@@ -17,12 +17,12 @@ from typing import Dict, Optional
 import torch
 
 from prefix_schedule.attention import PackedMeta
-from prefix_schedule.cache import PrefixKVCache
-from prefix_schedule.context import PrefixForwardContext, SuffixForwardContext
-from prefix_schedule.data import GroupBatch
-from prefix_schedule.planner import PrefixChunk, StepPlan, build_prefix_inputs, build_suffix_inputs
-from prefix_schedule.lowering import lower
-from prefix_schedule.schedule import Action, ActionKind, Schedule, build_schedule
+from prefix_schedule.runtime.cache import PrefixKVCache
+from prefix_schedule.runtime.context import PrefixForwardContext, SuffixForwardContext
+from prefix_schedule.planning.data import GroupBatch
+from prefix_schedule.planning.planner import PrefixChunk, StepPlan, build_prefix_inputs, build_suffix_inputs
+from prefix_schedule.pipeline.lowering import lower
+from prefix_schedule.pipeline import Action, ActionKind, Schedule, build_schedule
 
 __all__ = ["ReuseStep"]
 

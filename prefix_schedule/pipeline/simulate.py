@@ -21,9 +21,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
-from prefix_schedule.lowering import lower, peer_of, recv_kind
-from prefix_schedule.schedule import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
-                                      format_grid, unit_cost)
+from prefix_schedule.pipeline.lowering import lower, peer_of, recv_kind
+from prefix_schedule.pipeline.generate import build_schedule
+from prefix_schedule.pipeline.ir import (Action, ActionKind, Schedule, ScheduleError, format_grid,
+                                         unit_cost)
 
 __all__ = [
     "Comparison",

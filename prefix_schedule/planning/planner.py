@@ -23,8 +23,8 @@ from typing import Optional, Union
 
 import torch
 
-from prefix_schedule.data import GroupBatch
-from prefix_schedule.units import chunk_spans
+from prefix_schedule.planning.data import GroupBatch
+from prefix_schedule.pipeline.units import chunk_spans
 
 __all__ = [
     "Segment",

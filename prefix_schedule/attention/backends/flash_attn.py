@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from prefix_schedule.attention_backends._base import (Backend, LibraryUnsupported, check_cuda,
+from prefix_schedule.attention.backends._base import (Backend, LibraryUnsupported, check_cuda,
                                                       check_head_dim, copy_call, gather_copy_kv)
 
 __all__ = ["FlashAttnBackend"]

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from prefix_schedule.attention_backends._base import acc_dtype
-from prefix_schedule.attention_backends.torch_cpu import LoopBackend
+from prefix_schedule.attention.backends._base import acc_dtype
+from prefix_schedule.attention.backends.torch_cpu import LoopBackend
 
 __all__ = ["MathBackend", "math_bwd", "math_fwd"]
 

@@ -7,7 +7,7 @@ square entries (part S), where top-left and bottom-right alignment agree. The fo
 out [Tq, Hq, D] in q's dtype, the natural-log LSE [Hq, Tq] (float32, float64 for float64 inputs;
 the flash-attn >= 2.6 layout), and an opaque state handed back to the backward (e.g. an RNG state).
 An entry without keys gives out 0 and LSE -inf or +inf. The backward takes the MERGED out and LSE
-(see [Note: two-part attention merged by log-sum-exp] in prefix_schedule/attention.py) and
+(see [Note: two-part attention merged by log-sum-exp] in prefix_schedule/attention/core.py) and
 returns freshly written dq, dk, dv. All metadata is built on the host from python ints.
 """
 from __future__ import annotations
@@ -201,14 +201,6 @@ class Backend:
 
     def copy_attention(self, q, k, v, prefix_k: Sequence, prefix_v: Sequence, meta, scale):
         raise NotImplementedError
-
-    def causal_attention(self, q, k, v, scale: float) -> torch.Tensor:
-        """Square causal self-attention: part S of the two-part path with no prefix."""
-        from prefix_schedule.attention_backends.two_part import two_part_attention
-
-        n = q.shape[0]
-        empty = k.new_empty((0, *k.shape[1:]))
-        return two_part_attention(self, q, k, v, [empty], [empty], (0, n), ((0, n),), scale)
 
 
 def check_head_dim(head_dim: Optional[int], multiple: int, maximum: int, what: str) -> str:
