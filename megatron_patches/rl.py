@@ -23,8 +23,15 @@ __all__ = ["make_policy_forward_step", "token_logprobs", "token_entropy"]
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(label) per position, vocab-parallel aware (logits [b, s, V/tp], fp32 math)."""
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+    """log p(label) per position, vocab-parallel aware (logits [b, s, V/tp], fp32 math).
+
+    Megatron's vocab_parallel_cross_entropy works IN PLACE on its input (it subtracts the max,
+    exponentiates and normalises it into the softmax it keeps for backward). `logits.float()` is
+    the same tensor when the logits are already fp32, so it gets an fp32 COPY: the caller's
+    logits stay logits (token_entropy reads them afterwards).
+    """
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.to(torch.float32, copy=True),
+                                                         labels)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from megatron_patches.rl import make_policy_forward_step
 
 __all__ = ["StepResult", "dense_items", "dense_step", "reuse_step", "scale_grads_by_token_count",
            "prepare_for_training", "zero_grads",
-           "param_grads", "max_relative_diff"]
+           "param_grads", "max_relative_diff", "max_elementwise_error"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -155,4 +155,23 @@ def max_relative_diff(reference: Dict[str, torch.Tensor], other: Dict[str, torch
         scale = ref.abs().max().item()
         diff = (ref - other[name]).abs().max().item()
         worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+def max_elementwise_error(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor],
+                          floor: float = 1e-3) -> float:
+    """max over tensors and entries of |a-b| / max(|a|, floor * max|a|).
+
+    Unlike `max_relative_diff` a wrong small entry cannot hide under the tensor's largest one:
+    entries above `floor` of the tensor's scale are judged relative to themselves, smaller ones
+    relative to that floor (below it fp32 rounding of the large entries dominates)."""
+    worst = 0.0
+    for name, ref in reference.items():
+        a, b = ref.double(), other[name].double()
+        scale = a.abs().max()
+        if scale == 0:
+            worst = max(worst, (b.abs().max()).item())
+            continue
+        denom = torch.clamp(a.abs(), min=floor * scale)
+        worst = max(worst, ((a - b).abs() / denom).max().item())
     return worst
