@@ -44,6 +44,9 @@ def check_reuse_supported(config, step, num_microbatches, model=None) -> None:
             "suffix microbatches; pass num_microbatches=step.num_microbatches"
         )
     check_config_supported(config)  # every TransformerConfig field: config_support.py
+    if model is not None:  # the data against the model: token ids and lengths
+        gpt = unwrap_model(model)
+        step.batch.validate(max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
     position_embedding = (getattr(unwrap_model(model), "position_embedding_type", "rope")
                           if model is not None else "rope")
     if position_embedding not in ("rope", "learned_absolute", "none"):
@@ -248,6 +251,10 @@ def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, nu
     step: ReuseStep = data_iterator
     config = get_model_config(model)
     check_reuse_supported(config, step, num_microbatches, model)
+    check_batch = getattr(forward_step_func, "check_batch", None)  # rl.make_policy_forward_step
+    if check_batch is not None:
+        check_batch(step.batch)
+    step.begin()
     if pg_collection is None:
         pg_collection = schedules._build_default_pg_collection()
 

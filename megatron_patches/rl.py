@@ -76,7 +76,11 @@ def _policy_loss(item: Dict[str, torch.Tensor], config: PolicyLossConfig, logits
 
 
 def make_policy_forward_step(loss_config: PolicyLossConfig) -> Callable:
-    """A Megatron `forward_step_func` for GRPO/PPO on items from prefix_schedule builders."""
+    """A Megatron `forward_step_func` for GRPO/PPO on items from prefix_schedule builders.
+
+    It carries `check_batch(batch)`, which the reuse executor (and training.dense_step) call
+    before any compute: a loss that needs data the batch lacks is refused there, not mid-step.
+    """
 
     def forward_step(data_iterator, model):
         item = next(data_iterator)
@@ -85,4 +89,11 @@ def make_policy_forward_step(loss_config: PolicyLossConfig) -> Callable:
             return output, None
         return output, partial(_policy_loss, item, loss_config)
 
+    def check_batch(batch) -> None:
+        if loss_config.kl_coef > 0 and not batch.has_ref_logprobs:
+            raise ValueError(f"kl_coef={loss_config.kl_coef} needs ref_logprobs, but the batch's "
+                             "trajectories have none; give every Trajectory ref_logprobs (the "
+                             "reference policy's log-probs) or set kl_coef=0")
+
+    forward_step.check_batch = check_batch
     return forward_step
