@@ -6,7 +6,8 @@ parameter gradient of both paths are compared with a model and a loss written ag
 definitions (sharing no project code), for a Llama-style model with GQA, Llama 3.1 RoPE scaling
 and a Qwen3-style model (per-head q/k RMSNorm, head_dim != hidden / heads), on odd shapes:
 prefix length 1, suffix length 1, a group of one (through the cache), loss masks with zeros, and
-tokens clipped on both sides. Each loss term is checked on its own (advantages 0 switch the
+tokens clipped on both sides; reuse also with prefix chunks (RoPE offsets inside the
+prefix). Each loss term is checked on its own (advantages 0 switch the
 surrogate off), so a small term cannot hide under a large one.
 
 Metrics: per-tensor max|a-b| / max|b| (megatron_patches.training.max_relative_diff, <= 1e-5)
@@ -141,6 +142,10 @@ def project_steps(model, batch, loss):
     plan = plan_microbatches(batch, token_budget=8, max_seq_len=MAX_SEQ, run_singletons_dense=False)
     assert len(plan.microbatches) > 2 and len(plan.prefixes) == len(SHAPES) - 1  # prefix 1 caches nothing
     out["reuse"] = (reuse_step(model, batch, plan, loss), param_grads(model))
+    model.zero_grad(set_to_none=True)
+    chunked = plan_microbatches(batch, token_budget=8, max_seq_len=MAX_SEQ,
+                                run_singletons_dense=False, prefix_chunk_tokens=4)
+    out["reuse-prefix-chunks"] = (reuse_step(model, batch, chunked, loss), param_grads(model))
     model.zero_grad(set_to_none=True)
     return out
 
