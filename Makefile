@@ -12,11 +12,13 @@ setup: $(STAMP)
 
 # torch is pinned: an unpinned torch would pull a multi-GB CUDA build. megatron-core 0.19.2
 # declares Requires-Python >= 3.12 but ships a working cp311 wheel; its only hard deps are
-# torch, numpy and packaging, installed here first (see README "Installing").
+# torch, numpy and packaging, installed here first (see README "Installing"). transformers is
+# a test-only dependency (it does not depend on torch's wheel: it leaves torch as installed).
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0 numpy==2.4.6 'packaging>=24.2' 'pytest>=8' 'hypothesis>=6'
 	$(PIP) install -q --no-deps --ignore-requires-python megatron-core==0.19.2
+	$(PIP) install -q transformers==5.23.0  # test-only: cross-checks tests/reference_impl.py
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PY) -m megatron_patches apply
 	touch $(STAMP)

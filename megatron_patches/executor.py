@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap_model
 
+from megatron_patches.config_support import check_config_supported
 from megatron_patches.p2p import PipelineP2P
 
 __all__ = ["forward_backward_prefix_reuse", "check_reuse_supported"]
@@ -42,28 +43,10 @@ def check_reuse_supported(config, step, num_microbatches, model=None) -> None:
             f"num_microbatches={num_microbatches} but the step plan has {step.num_microbatches} "
             "suffix microbatches; pass num_microbatches=step.num_microbatches"
         )
-    if not config.calculate_per_token_loss:
-        raise ValueError(
-            "prefix reuse needs calculate_per_token_loss=True (a token mean over the global batch "
-            "that does not depend on how groups are packed into microbatches)"
-        )
-    if config.hidden_dropout > 0 or config.attention_dropout > 0:
-        raise ValueError(
-            "dropout > 0: dense training draws a prefix dropout mask per trajectory, reuse one per "
-            "group, so they are different estimators; set hidden_dropout=attention_dropout=0"
-        )
-    if getattr(config, "num_moe_experts", None):
-        raise ValueError("MoE needs logical prefix-token accounting, not supported yet")
-    if config.recompute_granularity == "full":
-        raise ValueError(
-            "recompute_granularity='full' would drop the prefix K/V graph of Phase A; use "
-            "'selective' recompute or none"
-        )
-    if config.context_parallel_size > 1:
-        raise ValueError("prefix reuse does not support context parallelism yet; set "
-                         "context_parallel_size=1")
-    if config.multi_latent_attention:
-        raise ValueError("prefix reuse does not hook multi-latent attention (MLA) yet")
+    check_config_supported(config)  # every TransformerConfig field: config_support.py
+    if model is not None:  # the data against the model: token ids and lengths
+        gpt = unwrap_model(model)
+        step.batch.validate(max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
     position_embedding = (getattr(unwrap_model(model), "position_embedding_type", "rope")
                           if model is not None else "rope")
     if position_embedding not in ("rope", "learned_absolute", "none"):
@@ -268,6 +251,10 @@ def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, nu
     step: ReuseStep = data_iterator
     config = get_model_config(model)
     check_reuse_supported(config, step, num_microbatches, model)
+    check_batch = getattr(forward_step_func, "check_batch", None)  # rl.make_policy_forward_step
+    if check_batch is not None:
+        check_batch(step.batch)
+    step.begin()
     if pg_collection is None:
         pg_collection = schedules._build_default_pg_collection()
 

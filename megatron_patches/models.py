@@ -3,6 +3,10 @@
 Two layer specs over the same parameters: Megatron's local spec (stock, unfused attention: the
 reference for equivalence) and the same spec with a fused-SDPA core attention (the fair dense
 baseline for speed: the reuse path's attention is fused too).
+
+The shapes of the paper's models are expressible: Llama 3 (`rotary_base=500000`), Llama 3.1
+(also `rope_scaling_factor=8.0`), Qwen3 (`qk_layernorm=True`, `kv_channels` != hidden / heads,
+`rotary_base=1000000`, `layernorm_epsilon=1e-6`). Every option is honoured or refused.
 """
 
 from __future__ import annotations
@@ -59,6 +63,18 @@ class TinyLlamaConfig:
     """Longest [prefix; suffix] sequence the model accepts."""
     params_dtype: torch.dtype = torch.float32
     """Parameter dtype (float32 or bfloat16)."""
+    kv_channels: Optional[int] = None
+    """Head dim; None: hidden_size // num_attention_heads (Qwen3 uses 128 at any width)."""
+    qk_layernorm: bool = False
+    """RMSNorm over head_dim on every query and key head, before RoPE (Qwen3)."""
+    rotary_base: float = 10000
+    """RoPE theta (Llama 2: 10000, Llama 3: 500000, Qwen3: 1000000)."""
+    rope_scaling_factor: Optional[float] = None
+    """Llama 3.1 RoPE frequency scaling with this factor (8.0 for Llama 3.1); None: off.
+    megatron-core 0.19.2 fixes the other three parameters at Llama 3.1's values:
+    low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192."""
+    layernorm_epsilon: float = 1e-5
+    """RMSNorm epsilon (Llama: 1e-5, Qwen3: 1e-6)."""
 
     def __post_init__(self):
         if self.num_attention_heads % self.num_query_groups:
@@ -66,8 +82,16 @@ class TinyLlamaConfig:
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
                 f"num_query_groups={self.num_query_groups}"
             )
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be a multiple of num_attention_heads")
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be a multiple of num_attention_heads (or give "
+                             "kv_channels, the head dim)")
+        if self.kv_channels is not None and (self.kv_channels < 2 or self.kv_channels % 2):
+            raise ValueError(f"kv_channels={self.kv_channels}; RoPE needs an even head dim >= 2")
+        if not self.rotary_base > 0:
+            raise ValueError(f"rotary_base={self.rotary_base}; give RoPE's theta, > 0")
+        if self.rope_scaling_factor is not None and not self.rope_scaling_factor >= 1:
+            raise ValueError(f"rope_scaling_factor={self.rope_scaling_factor}; give a factor >= 1 "
+                             "(Llama 3.1: 8.0) or None")
 
 
 def initialize_single_process(seed: int = 1234, tp: int = 1, pp: int = 1) -> None:
@@ -97,6 +121,9 @@ def make_transformer_config(cfg: TinyLlamaConfig, **overrides) -> TransformerCon
         ffn_hidden_size=cfg.ffn_hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         num_query_groups=cfg.num_query_groups,
+        kv_channels=cfg.kv_channels,
+        qk_layernorm=cfg.qk_layernorm,
+        layernorm_epsilon=cfg.layernorm_epsilon,
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -130,6 +157,18 @@ class FusedSDPACoreAttention(MegatronModule):
         kv_channels = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else kv_channels**-0.5
 
+    @staticmethod
+    def check_config(config: TransformerConfig) -> None:
+        """ValueError for attention options this plain causal SDPA call would ignore."""
+        ignored = {"attention_dropout": config.attention_dropout > 0,
+                   "window_size": config.window_size is not None,
+                   "softmax_type": config.softmax_type != "vanilla",
+                   "apply_query_key_layer_scaling": config.apply_query_key_layer_scaling}
+        bad = [name for name, set_ in ignored.items() if set_]
+        if bad:
+            raise ValueError(f"fused_attention=True runs plain causal SDPA, which ignores {bad}; "
+                             "use the local spec (fused_attention=False) for these options")
+
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
         if attention_mask is not None or packed_seq_params is not None or attention_bias is not None:
@@ -162,8 +201,25 @@ class SequenceParallelTorchNorm:
 def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig) -> TransformerBlockSubmodules:
     layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
     layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    if config.qk_layernorm:  # per-head norms: their TP grad sum is finalize_model_grads' job
+        attention = layer_spec.submodules.self_attention.submodules
+        attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
                                       layer_norm=SequenceParallelTorchNorm)
+
+
+def _check_buildable(config: TransformerConfig, fused_attention: bool) -> None:
+    """Options this builder's layer spec would not honour: refused, never dropped."""
+    if config.num_moe_experts:
+        raise ValueError("build_model builds dense (non-MoE) models; num_moe_experts is not "
+                         "supported by these builders")
+    if config.multi_latent_attention:
+        raise ValueError("build_model builds GQA self-attention; multi_latent_attention is not "
+                         "supported by these builders")
+    if config.qk_layernorm and config.qk_l2_norm:
+        raise ValueError("qk_layernorm and qk_l2_norm are exclusive; choose one")
+    if fused_attention:
+        FusedSDPACoreAttention.check_config(config)
 
 
 def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Optional[int] = 1234,
@@ -174,7 +230,9 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     parameters: core attention has none), the fair dense baseline for timing. With
     `sequence_parallel=True` (TP > 1) the norms are `SequenceParallelTorchNorm`. With pipeline
     parallelism the config allows variable row lengths, so that stock dense 1F1B (the reference)
-    can run rows of any length.
+    can run rows of any length. `config_overrides` are TransformerConfig fields; the layer spec
+    follows the config (normalization, qk_layernorm / qk_l2_norm), and what the spec cannot
+    build is refused with a ValueError.
     """
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         config_overrides = {"variable_seq_lengths": True,
@@ -184,7 +242,10 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     config = make_transformer_config(cfg, **config_overrides)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    _check_buildable(config, fused_attention)
+    spec = get_gpt_layer_local_spec(normalization=config.normalization,
+                                    qk_layernorm=config.qk_layernorm,
+                                    qk_l2_norm=config.qk_l2_norm)
     if fused_attention:
         spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
     if config.sequence_parallel:  # the local spec's norms refuse it
@@ -198,7 +259,9 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
-        rotary_base=10000,
+        rotary_base=cfg.rotary_base,
+        rope_scaling=cfg.rope_scaling_factor is not None,
+        rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
     )
     model = model.to(cfg.params_dtype)
     return model.cuda() if torch.cuda.is_available() else model

@@ -23,8 +23,15 @@ __all__ = ["make_policy_forward_step", "token_logprobs", "token_entropy"]
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log p(label) per position, vocab-parallel aware (logits [b, s, V/tp], fp32 math)."""
-    return -tensor_parallel.vocab_parallel_cross_entropy(logits.float(), labels)
+    """log p(label) per position, vocab-parallel aware (logits [b, s, V/tp], fp32 math).
+
+    Megatron's vocab_parallel_cross_entropy works IN PLACE on its input (it subtracts the max,
+    exponentiates and normalises it into the softmax it keeps for backward). `logits.float()` is
+    the same tensor when the logits are already fp32, so it gets an fp32 COPY: the caller's
+    logits stay logits (token_entropy reads them afterwards).
+    """
+    return -tensor_parallel.vocab_parallel_cross_entropy(logits.to(torch.float32, copy=True),
+                                                         labels)
 
 
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
@@ -69,7 +76,11 @@ def _policy_loss(item: Dict[str, torch.Tensor], config: PolicyLossConfig, logits
 
 
 def make_policy_forward_step(loss_config: PolicyLossConfig) -> Callable:
-    """A Megatron `forward_step_func` for GRPO/PPO on items from prefix_schedule builders."""
+    """A Megatron `forward_step_func` for GRPO/PPO on items from prefix_schedule builders.
+
+    It carries `check_batch(batch)`, which the reuse executor (and training.dense_step) call
+    before any compute: a loss that needs data the batch lacks is refused there, not mid-step.
+    """
 
     def forward_step(data_iterator, model):
         item = next(data_iterator)
@@ -78,4 +89,11 @@ def make_policy_forward_step(loss_config: PolicyLossConfig) -> Callable:
             return output, None
         return output, partial(_policy_loss, item, loss_config)
 
+    def check_batch(batch) -> None:
+        if loss_config.kl_coef > 0 and not batch.has_ref_logprobs:
+            raise ValueError(f"kl_coef={loss_config.kl_coef} needs ref_logprobs, but the batch's "
+                             "trajectories have none; give every Trajectory ref_logprobs (the "
+                             "reference policy's log-probs) or set kl_coef=0")
+
+    forward_step.check_batch = check_batch
     return forward_step

@@ -20,13 +20,14 @@ from prefix_schedule.runtime.step import ReuseStep
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import unwrap_model
 
 import megatron_patches
 from megatron_patches.rl import make_policy_forward_step
 
 __all__ = ["StepResult", "dense_items", "dense_step", "reuse_step", "scale_grads_by_token_count",
            "prepare_for_training", "zero_grads",
-           "param_grads", "max_relative_diff"]
+           "param_grads", "max_relative_diff", "max_elementwise_error"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -49,6 +50,7 @@ def scale_grads_by_token_count(models, num_tokens, **_kwargs) -> None:
     """
     if num_tokens is None:
         return
+    _check_plain_finalize(models[0].config)
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         # only the last stage computed the loss: take its count (as Megatron's finalize does)
         num_tokens = num_tokens.clone()
@@ -59,6 +61,15 @@ def scale_grads_by_token_count(models, num_tokens, **_kwargs) -> None:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.div_(count)
+
+
+def _check_plain_finalize(config) -> None:
+    if parallel_state.get_tensor_model_parallel_world_size() > 1 and (
+            config.sequence_parallel or config.qk_layernorm):
+        raise ValueError("with TP > 1, sequence-parallel norm and q/k-norm weight gradients are "
+                         "partial sums per TP rank, which scale_grads_by_token_count does not "
+                         "add up; use prepare_for_training(model, ddp=True) (Megatron's "
+                         "finalize_model_grads sums them)")
 
 
 def dense_items(batch: GroupBatch) -> Iterator[Dict[str, torch.Tensor]]:
@@ -80,10 +91,14 @@ def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
                forward_only: bool = False) -> StepResult:
     """Stock Megatron dense step: every trajectory's full row is one microbatch."""
     num_rows = sum(len(g.trajectories) for g in batch.groups)
+    gpt = unwrap_model(model)
+    batch.validate(max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
+    forward_step_func = make_policy_forward_step(loss_config)
+    forward_step_func.check_batch(batch)
     with megatron_patches.use_prefix_reuse_schedule(False):
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
-        forward_step_func=make_policy_forward_step(loss_config),
+        forward_step_func=forward_step_func,
         data_iterator=dense_items(batch),
         model=[model],
         num_microbatches=num_rows,
@@ -96,7 +111,11 @@ def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
 
 def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss_config: PolicyLossConfig,
                forward_only: bool = False, step: Optional[ReuseStep] = None) -> StepResult:
-    """Prefix-reuse step through `get_forward_backward_func()` with reuse selected."""
+    """Prefix-reuse step through `get_forward_backward_func()` with reuse selected.
+    `step`: a ReuseStep built from this very `batch` and `plan` (else ValueError)."""
+    if step is not None and (step.batch is not batch or step.plan is not plan):
+        raise ValueError("reuse_step(step=...) got a ReuseStep built from another batch or plan; "
+                         "pass the batch and plan it was built from, or leave step=None")
     if step is None:
         step = ReuseStep(batch, plan,
                          num_stages=parallel_state.get_pipeline_model_parallel_world_size())
@@ -119,6 +138,7 @@ def prepare_for_training(model, *, ddp: bool):
     (tensor/pipeline parallel, one replica), or Megatron's DDP wrapper with its
     `finalize_model_grads` and `no_sync` (data parallel). Returns the model to train."""
     if not ddp:
+        _check_plain_finalize(model.config)
         model.config.finalize_model_grads_func = scale_grads_by_token_count
         return model
     from megatron.core.distributed import (DistributedDataParallel,
@@ -155,4 +175,23 @@ def max_relative_diff(reference: Dict[str, torch.Tensor], other: Dict[str, torch
         scale = ref.abs().max().item()
         diff = (ref - other[name]).abs().max().item()
         worst = max(worst, diff / scale if scale > 0 else diff)
+    return worst
+
+
+def max_elementwise_error(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor],
+                          floor: float = 1e-3) -> float:
+    """max over tensors and entries of |a-b| / max(|a|, floor * max|a|).
+
+    Unlike `max_relative_diff` a wrong small entry cannot hide under the tensor's largest one:
+    entries above `floor` of the tensor's scale are judged relative to themselves, smaller ones
+    relative to that floor (below it fp32 rounding of the large entries dominates)."""
+    worst = 0.0
+    for name, ref in reference.items():
+        a, b = ref.double(), other[name].double()
+        scale = a.abs().max()
+        if scale == 0:
+            worst = max(worst, (b.abs().max()).item())
+            continue
+        denom = torch.clamp(a.abs(), min=floor * scale)
+        worst = max(worst, ((a - b).abs() / denom).max().item())
     return worst

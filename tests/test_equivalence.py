@@ -136,6 +136,8 @@ def test_on_policy_without_reference(models):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_weights_match_after_optimizer_steps(megatron_env, models, optimizer):
     """Two optimizer steps; gradients before each step within 1e-5, then the weights.
+    (AdamW: before its second step the weights differ by the noise explained next, so the
+    gradients there get the same dense-spread bar as the weights.)
 
     SGD (with momentum) is linear in the gradients: weights within 1e-5. AdamW divides every
     entry by its own magnitude, so entries whose exact gradient is below float noise get
@@ -167,7 +169,11 @@ def test_weights_match_after_optimizer_steps(megatron_env, models, optimizer):
         dense_step(dense_model, batch, LOSS)
         reuse_step(reuse_model, batch, plan, LOSS)
         dense_step(control, batch, LOSS)
-        assert max_relative_diff(_grads(dense_model), _grads(reuse_model)) <= TOL
+        # after an AdamW step the weights already differ at dense's own noise level (below)
+        grad_diff = max_relative_diff(_grads(dense_model), _grads(reuse_model))
+        grad_spread = max_relative_diff(_grads(dense_model), _grads(control))
+        grad_bar = TOL if optimizer == "sgd" or step == 0 else max(TOL, 3 * grad_spread)
+        assert grad_diff <= grad_bar, (step, grad_diff, grad_spread)
         for opt in opts:
             opt.step()
         reuse_diff = max_relative_diff(weights(dense_model), weights(reuse_model))

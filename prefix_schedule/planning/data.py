@@ -10,6 +10,7 @@ stored as 1-D CPU tensors: tokens as int64, masks / advantages / log-probs as fl
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +58,26 @@ def _as_floats(value: Any, *, name: str, length: int, allow_scalar: bool = False
             f"{name}[{index}] is {float(tensor[index])}; every entry must be finite "
             "(put any finite value, e.g. 0, at positions the loss mask excludes)"
         )
-    return tensor.to(torch.float32).clone()
+    stored = tensor.to(torch.float32)
+    overflow = ~torch.isfinite(stored)
+    if overflow.any():
+        index = int(overflow.nonzero()[0, 0])
+        raise ValueError(f"{name}[{index}] is {float(tensor[index])}, beyond float32's range "
+                         "(the loss is computed in float32); give values within +-3.4e38")
+    return stored.clone()
+
+
+MAX_ABS_ADVANTAGE = 1e6
+"""Larger advantages are refused: the fp32 loss sums ratio * advantage over the global batch
+(up to millions of tokens), so such values overflow to inf or swamp every other token; GRPO's
+normalised advantages are O(1) and PPO's GAE advantages are bounded by the return scale."""
+
+
+def _check_range(values: torch.Tensor, *, name: str, low: float, high: float, hint: str) -> None:
+    bad = (values < low) | (values > high)
+    if bad.any():
+        index = int(bad.nonzero()[0, 0])
+        raise ValueError(f"{name}[{index}] is {float(values[index])}, outside [{low}, {high}]; {hint}")
 
 
 def _prefixed(where: str, exc: ValueError) -> ValueError:
@@ -89,10 +109,15 @@ class Trajectory:
         if not ((self.loss_mask == 0) | (self.loss_mask == 1)).all():
             raise ValueError("loss_mask must hold only 0 and 1; convert weights to a 0/1 mask")
         self.advantages = _as_floats(self.advantages, name="advantages", length=n, allow_scalar=True)
-        if self.old_logprobs is not None:
-            self.old_logprobs = _as_floats(self.old_logprobs, name="old_logprobs", length=n)
-        if self.ref_logprobs is not None:
-            self.ref_logprobs = _as_floats(self.ref_logprobs, name="ref_logprobs", length=n)
+        _check_range(self.advantages, name="advantages", low=-MAX_ABS_ADVANTAGE,
+                     high=MAX_ABS_ADVANTAGE, hint="normalise the advantages (rewards minus a "
+                     "baseline, divided by their std) before training")
+        for name in ("old_logprobs", "ref_logprobs"):
+            if getattr(self, name) is not None:
+                values = _as_floats(getattr(self, name), name=name, length=n)
+                _check_range(values, name=name, low=-math.inf, high=0.0,
+                             hint="a log-probability is <= 0; pass log p, not p or -log p")
+                setattr(self, name, values)
 
     @property
     def num_tokens(self) -> int:

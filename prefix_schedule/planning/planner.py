@@ -252,13 +252,15 @@ def _check_budget(batch: GroupBatch, token_budget: int) -> None:
 
 def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
                       run_singletons_dense: bool = True,
-                      prefix_chunk_tokens: Optional[int] = None) -> StepPlan:
+                      prefix_chunk_tokens: Optional[int] = None,
+                      vocab_size: Optional[int] = None) -> StepPlan:
     """Greedy, order-preserving packing of every trajectory's row; see the module docstring.
-    `prefix_chunk_tokens`: see StepPlan (None: each cached prefix runs as one chunk)."""
+    `prefix_chunk_tokens`: see StepPlan (None: each cached prefix runs as one chunk).
+    `vocab_size`: also check every token id (the executor checks both against the model)."""
     _check_int(token_budget, "token_budget", 1)
     if prefix_chunk_tokens is not None:
         _check_int(prefix_chunk_tokens, "prefix_chunk_tokens", 1)
-    batch.validate(max_seq_len=max_seq_len)
+    batch.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
     _check_budget(batch, token_budget)
     rows: list[list[Segment]] = []
     used = token_budget  # forces a new microbatch for the first segment

@@ -49,6 +49,15 @@ class ReuseStep:
         self.cache = PrefixKVCache()
         self._pending: Optional[Dict[str, torch.Tensor]] = None
         self._suffix_contexts: Dict[int, SuffixForwardContext] = {}
+        self._started = False
+
+    def begin(self) -> None:
+        """Called by the reuse executor once its checks passed, before any compute: a step (its
+        prefix cache, its contexts) serves one forward-backward call."""
+        if self._started:
+            raise ValueError("this ReuseStep has already run a forward-backward step (its prefix "
+                             "cache is spent); build a new ReuseStep(batch, plan) for every step")
+        self._started = True
 
     @property
     def num_microbatches(self) -> int:
@@ -103,6 +112,12 @@ class ReuseStep:
         return self
 
     def __next__(self) -> Dict[str, torch.Tensor]:
+        if not self._started:
+            raise ValueError(
+                "a ReuseStep was read by a schedule other than prefix reuse (Megatron's stock "
+                "schedule?): call megatron_patches.install() once, then select the schedule with "
+                "`with megatron_patches.use_prefix_reuse_schedule(): forward_backward = "
+                "get_forward_backward_func()` and pass the ReuseStep to that function")
         if self._pending is None:
             raise RuntimeError(
                 "forward_step_func called next(data_iterator) twice in one forward; with prefix "

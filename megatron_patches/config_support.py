@@ -1,0 +1,324 @@
+"""Every TransformerConfig field, classified for prefix reuse: supported / irrelevant / refused.
+
+`check_config_supported(config)` runs in the reuse path before any compute (executor.
+check_reuse_supported). A field is
+- "supported": reuse honours it and a test holds reuse to dense (or to the float64 reference)
+  with it; `allowed` may still exclude some values (e.g. recompute_granularity="full");
+- "irrelevant": it cannot make reuse differ from dense: per-token math that runs identically
+  on a prefix, suffix or dense row (norms, MLP, fusions, init), options read only by features
+  that are refused here (MoE, MTP, CP, fp8, ...), or performance / logging / inference knobs;
+- "refused": any value but the harmless one is a ValueError naming the field and what to do.
+The table is checked against the dataclass fields (tests/test_config_support.py), so a field a
+newer Megatron adds fails that test until someone classifies it; at run time an unclassified
+field is refused unless it holds its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
+
+__all__ = ["Rule", "FIELD_RULES", "check_config_supported", "unclassified_fields"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str
+    """"supported", "irrelevant" or "refused"."""
+    why: str
+    """Supported: the test that holds it exact; otherwise the reason."""
+    allowed: Optional[Callable[[Any], bool]] = None
+    """Values accepted (None: all); others are refused with `fix`."""
+    fix: str = ""
+    """What to do when refused."""
+    example: Any = None
+    """A refused value (tests use it)."""
+
+
+def _off(value) -> bool:
+    return not value
+
+
+def _group(kind: str, why: str, names: str, **kw) -> Dict[str, Rule]:
+    return {name: Rule(kind, why, **kw) for name in names.split()}
+
+
+def _merge(*parts: Dict[str, Rule]) -> Dict[str, Rule]:
+    merged: Dict[str, Rule] = {}
+    for part in parts:
+        twice = merged.keys() & part.keys()
+        if twice:
+            raise AssertionError(f"classified twice: {sorted(twice)}")
+        merged.update(part)
+    return merged
+
+
+def _refuse(name: str, why: str, fix: str, example: Any, allowed=_off) -> Dict[str, Rule]:
+    return {name: Rule("refused", why, allowed=allowed, fix=fix, example=example)}
+
+
+_REF = "tests/test_reference.py (float64 reference, Llama / Llama 3.1 / Qwen3)"
+_VARIANTS = "tests/test_config_support.py::test_supported_option_reuse_equals_dense"
+_UNVERIFIED = "not verified against dense training yet"
+
+FIELD_RULES: Dict[str, Rule] = _merge(
+    _group("supported", _REF, "num_layers hidden_size num_attention_heads num_query_groups "
+             "ffn_hidden_size kv_channels layernorm_epsilon qk_layernorm params_dtype"),
+    _group("supported", _VARIANTS, "add_bias_linear add_qkv_bias gated_linear_unit "
+             "activation_func normalization qk_l2_norm rotary_interleaved softmax_scale "
+             "apply_residual_connection_post_layernorm attention_output_gate"),
+    _group("supported", "tests/test_equivalence.py (bf16)", "bf16"),
+    _group("supported", "tests/test_parallel_tp_dp.py, test_parallel_matrix.py",
+             "tensor_model_parallel_size sequence_parallel"),
+    _group("supported", "tests/test_pipeline.py", "pipeline_model_parallel_size "
+             "pipeline_dtype"),
+    _group("supported", "tests/test_reuse_megatron.py (DDP)", "finalize_model_grads_func "
+             "no_sync_func"),
+    {"recompute_granularity": Rule(
+        "supported", "tests/test_reuse_megatron.py (selective)",
+        allowed=lambda v: v != "full", example="full",
+        fix="recompute_granularity='full' would drop the prefix K/V graph of Phase A; use "
+            "'selective' recompute or none")},
+    {"recompute_modules": Rule(
+        "supported", _VARIANTS + " (core_attn, mlp)",
+        allowed=lambda v: v is None or set(v) <= {"core_attn", "mlp"}, example=["layernorm"],
+        fix="only recompute_modules 'core_attn' and 'mlp' are verified with prefix reuse")},
+    {"calculate_per_token_loss": Rule(
+        "supported", "every reuse test", allowed=bool, example=False,
+        fix="prefix reuse needs calculate_per_token_loss=True (a token mean over the global "
+            "batch that does not depend on how groups are packed into microbatches)")},
+    # ---- refused: features whose math or bookkeeping the reuse path does not reproduce
+    _refuse("hidden_dropout", "dropout masks", "dropout > 0: dense training draws a prefix "
+              "dropout mask per trajectory, reuse one per group, so they are different "
+              "estimators; set hidden_dropout=attention_dropout=0", 0.1),
+    _refuse("attention_dropout", "dropout masks", "dropout > 0: dense training draws a prefix "
+              "dropout mask per trajectory, reuse one per group, so they are different "
+              "estimators; set hidden_dropout=attention_dropout=0", 0.1),
+    _refuse("num_moe_experts", "MoE routing", "MoE needs logical prefix-token accounting "
+              "(aux loss, capacity), not supported yet", 8),
+    _refuse("context_parallel_size", "CP", "prefix reuse does not support context "
+              "parallelism yet; set context_parallel_size=1", 2, allowed=lambda v: v == 1),
+    _refuse("multi_latent_attention", "MLA", "prefix reuse does not hook multi-latent "
+              "attention (MLA) yet", True),
+    _refuse("virtual_pipeline_model_parallel_size", "VPP", "prefix reuse does not support "
+              "virtual pipeline stages yet", 2, allowed=lambda v: v in (None, 1)),
+    _refuse("window_size", "sliding window", "sliding-window attention (window_size) is not "
+              "implemented by the prefix-reuse attention; set window_size=None", (128, 0),
+              allowed=lambda v: v is None),
+    _refuse("softmax_type", "attention sinks", "softmax_type (attention sinks) other than "
+              "'vanilla' is not implemented by the prefix-reuse attention", "off-by-one",
+              allowed=lambda v: v == "vanilla"),
+    _refuse("apply_query_key_layer_scaling", "scale", "apply_query_key_layer_scaling "
+              "divides the core attention's softmax scale by the layer number (and multiplies "
+              "back inside its fp32 softmax); the reuse attention computes softmax in fp32 "
+              "with the plain scale: set apply_query_key_layer_scaling=False (same math)", True),
+    _refuse("qk_clip", "max logit", "qk_clip needs the max attention logit from the core "
+              "attention, which the reuse hook replaces; set qk_clip=False", True),
+    _refuse("log_max_attention_logit", "max logit", "log_max_attention_logit needs the core "
+              "attention's logits, which the reuse hook replaces; set it False", True),
+    _refuse("mtp_num_layers", "MTP", "multi-token prediction (mtp_num_layers) is not "
+              "supported with prefix reuse", 1, allowed=lambda v: not v),
+    _refuse("no_rope_freq", "NoPE layers", "no_rope_freq (layers without RoPE) is "
+              + _UNVERIFIED, 4, allowed=lambda v: v is None),
+    _refuse("experimental_attention_variant", "attention variant", "experimental attention "
+              "variants are not hooked by prefix reuse", "dsa", allowed=lambda v: v is None),
+    _refuse("linear_attention_freq", "linear attention", "linear-attention layers hold "
+              "recurrent state, not a K/V cache: not supported", 4, allowed=lambda v: v is None),
+    _refuse("is_hybrid_model", "Mamba", "hybrid (Mamba) models hold recurrent state, not a "
+              "K/V cache: not supported", True),
+    _refuse("heterogeneous_block_specs", "per-layer configs", "heterogeneous block specs "
+              "(per-layer configs) are not classified for prefix reuse", True),
+    _refuse("use_mup", "muP", "muP scaling is " + _UNVERIFIED, True),
+    _refuse("fp16", "fp16", "fp16 training is " + _UNVERIFIED + "; use bf16 or fp32", True),
+    _refuse("fp32_residual_connection", "residual dtype",
+              "fp32_residual_connection is " + _UNVERIFIED, True),
+    _refuse("fp8", "fp8", "fp8 amax statistics would see each prefix once instead of G "
+              "times (not dense's scales); fp8 is " + _UNVERIFIED, "hybrid",
+              allowed=lambda v: v is None),
+    _refuse("fp4", "fp4", "fp4 is " + _UNVERIFIED, "nvfp4", allowed=lambda v: v is None),
+    _refuse("quant_recipe", "quantization", "quant_recipe is " + _UNVERIFIED, "x",
+              allowed=lambda v: v is None),
+    _refuse("use_kitchen", "quantization", "kitchen quantized layers are " + _UNVERIFIED,
+              True),
+    _refuse("fused_single_qkv_rope", "fused RoPE", "fused_single_qkv_rope is " + _UNVERIFIED
+              + " with the per-token RoPE table of reuse rows", True),
+    _refuse("tp_comm_overlap", "static shapes", "tp_comm_overlap needs static row shapes "
+              "(user buffers); reuse rows vary in length", True),
+    _refuse("delay_wgrad_compute", "deferred wgrad", "delay_wgrad_compute needs the schedule "
+              "to run the deferred weight gradients; the reuse executor does not", True),
+    _refuse("defer_embedding_wgrad_compute", "deferred wgrad", "defer_embedding_wgrad_compute "
+              "needs the schedule to run the deferred weight gradients; the reuse executor does "
+              "not", True),
+    _refuse("grad_sync_func", "overlap", "grad_sync_func (overlapped DP grad reduce across "
+              "pipeline stages) is not called by the reuse executor; leave it None",
+              [print], allowed=lambda v: v is None),
+    _refuse("param_sync_func", "overlap", "param_sync_func (overlapped param gather) is not "
+              "called by the reuse executor; leave it None", [print],
+              allowed=lambda v: v is None),
+    _refuse("enable_cuda_graph", "CUDA graphs", "CUDA graphs capture static shapes and no "
+              "Python hooks; turn them off for reuse steps", True),
+    _refuse("external_cuda_graph", "CUDA graphs", "CUDA graphs capture static shapes and no "
+              "Python hooks; turn them off for reuse steps", True),
+    _refuse("cuda_graph_impl", "CUDA graphs", "CUDA graphs capture static shapes and no "
+              "Python hooks; set cuda_graph_impl='none'", "local",
+              allowed=lambda v: v in (None, "none")),
+    _refuse("cpu_offloading", "offload", "Megatron's cpu_offloading is " + _UNVERIFIED
+              + "; ReuseStep(offload_prefix_activations=True) offloads prefix activations",
+              True),
+    _refuse("fine_grained_activation_offloading", "offload", "fine-grained activation "
+              "offloading is " + _UNVERIFIED, True),
+    _refuse("hybrid_context_parallel", "CP", "hybrid context parallelism is not supported",
+              True),
+    _refuse("max_seqlen_per_dp_cp_rank", "CP", "max_seqlen_per_dp_cp_rank (CP packing) is "
+              "not supported", 4096, allowed=lambda v: v is None),
+    _refuse("expert_model_parallel_size", "MoE", "expert parallelism needs MoE, which is not "
+              "supported yet", 2, allowed=lambda v: v == 1),
+    _refuse("tensor_parallel_num_weight_shards", "weight sharding", "weight-sharded tensor "
+              "parallelism is " + _UNVERIFIED, 2, allowed=lambda v: v in (None, 1)),
+    _refuse("gtp_weight_remat_size", "weight sharding", "weight-sharded tensor parallelism is "
+              + _UNVERIFIED, 2, allowed=lambda v: v == 1),
+    _refuse("num_layers_in_first_pipeline_stage", "uneven PP", "uneven pipeline splits are "
+              + _UNVERIFIED, 1, allowed=lambda v: v is None),
+    _refuse("num_layers_in_last_pipeline_stage", "uneven PP", "uneven pipeline splits are "
+              + _UNVERIFIED, 1, allowed=lambda v: v is None),
+    _refuse("pipeline_model_parallel_layout", "uneven PP", "custom pipeline layouts are "
+              + _UNVERIFIED, "Et|tL", allowed=lambda v: v is None),
+    _refuse("account_for_embedding_in_pipeline_split", "uneven PP", "uneven pipeline splits "
+              "are " + _UNVERIFIED, True),
+    _refuse("account_for_loss_in_pipeline_split", "uneven PP", "uneven pipeline splits are "
+              + _UNVERIFIED, True),
+    # ---- irrelevant
+    _group("irrelevant", "per-token math: the same function of each token on a prefix, "
+             "suffix or dense row", "layernorm_zero_centered_gamma glu_linear_offset "
+             "activation_func_clamp_value disable_bf16_reduced_precision_matmul "
+             "bias_activation_fusion masked_softmax_fusion persist_layer_norm "
+             "memory_efficient_layer_norm bias_dropout_fusion apply_rope_fusion "
+             "use_fused_weighted_squared_relu fused_residual_rmsnorm "
+             "use_transformer_engine_op_fuser use_te_activation_func mlp_chunks_for_training "
+             "use_grouped_gemm_for_dense_mlp gradient_accumulation_fusion "
+             "attention_softmax_in_fp32 enable_autocast autocast_dtype grad_scale_func"),
+    _group("irrelevant", "dense kernel choice: the reuse hook runs its own attention "
+             "(prefix_schedule.attention.backends)", "attention_backend "
+             "flash_attention_version transformer_impl"),
+    _group("irrelevant", "initialisation", "perform_initialization use_cpu_initialization "
+             "init_method output_layer_init_method init_method_std embedding_init_method "
+             "embedding_init_method_std init_model_with_meta_device"),
+    _group("irrelevant", "loss fusion of GPTModel(labels=...): the RL forward step computes "
+             "its own log-probs", "cross_entropy_loss_fusion cross_entropy_fusion_impl"),
+    _group("irrelevant", "pipeline p2p / memory knobs of the stock schedules (the reuse "
+             "executor derives shapes from the plan and orders p2p itself)",
+             "pipeline_model_parallel_comm_backend variable_seq_lengths overlap_p2p_comm "
+             "batch_p2p_comm batch_p2p_sync use_ring_exchange_p2p deallocate_pipeline_outputs "
+             "wgrad_deferral_limit overlap_p2p_comm_warmup_flush "
+             "microbatch_group_size_per_vp_stage num_microbatches_with_partial_activation_checkpoints"),
+    _group("irrelevant", "only read with tp_comm_overlap (refused)", "tp_comm_bulk_wgrad "
+             "tp_comm_bulk_dgrad tp_comm_overlap_ag tp_comm_overlap_rs tp_comm_overlap_rs_dgrad "
+             "tp_comm_split_ag tp_comm_atomic_ag tp_comm_split_rs tp_comm_atomic_rs "
+             "tp_comm_overlap_disable_qkv tp_comm_overlap_disable_fc1 tp_comm_bootstrap_backend"),
+    _group("irrelevant", "only read with context parallelism (refused)",
+             "hierarchical_context_parallel_sizes cp_comm_type"),
+    _group("irrelevant", "only read with full recompute (refused)", "recompute_method "
+             "recompute_num_layers distribute_saved_activations"),
+    _group("irrelevant", "only read with MTP (refused)", "mtp_loss_scaling_factor "
+             "mtp_use_repeated_layer mtp_detach_heads mtp_hybrid_override_pattern "
+             "mtp_standalone mtp_grad_scale_func"),
+    _group("irrelevant", "only read with fp8 / fp4 (refused)", "activation_func_fp8_input_store "
+             "fp8_recipe fp8_param fp8_quantizer_factory fp8_margin fp8_interval "
+             "fp8_amax_history_len fp8_amax_compute_algo fp8_wgrad fp8_output_proj "
+             "fp8_dot_product_attention fp8_multi_head_attention tp_only_amax_red "
+             "first_last_layers_bf16 num_layers_at_start_in_bf16 num_layers_at_end_in_bf16 "
+             "fp4_recipe fp4_param fp4_quantizer_factory"),
+    _group("irrelevant", "only read with use_kitchen (refused)", "use_kitchen_attention "
+             "kitchen_attention_backend"),
+    _group("irrelevant", "only read with qk_clip / window_size / muP / attention variants / "
+             "linear attention / Mamba / mrope (refused)", "qk_clip_alpha qk_clip_threshold "
+             "window_attn_skip_freq mup_width_mult mup_base_hidden_size mup_embedding_mult "
+             "mup_output_mult mup_base_head_dim mup_attn_scale_power "
+             "experimental_attention_variant_loss_scale_func dsa_indexer_n_heads "
+             "dsa_indexer_head_dim dsa_indexer_topk dsa_indexer_topk_freq "
+             "dsa_indexer_skip_topk_offset dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss "
+             "dsa_kernel_backend dsa_indexer_rope_interleaved dsa_indexer_rotate_activation "
+             "dsa_indexer_scoring_relu dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32 "
+             "linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim "
+             "linear_num_key_heads linear_num_value_heads mamba_state_dim mamba_head_dim "
+             "mamba_num_groups mamba_num_heads mamba_training_ssm_states_dtype "
+             "use_mamba_mem_eff_path mrope_section hetereogenous_dist_checkpoint"),
+    _group("irrelevant", "only read with MoE (refused)", "expert_tensor_parallel_size "
+             "expert_tensor_parallel_num_weight_shards expert_gtp_weight_remat_size "
+             "moe_grad_scale_func overlap_moe_expert_parallel_comm "
+             "overlap_dispatch_backward_with_experts_wgrad ep_overlap_early_attn_memory_release "
+             "high_priority_a2a_comm_stream moe_shared_expert_intermediate_size "
+             "moe_shared_expert_gate moe_shared_expert_overlap use_grouped_gemm_for_shared_expert "
+             "moe_shared_expert_glu_interleave_size moe_layer_freq moe_ffn_hidden_size "
+             "moe_router_load_balancing_type moe_router_topk moe_enable_routing_replay "
+             "moe_router_topk_limited_devices moe_router_padding_for_quantization "
+             "moe_router_padding_for_fp8 moe_router_num_groups moe_router_group_topk "
+             "moe_router_pre_softmax moe_router_topk_scaling_factor moe_router_score_function "
+             "moe_router_dtype moe_router_enable_expert_bias moe_router_bias_update_rate "
+             "moe_router_quantile_balancing_ema moe_router_force_load_balancing "
+             "moe_router_force_biased moe_grouped_gemm moe_single_grouped_weight "
+             "moe_single_grouped_bias moe_aux_loss_coeff moe_z_loss_coeff moe_input_jitter_eps "
+             "moe_token_dropping moe_token_dispatcher_type moe_enable_deepep "
+             "moe_flex_dispatcher_backend moe_permute_fusion_into_hybridep "
+             "moe_hybridep_pad_uneven_dispatch_inputs moe_per_layer_logging "
+             "moe_expert_capacity_factor moe_pad_expert_input_to_capacity "
+             "moe_pad_experts_for_cuda_graph_inference moe_token_drop_policy moe_layer_recompute "
+             "moe_permute_fusion moe_router_fusion moe_apply_probs_on_input moe_latent_size "
+             "moe_flex_dispatcher_num_sms moe_deepep_num_sms moe_hybridep_num_sms "
+             "moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute "
+             "moe_hybridep_num_sms_preprocessing moe_ncclep_static_shape moe_ncclep_zero_copy "
+             "moe_mlp_glu_interleave_size moe_expert_rank_capacity_factor moe_paged_stash "
+             "moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cuda "
+             "moe_paged_stash_buffer_size_factor_cpu"),
+    _group("irrelevant", "only read with CUDA graphs / offloading (refused)",
+             "cuda_graph_use_single_mempool cuda_graph_retain_backward_graph "
+             "cuda_graph_warmup_steps cuda_graph_modules inference_cuda_graph_scope "
+             "cuda_graph_scope cpu_offloading_num_layers _cpu_offloading_context "
+             "cpu_offloading_activations cpu_offloading_weights cpu_offloading_double_buffering "
+             "cpu_offloading_retain_pinned_cpu_buffers offload_modules min_offloaded_tensor_size "
+             "delay_offload_until_cuda_graph delta_offload_bytes_across_pp_ranks "
+             "activation_offload_fraction fine_grained_offloading_max_inflight_offloads"),
+    _group("irrelevant", "inference only (a training step never reads it)", "flash_decode "
+             "inference_rng_tracker inference_sampling_seed nccl_all_reduce_for_prefill "
+             "use_inference_optimized_layers inference_fuse_tp_communication "
+             "inference_disable_triton_nvls_kernels inference_grouped_gemm_backend "
+             "inference_moe_disable_fused_quant_kernels inference_moe_token_dispatcher_type "
+             "mlp_chunks_for_prefill"),
+    _group("irrelevant", "logging, timing, determinism and communication knobs", "timers "
+             "deterministic_mode use_te_rng_tracker test_mode clone_scatter_output_in_embedding "
+             "disable_parameter_transpose_cache config_logger_dir batch_invariant_mode "
+             "symmetric_ar_type barrier_with_L1_time"),
+)
+
+
+def unclassified_fields(config_cls) -> list:
+    """Dataclass fields of `config_cls` that FIELD_RULES does not classify."""
+    return sorted(f.name for f in dataclasses.fields(config_cls) if f.name not in FIELD_RULES)
+
+
+def _default(field: dataclasses.Field):
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return dataclasses.MISSING
+
+
+def check_config_supported(config) -> None:
+    """ValueError (before any compute) for every config value prefix reuse would not honour."""
+    problems = []
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        rule = FIELD_RULES.get(field.name)
+        if rule is None:
+            if value is not _default(field) and value != _default(field):
+                problems.append(
+                    f"{field.name}={value!r} is not classified for prefix reuse (a newer "
+                    "Megatron field?); leave it at its default or classify it in "
+                    "megatron_patches/config_support.py")
+        elif rule.allowed is not None and not rule.allowed(value):
+            problems.append(f"{field.name}={value!r}: {rule.fix}")
+    if problems:
+        raise ValueError("prefix reuse cannot honour this TransformerConfig:\n  - "
+                         + "\n  - ".join(problems))
