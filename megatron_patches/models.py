@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from typing import Optional
 
 import torch
@@ -97,9 +98,10 @@ class TinyLlamaConfig:
 def initialize_single_process(seed: int = 1234, tp: int = 1, pp: int = 1) -> None:
     """Create a one-process gloo group (if needed) and Megatron's parallel state."""
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 2000))
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        # A one-process group needs no rendezvous port: a private file store cannot collide with
+        # other jobs on the machine (a pid-derived port did, under concurrent test runs).
+        store = torch.distributed.FileStore(tempfile.mkstemp(prefix="prefix-reuse-store-")[1], 1)
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1, store=store)
     initialize_distributed(seed=seed, tp=tp, pp=pp)
 
 
