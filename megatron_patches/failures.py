@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Iterator, List, Sequence
 
-__all__ = ["RankEnd", "RankFailure", "classify", "first_failures", "headline",
+__all__ = ["RankEnd", "RankFailure", "classify", "one_line", "first_failures", "headline",
            "report_first_failure", "COLLECTIVE_TIMEOUT_ENV", "collective_timeout_s"]
 
 COLLECTIVE_TIMEOUT_ENV = "PREFIX_REUSE_COLLECTIVE_TIMEOUT_S"
@@ -106,7 +106,8 @@ def headline(ends: Sequence[RankEnd]) -> str:
     return f"rank {first[0].rank} failed first ({first[0].detail})"
 
 
-def _short(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message` (at most 300 characters of it)."""
     line = (str(exc).strip().splitlines() or [""])[0]
     return f"{type(exc).__name__}: {line[:300]}"
 
@@ -125,7 +126,7 @@ def report_first_failure(store, rank: int, world_size: int, *, wait_s: float = 5
     except BaseException as exc:
         if isinstance(exc, KeyboardInterrupt):
             raise
-        _record(store, f"{key}/{rank}", RankEnd(rank, classify(exc), time.time(), _short(exc)))
+        _record(store, f"{key}/{rank}", RankEnd(rank, classify(exc), time.time(), one_line(exc)))
         line = f"[rank {rank}] {headline(_gather(store, key, world_size, wait_s))}"
         print(line, file=sys.stderr, flush=True)
         raise RankFailure(line) from exc

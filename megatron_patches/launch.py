@@ -43,7 +43,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from megatron_patches.failures import (COLLECTIVE_TIMEOUT_ENV, RankEnd, classify,
-                                       collective_timeout_s)
+                                       collective_timeout_s, one_line)
 from megatron_patches.failures import headline as failure_headline
 
 __all__ = ["launch", "LaunchError", "DEFAULT_PRELOAD"]
@@ -93,8 +93,7 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, timeouts, thre
         outcome = ("ok", fn(*args, **kwargs), time.time())
         status = 0
     except BaseException as exc:  # noqa: BLE001 -- everything goes back to the parent
-        outcome = (classify(exc), traceback.format_exc(), time.time(),
-                   f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:300]}")
+        outcome = (classify(exc), traceback.format_exc(), time.time(), one_line(exc))
     _write_outcome(workdir, rank, outcome)
     sys.stdout.flush()
     sys.stderr.flush()
