@@ -11,18 +11,34 @@ Megatron's `get_forward_backward_func()` (prefix reuse selected), Megatron's DDP
 `finalize_model_grads` normalise by the global loss-token count, and Megatron's optimizer steps.
 `--dense` runs the same steps with the stock dense schedule for comparison. Swap in your model
 builder and rollout; nothing else changes.
+
+A stalled or dead rank ends the job within `--collective-timeout` seconds (default
+`$PREFIX_REUSE_COLLECTIVE_TIMEOUT_S`, else 600): every process group the step uses gets it as
+its timeout, so a rank waiting that long for a peer fails; its error then names the rank that
+failed first (megatron_patches/failures.py: ranks record how they ended in torchrun's store; one
+that recorded nothing stalled or was killed), and torchrun stops the others. On gloo the waiting
+collective raises. On NCCL PyTorch's watchdog enforces the same timeout
+(TORCH_NCCL_ASYNC_ERROR_HANDLING, which torchrun sets to 1: abort the communicator and end the
+process), so the waiting ranks may end before they can report; set TORCH_NCCL_DESYNC_DEBUG=1 to
+have the watchdog log which ranks never joined the timed-out collective.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import time
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
 import megatron_patches
+from megatron_patches.failures import collective_timeout_s, report_first_failure
 from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+
+_STARTUP_S = 600.0
+"""Rendezvous timeout of the default group: ranks may reach it minutes apart (imports, data)."""
 
 
 def parse_args(argv=None):
@@ -43,7 +59,17 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dense", action="store_true", help="stock dense schedule instead of reuse")
+    p.add_argument("--collective-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a collective or p2p waiting this long for a peer fails the job, naming "
+                        "the rank that failed first (default: $PREFIX_REUSE_COLLECTIVE_TIMEOUT_S, "
+                        "else 600)")
+    p.add_argument("--stall-rank", type=int, default=None,
+                   help="testing aid: this rank sleeps forever before its first step")
     args = p.parse_args(argv)
+    if args.collective_timeout is None:
+        args.collective_timeout = collective_timeout_s(600.0)
+    if not args.collective_timeout > 0:
+        p.error(f"--collective-timeout {args.collective_timeout}: give seconds > 0")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % (args.tp * args.pp):
         p.error(f"world size {world} is not divisible by tp*pp = {args.tp * args.pp}")
@@ -68,15 +94,35 @@ def rollout(args, vocab_size: int):
     return GroupBatch(groups=groups)
 
 
+def _store(timeout: datetime.timedelta):
+    """A client of the job's store (torchrun hosts it in its agent, so it outlives any rank)."""
+    return torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                      is_master=False, timeout=timeout)
+
+
+@record  # torchrun's failure summary shows the error (the headline of report_first_failure)
 def main(argv=None) -> int:
     args = parse_args(argv)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    torch.distributed.init_process_group(backend)
-    megatron_patches.install()  # + the CPU/gloo layer when there is no CUDA
-    initialize_distributed(seed=1234 + args.seed, tp=args.tp, pp=args.pp)
+    timeout = datetime.timedelta(seconds=args.collective_timeout)
+    torch.distributed.init_process_group(
+        backend, timeout=max(timeout, datetime.timedelta(seconds=_STARTUP_S)))
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    key = f"prefix_reuse/end/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    with report_first_failure(_store(timeout), rank, world, key=key):
+        megatron_patches.install()  # + the CPU/gloo layer when there is no CUDA
+        # every group the step uses gets the collective timeout: Megatron's, and `everyone`
+        initialize_distributed(seed=1234 + args.seed, tp=args.tp, pp=args.pp,
+                               timeout_s=args.collective_timeout)
+        everyone = torch.distributed.new_group(timeout=timeout)
+        train(args, everyone)
+    torch.distributed.destroy_process_group()
+    return 0
 
+
+def train(args, everyone) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -98,6 +144,8 @@ def main(argv=None) -> int:
     rank0 = torch.distributed.get_rank() == 0
 
     for step in range(args.steps):
+        if step == 0 and torch.distributed.get_rank() == args.stall_rank:
+            time.sleep(10**9)
         args.seed += 1
         batch = rollout(args, cfg.vocab_size)
         placement = place_groups(batch, dp_size=args.dp, token_budget=args.token_budget,
@@ -129,15 +177,13 @@ def main(argv=None) -> int:
         totals = torch.zeros(2, dtype=torch.float64)  # loss sum, tokens (last stage reports)
         for report in reports:
             totals += report["loss"].double()
-        torch.distributed.all_reduce(totals)  # every TP/PP copy adds the same: ratio unchanged
+        torch.distributed.all_reduce(totals, group=everyone)  # same ratio on every TP/PP copy
         if rank0:
             if step == 0:
                 print(placement.describe())
             print(f"step {step}: loss {totals[0] / totals[1]:.6f}  grad norm {grad_norm:.4f}  "
                   f"{seconds:.2f} s  ({'dense' if args.dense else 'prefix reuse'}, "
                   f"tp={args.tp} pp={args.pp} dp={args.dp})", flush=True)
-    torch.distributed.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

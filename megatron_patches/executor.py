@@ -66,22 +66,24 @@ def check_reuse_supported(config, step, num_microbatches, model=None) -> None:
 
 def _check_sequence_parallel_rows(config, step) -> None:
     # Sequence parallelism scatters every row along the sequence over the TP ranks (the attention
-    # hook still sees full-sequence q/k/v: the QKV projection gathers them first).
+    # hook still sees full-sequence q/k/v: the QKV projection gathers them first), so every row
+    # must be a multiple of TP: the planner pads them ([Note: row padding] in planner.py).
     tp = config.tensor_model_parallel_size
     if not config.sequence_parallel or tp == 1:
         return
     chunked = step.plan.prefix_chunk_tokens is not None
     rows = [(f"prefix chunk {c.chunk} of group {c.group}" if chunked
-             else f"the cached prefix of group {c.group}", c.length)
-            for c in step.plan.prefix_units().values()]
-    rows += [(f"suffix microbatch {mb.index}", mb.num_tokens) for mb in step.plan.microbatches]
+             else f"the cached prefix of group {c.group}", step.prefix_length(u))
+            for u, c in step.plan.prefix_units().items()]
+    rows += [(f"suffix microbatch {mb.index}", step.microbatch_length(mb.index))
+             for mb in step.plan.microbatches]
     for what, length in rows:
         if length % tp:
             raise ValueError(
                 f"sequence_parallel=True splits every row over the {tp} tensor-parallel ranks, but "
-                f"{what} has {length} tokens, not a multiple of {tp}; rows are not padded yet: "
-                "turn sequence_parallel off, or use prompts and a token budget that keep every "
-                f"row length a multiple of {tp}"
+                f"{what} is {length} tokens long, not a multiple of {tp}: plan the step with "
+                f"plan_microbatches(..., row_multiple={tp}), which pads every row exactly "
+                f"(the plan has row_multiple={step.plan.row_multiple})"
             )
 
 

@@ -50,7 +50,9 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
     q, k, v = query[:, 0], key[:, 0], value[:, 0]
     if isinstance(context, PrefixForwardContext):
         if not context.recomputing:
-            context.cache.store(context.group, module.layer_number, key, value,
+            real = key.shape[0] - context.padding  # never cache the padding at the row's end
+            stored_k, stored_v = (key, value) if not context.padding else (key[:real], value[:real])
+            context.cache.store(context.group, module.layer_number, stored_k, stored_v,
                                 chunk=context.chunk)
             if context.stop_after_layer == module.layer_number:
                 raise PrefixForwardDone()

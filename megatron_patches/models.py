@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_patches.cpu_support import enable_cpu_support
+from megatron_patches.failures import COLLECTIVE_TIMEOUT_ENV, collective_timeout_s
 
 enable_cpu_support()
 
@@ -104,12 +105,20 @@ def initialize_single_process(seed: int = 1234, tp: int = 1, pp: int = 1) -> Non
     initialize_distributed(seed=seed, tp=tp, pp=pp)
 
 
-def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1) -> None:
-    """Megatron parallel state + RNG tracker on an already initialised process group."""
+def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1,
+                           timeout_s: Optional[float] = None) -> None:
+    """Megatron parallel state + RNG tracker on an already initialised process group.
+
+    `timeout_s`: how long a collective or p2p in Megatron's groups waits for its peers before it
+    fails (None: `$PREFIX_REUSE_COLLECTIVE_TIMEOUT_S`, which the launchers set, else Megatron's
+    default of 30 minutes)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    if timeout_s is None and os.environ.get(COLLECTIVE_TIMEOUT_ENV):
+        timeout_s = collective_timeout_s(0)
+    extra = {} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **extra
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 

@@ -15,17 +15,19 @@ import torch
 
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.losses import PolicyLossConfig
-from prefix_schedule.planning.planner import StepPlan, build_dense_inputs
+from prefix_schedule.planning.inputs import build_dense_inputs
+from prefix_schedule.planning.planner import StepPlan
 from prefix_schedule.runtime.step import ReuseStep
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.utils import unwrap_model
+from megatron.core.utils import get_model_config, unwrap_model
 
 import megatron_patches
 from megatron_patches.rl import make_policy_forward_step
 
-__all__ = ["StepResult", "dense_items", "dense_step", "reuse_step", "scale_grads_by_token_count",
+__all__ = ["StepResult", "dense_items", "row_multiple_for", "dense_step", "reuse_step",
+           "scale_grads_by_token_count",
            "prepare_for_training", "zero_grads",
            "param_grads", "max_relative_diff", "max_elementwise_error"]
 
@@ -72,13 +74,21 @@ def _check_plain_finalize(config) -> None:
                          "finalize_model_grads sums them)")
 
 
-def dense_items(batch: GroupBatch) -> Iterator[Dict[str, torch.Tensor]]:
-    """Data iterator of the dense baseline: each trajectory's full row, in batch order."""
+def dense_items(batch: GroupBatch, row_multiple: int = 1) -> Iterator[Dict[str, torch.Tensor]]:
+    """Data iterator of the dense baseline: each trajectory's full row, in batch order, right-
+    padded to a multiple of `row_multiple` (see `row_multiple_for`)."""
     for g, group in enumerate(batch.groups):
         for t in range(len(group.trajectories)):
-            item = build_dense_inputs(batch, g, t)
+            item = build_dense_inputs(batch, g, t, row_multiple=row_multiple)
             item["kind"] = "dense"
             yield item
+
+
+def row_multiple_for(config) -> int:
+    """What every row's length must be a multiple of: the TP size under sequence parallelism
+    (Megatron scatters rows along the sequence), else 1. Pass it to
+    `plan_microbatches(..., row_multiple=...)` and `dense_items`."""
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
 def _summarise(reports: List[dict]) -> StepResult:
@@ -88,18 +98,22 @@ def _summarise(reports: List[dict]) -> StepResult:
 
 
 def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
-               forward_only: bool = False) -> StepResult:
-    """Stock Megatron dense step: every trajectory's full row is one microbatch."""
+               forward_only: bool = False, row_multiple: Optional[int] = None) -> StepResult:
+    """Stock Megatron dense step: every trajectory's full row is one microbatch, right-padded to
+    a multiple of `row_multiple` (None: `row_multiple_for` the model, as stock Megatron needs
+    under sequence parallelism)."""
     num_rows = sum(len(g.trajectories) for g in batch.groups)
     gpt = unwrap_model(model)
     batch.validate(max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
     forward_step_func = make_policy_forward_step(loss_config)
     forward_step_func.check_batch(batch)
+    if row_multiple is None:
+        row_multiple = row_multiple_for(get_model_config(model))
     with megatron_patches.use_prefix_reuse_schedule(False):
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
         forward_step_func=forward_step_func,
-        data_iterator=dense_items(batch),
+        data_iterator=dense_items(batch, row_multiple),
         model=[model],
         num_microbatches=num_rows,
         seq_length=0,

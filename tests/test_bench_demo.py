@@ -11,6 +11,7 @@ hung rank.
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +26,9 @@ from prefix_schedule.attention import backends as attention_backends
 pytestmark = pytest.mark.megatron
 
 ROOT = Path(__file__).resolve().parents[1]
+# the checkout under test first on the path of the scripts (not an installed copy)
+CHECKOUT_ENV = {**os.environ,
+                "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 TINY_BENCH = ["--prefix-len", "64", "--suffix-len", "8", "--group-size", "3", "--num-groups", "2",
               "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
               "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "256",
@@ -52,7 +56,7 @@ def runs(tmp_path_factory):
         "demo": [sys.executable, str(ROOT / "examples" / "grpo_demo.py"), "--quick"],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True) for name, cmd in commands.items()}
+                                    text=True, env=CHECKOUT_ENV) for name, cmd in commands.items()}
     results = {}
     for name, proc in procs.items():
         try:
@@ -196,7 +200,8 @@ def test_bench_refuses_bad_flags_before_compute():
     cases run at once: each is only an interpreter start)."""
     procs = [(flags, message, subprocess.Popen(
         [sys.executable, str(ROOT / "tools" / "bench.py"), *flags], cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for flags, message in REFUSALS]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CHECKOUT_ENV))
+        for flags, message in REFUSALS]
     for flags, message, proc in procs:
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 2, (flags, stderr[-2000:])

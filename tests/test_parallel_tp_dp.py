@@ -10,8 +10,7 @@ AdamW: 1e-4, see ADAM_TOL):
   batch; a per-rank token mean would be visibly different (the test can fail); two AdamW steps,
   the second on one group that place_groups splits over both ranks (prefix run on each).
 - TP=2 with an entropy bonus (vocab-parallel entropy): same comparisons.
-- TP=2 with sequence parallelism (DDP-wrapped, even rows): same comparisons; an odd row is
-  refused before compute.
+- TP=2 with sequence parallelism: tests/test_sequence_parallel.py (padded rows of any length).
 - TP=2 x DP=2 (4 processes): reuse == dense per shard, gathered == TP=1 reference.
 Rank functions are module-level so the harness can run them in fresh processes.
 """
@@ -41,8 +40,6 @@ SHAPES = [(33, [6, 9, 4]), (17, [8, 3]), (50, [5, 7, 6, 2]), (9, [4, 4, 6])]
 BUDGET = 16
 # one group over two DP ranks: place_groups splits it, its prefix runs on both ranks
 SHAPES_ONE_GROUP = [(40, [6, 9, 4, 7, 5])]
-# sequence parallelism: P-1, every suffix and so every packed / dense row has an even length
-SHAPES_EVEN = [(33, [6, 8, 4]), (17, [8, 2]), (9, [4, 4, 6])]
 
 
 # ---- helpers that run inside a rank ---------------------------------------------------------
@@ -176,53 +173,23 @@ class _HeadRecorder:
         self._module._core_attention_hook = self._hook
 
 
-def tp_rank(num_query_groups: int, sequence_parallel: bool = False, entropy_coef: float = 0.0) -> dict:
-    """TP=2: reuse vs dense on this rank's shard, then gathered vs a TP=1 reference.
-
-    With sequence parallelism the model is DDP-wrapped (finalize_model_grads sums the norm
-    gradients over TP) and every row length is even (Megatron scatters rows over the 2 ranks).
-    """
+def tp_rank(num_query_groups: int, entropy_coef: float = 0.0) -> dict:
+    """TP=2: reuse vs dense on this rank's shard, then gathered vs a TP=1 reference."""
     global LOSS
     LOSS = dataclasses.replace(LOSS, entropy_coef=entropy_coef)  # this rank process only
     _setup(tp=2)
-    if sequence_parallel:
-        model = _build(ddp=True, num_query_groups=num_query_groups, sequence_parallel=True)
-        batch = make_batch(31, SHAPES_EVEN)
-    else:
-        model = _build(num_query_groups=num_query_groups)
-        batch = make_batch(31, SHAPES)
+    model = _build(num_query_groups=num_query_groups)
+    batch = make_batch(31, SHAPES)
     with _HeadRecorder() as heads:
         dense, dense_grads, reuse, reuse_grads = _dense_and_reuse(model, batch)
     out = _step_diffs(dense, dense_grads, reuse, reuse_grads)
     out["hook_heads"] = sorted(heads.seen)
-    out["sequence_parallel"] = model.config.sequence_parallel
     out["entropy_sum"] = sum(float(r["entropy"][0]) for r in reuse.reports if "entropy" in r)
-    if sequence_parallel:
-        out["odd_row_refused"] = _odd_row_refusal(model)
     full_grads = _gather_tp(model, reuse_grads)
     full_weights = _gather_tp(model, _weights(model))
     out["reference"] = _tp1_reference(batch, full_weights, full_grads, reuse.loss,
                                       dict(num_query_groups=num_query_groups))
     return out
-
-
-def _odd_row_refusal(model) -> str:
-    """A row Megatron cannot scatter over 2 ranks is refused before any compute."""
-    from megatron_patches.training import reuse_step
-    from prefix_schedule.planning.planner import plan_microbatches
-
-    batch = make_batch(32, [(10, [3, 4])])  # cached prefix of 9 tokens
-    plan = plan_microbatches(batch, token_budget=BUDGET, max_seq_len=MODEL["max_seq_len"])
-    calls = []
-    hook = model.module.register_forward_pre_hook(lambda *_: calls.append(1))
-    try:
-        reuse_step(model, batch, plan, LOSS)
-    except ValueError as exc:
-        assert not calls, "the model ran before the refusal"
-        return str(exc)
-    finally:
-        hook.remove()
-    return "not refused"
 
 
 def _local_mean_control(model, local_batch, dp_group, reference_grads) -> float:
@@ -358,20 +325,6 @@ def test_tp2_with_fewer_kv_heads_than_ranks():
     for record in results:
         assert record["hook_heads"] == [(2, 1)], record
         _assert_step(record)
-    _assert_reference(results[0]["reference"])
-
-
-@pytest.mark.megatron
-def test_tp2_sequence_parallel_reuse_equals_dense_and_tp1_reference():
-    """SP with an SP-capable torch norm (models.SequenceParallelTorchNorm): the hook sees the
-    full-sequence q/k/v of its heads, as without SP; odd rows are refused before compute."""
-    results = run_distributed(tp_rank, world_size=2,
-                              kwargs={"num_query_groups": 2, "sequence_parallel": True},
-                              timeout_s=TIMEOUT_S)
-    for record in results:
-        assert record["hook_heads"] == [(2, 1)] and record["sequence_parallel"], record
-        _assert_step(record)
-        assert "cached prefix of group 0 has 9 tokens, not a multiple of 2" in record["odd_row_refused"]
     _assert_reference(results[0]["reference"])
 
 

@@ -1,5 +1,6 @@
-"""examples/train_grpo_megatron.py under torchrun (2 gloo processes, PP=2): dense and prefix
-reuse report the same loss and the same gradient norm from Megatron's optimizer."""
+"""examples/train_grpo_megatron.py under torchrun (2 gloo processes): at PP=2 dense and prefix
+reuse report the same loss and the same gradient norm from Megatron's optimizer; a rank that
+stalls ends the job at the collective timeout, and the error names it (not its waiting peer)."""
 
 import os
 import re
@@ -17,12 +18,17 @@ SMALL = ["--steps", "2", "--num-groups", "2", "--group-size", "3", "--prefix-len
          "--hidden-size", "64"]
 
 
+def _torchrun(*args, timeout=300):
+    # the checkout under test first on the path (the script's own directory is examples/)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(ROOT / "examples" / "train_grpo_megatron.py"), *SMALL, *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
 def _run(*extra):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          str(ROOT / "examples" / "train_grpo_megatron.py"), "--pp", "2",
-                          *SMALL, *extra], capture_output=True, text=True, timeout=300, env=env,
-                         cwd=ROOT)
+    out = _torchrun("--pp", "2", *extra)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     lines = re.findall(r"step (\d+): loss (\S+)  grad norm (\S+)", out.stdout)
     assert len(lines) == 2, out.stdout
@@ -34,3 +40,13 @@ def test_torchrun_example_reuse_matches_dense():
     for (dl, dn), (rl, rn) in zip(dense, reuse):
         assert abs(dl - rl) <= 1e-5 * max(abs(dl), 1e-3)
         assert abs(dn - rn) <= 1e-4 * dn and dn > 0
+
+
+def test_torchrun_example_a_stalled_rank_ends_the_job_and_is_named():
+    """Rank 1 sleeps forever before its first step; rank 0's gradient all-reduce fails after the
+    8 s collective timeout (instead of torch's 30-minute default), its error names rank 1, and
+    torchrun stops the job (the subprocess timeout only guards start-up on a busy machine)."""
+    out = _torchrun("--collective-timeout", "8", "--stall-rank", "1", timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-4000:]
+    assert "[rank 0] rank 1 stalled" in text, text[-4000:]

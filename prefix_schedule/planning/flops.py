@@ -22,7 +22,10 @@ Reuse: each cached prefix (P-1 tokens) runs forward and backward only through wh
 every layer need (DESIGN.md "[Note: prefix forward stops at the last cached K/V]"): layers 1..L-1
 fully and the last layer's QKV projection; no last-layer attention or MLP, no output layer.
 Every suffix row runs through the whole model, its attention also reading the group's cached keys;
-a segment run dense is just its dense row.
+a segment run dense is just its dense row. Row padding (planner.py, [Note: row padding]) counts as
+overhead: a microbatch's padding as a row of its own, a prefix unit's as tokens over that unit's
+real keys (an upper bound: on the last stage prefix rows stop early). Dense rows are counted
+unpadded, so under sequence parallelism the ideal speedup is slightly conservative.
 """
 from __future__ import annotations
 
@@ -117,10 +120,16 @@ def dense_flops(dims: ModelDims, seq_lens: Iterable[int]) -> float:
 
 def reuse_flops(dims: ModelDims, plan_like: Any) -> float:
     """Forward + backward FLOPs of a StepPlan (or anything with the same attributes):
-    `prefixes[*].length` and `microbatches[*].segments[*].length / .cached_len`."""
+    `prefixes[*].length` and `microbatches[*].segments[*].length / .cached_len`; with
+    `microbatches[*].padding` and `prefix_units()` (padding > 0) the padding counts too."""
     total = sum(_prefix_forward(dims, work.length) for work in plan_like.prefixes)
     total += sum(_row_forward(dims, s.length, s.cached_len)
                  for mb in plan_like.microbatches for s in mb.segments)
+    total += sum(_row_forward(dims, mb.padding, 0) for mb in plan_like.microbatches
+                 if getattr(mb, "padding", 0))
+    if getattr(plan_like, "row_multiple", 1) > 1:
+        total += sum(_row_forward(dims, c.padding, c.start + c.length)
+                     for c in plan_like.prefix_units().values() if c.padding)
     return float(3 * total)
 
 

@@ -127,22 +127,25 @@ def _share_label(share: GroupShare, split_groups: dict[int, tuple[int, ...]]) ->
 class _Costs:
     """Cost of (group, trajectory subset) planned alone, memoised."""
 
-    def __init__(self, batch: GroupBatch, dims: ModelDims | None, token_budget: int, max_seq_len: int):
+    def __init__(self, batch: GroupBatch, dims: ModelDims | None, token_budget: int, max_seq_len: int,
+                 row_multiple: int = 1):
         self._batch, self._dims = batch, dims
-        self._budget, self._max_seq_len = token_budget, max_seq_len
+        self._budget, self._max_seq_len, self._row_multiple = token_budget, max_seq_len, row_multiple
         self._memo: dict[tuple[int, tuple[int, ...]], float] = {}
 
     def __call__(self, group: int, trajectories: tuple[int, ...]) -> float:
         key = (group, trajectories)
         if key not in self._memo:
             plan = plan_microbatches(GroupBatch(groups=[_subgroup(self._batch, group, trajectories)]),
-                                     token_budget=self._budget, max_seq_len=self._max_seq_len)
+                                     token_budget=self._budget, max_seq_len=self._max_seq_len,
+                                     row_multiple=self._row_multiple)
             self._memo[key] = reuse_flops(self._dims, plan) if self._dims else float(_tokens_run(plan))
         return self._memo[key]
 
 
 def _tokens_run(plan: StepPlan) -> int:
-    return sum(w.length for w in plan.prefixes) + sum(mb.num_tokens for mb in plan.microbatches)
+    return (sum(c.row_length for c in plan.prefix_units().values())
+            + sum(mb.row_length for mb in plan.microbatches))
 
 
 def _subgroup(batch: GroupBatch, group: int, trajectories: tuple[int, ...]) -> Group:
@@ -239,16 +242,19 @@ def _check_args(batch, dp_size, dims, split_above) -> None:
 
 
 def place_groups(batch: GroupBatch, *, dp_size: int, dims: ModelDims | None = None,
-                 token_budget: int, max_seq_len: int, split_above: float = 1.0) -> Placement:
+                 token_budget: int, max_seq_len: int, split_above: float = 1.0,
+                 row_multiple: int = 1) -> Placement:
     """Place the batch's groups on `dp_size` data-parallel ranks; see the module docstring.
 
-    `token_budget` / `max_seq_len` are those each rank will plan its own batch with. Raises
+    `token_budget` / `max_seq_len` / `row_multiple` are those each rank will plan its own batch
+    with (row_multiple: the TP size under sequence parallelism, see planner.py). Raises
     ValueError (before any work) for dp_size < 1, an empty batch, fewer trajectories than ranks,
     or anything `plan_microbatches` refuses for this batch.
     """
     _check_args(batch, dp_size, dims, split_above)
-    plan_microbatches(batch, token_budget=token_budget, max_seq_len=max_seq_len)  # errors name global groups
-    costs = _Costs(batch, dims, token_budget, max_seq_len)
+    plan_microbatches(batch, token_budget=token_budget, max_seq_len=max_seq_len,  # errors name
+                      row_multiple=row_multiple)                                 # global groups
+    costs = _Costs(batch, dims, token_budget, max_seq_len, row_multiple)
     parts = _num_parts(batch, dp_size, costs, float(split_above))
     assigned = _assign(_pieces(batch, parts, costs), dp_size)
     shards = []

@@ -15,13 +15,26 @@ microbatch are contiguous.
 With `prefix_chunk_tokens`, each group's cached tokens run as chunks of at most that many tokens,
 each its own prefix unit (PF/PB action): see [Note: prefix chunks] in units.py and
 `StepPlan.prefix_units`. The suffix rows do not change.
+
+[Note: row padding]
+With `row_multiple=m` (TP under sequence parallelism: Megatron scatters every row along the
+sequence over the TP ranks) every row is padded at its end to a multiple of m, exactly:
+- a suffix microbatch gets `padding` tokens after its last segment, a sequence of its own (no
+  cached prefix): no real token attends to it and it carries no loss, so its gradient is exactly
+  zero and every real token computes as unpadded;
+- a prefix unit (the P-1 cached tokens, or a chunk) gets `padding` tokens after its real ones:
+  causal attention means no real token attends to them; the cache keeps only the real tokens'
+  K/V (the attention hook slices them off), so no suffix or later chunk ever reads padding and
+  Phase C's gradient reaches padding rows as exact zeros.
+Padding tokens are token 0, label 0, loss mask / advantages / log-probs 0, position ids
+0..padding-1 (valid for any position table; the RoPE angles come from the reuse context: a pad
+sequence at positions 0.., prefix padding continuing after the real tokens -- inert either way).
+The token budget bounds the padded row (`row_length`); FLOP estimates count padding as work.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
-
-import torch
+from typing import Optional
 
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.pipeline.units import chunk_spans
@@ -33,7 +46,7 @@ __all__ = [
     "PrefixChunk",
     "StepPlan",
     "plan_microbatches",
-    "build_suffix_inputs",
+    "build_suffix_inputs",  # from planning/inputs.py (see the end of this module)
     "build_prefix_inputs",
     "build_dense_inputs",
 ]
@@ -75,8 +88,12 @@ class SuffixMicrobatch:
     segments: tuple[Segment, ...]
     """The segments, in row order."""
 
+    padding: int = 0
+    """Padding tokens after the last segment ([Note: row padding]); the row is `row_length` long."""
+
     def __post_init__(self) -> None:
         _check_int(self.index, "SuffixMicrobatch.index", 0)
+        _check_int(self.padding, "SuffixMicrobatch.padding", 0)
         object.__setattr__(self, "segments", tuple(self.segments))
         if not self.segments:
             raise ValueError(f"microbatch {self.index} has no segments; drop it")
@@ -90,7 +107,13 @@ class SuffixMicrobatch:
 
     @property
     def num_tokens(self) -> int:
+        """Real tokens of the row (its segments; padding excluded)."""
         return sum(segment.length for segment in self.segments)
+
+    @property
+    def row_length(self) -> int:
+        """Length of the row as it runs: real tokens + padding."""
+        return self.num_tokens + self.padding
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -125,10 +148,18 @@ class PrefixChunk:
     """Offset of the chunk's first token in the cached prefix (= its first position)."""
     length: int
     """Tokens of the chunk (>= 1)."""
+    padding: int = 0
+    """Padding tokens after the chunk's tokens in its row ([Note: row padding]); never cached."""
 
     def __post_init__(self) -> None:
-        for name, minimum in (("group", 0), ("chunk", 0), ("start", 0), ("length", 1)):
+        for name, minimum in (("group", 0), ("chunk", 0), ("start", 0), ("length", 1),
+                              ("padding", 0)):
             _check_int(getattr(self, name), f"PrefixChunk.{name}", minimum)
+
+    @property
+    def row_length(self) -> int:
+        """Length of the unit's row as it runs: real tokens + padding."""
+        return self.length + self.padding
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -140,23 +171,32 @@ class StepPlan:
     prefixes: tuple[PrefixWork, ...]
     """One entry per group that uses the cache, in group order."""
     token_budget: int
-    """Maximum tokens of one microbatch row."""
+    """Maximum tokens of one microbatch row (padding included)."""
     prefix_chunk_tokens: Optional[int] = None
     """Run each cached prefix as chunks of at most this many tokens (one PF/PB each); None: one
     chunk per group. See `prefix_units`."""
+    row_multiple: int = 1
+    """Every row (suffix microbatch, prefix unit) is padded to a multiple of this
+    ([Note: row padding]); the TP size under sequence parallelism, else 1."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "microbatches", tuple(self.microbatches))
         object.__setattr__(self, "prefixes", tuple(self.prefixes))
         _check_int(self.token_budget, "StepPlan.token_budget", 1)
+        _check_int(self.row_multiple, "row_multiple", 1)
         if self.prefix_chunk_tokens is not None:
             _check_int(self.prefix_chunk_tokens, "prefix_chunk_tokens", 1)
         for i, mb in enumerate(self.microbatches):
             if mb.index != i:
                 raise ValueError(f"microbatch at position {i} has index {mb.index}; number them 0, 1, ...")
-            if mb.num_tokens > self.token_budget:
-                raise ValueError(f"microbatch {i} holds {mb.num_tokens} tokens, over the token budget "
-                                 f"{self.token_budget}; split it or raise the budget")
+            if mb.padding != _padding(mb.num_tokens, self.row_multiple):
+                raise ValueError(f"microbatch {i} has {mb.num_tokens} tokens and padding "
+                                 f"{mb.padding}; with row_multiple={self.row_multiple} its padding "
+                                 f"must be {_padding(mb.num_tokens, self.row_multiple)}")
+            if mb.row_length > self.token_budget:
+                raise ValueError(f"microbatch {i} holds {mb.row_length} tokens (padding included), "
+                                 f"over the token budget {self.token_budget}; split it or raise the "
+                                 "budget")
         self._check_prefixes()
 
     def _check_prefixes(self) -> None:
@@ -177,10 +217,13 @@ class StepPlan:
 
         Without chunking a group's one unit has the group's id, so schedules read as before;
         with `prefix_chunk_tokens` units are numbered 0, 1, ... in (group, chunk) order."""
+        m = self.row_multiple
         if self.prefix_chunk_tokens is None:
-            return {w.group: PrefixChunk(group=w.group, chunk=0, start=0, length=w.length)
+            return {w.group: PrefixChunk(group=w.group, chunk=0, start=0, length=w.length,
+                                         padding=_padding(w.length, m))
                     for w in self.prefixes}
-        chunks = [PrefixChunk(group=w.group, chunk=c, start=start, length=length)
+        chunks = [PrefixChunk(group=w.group, chunk=c, start=start, length=length,
+                              padding=_padding(length, m))
                   for w in self.prefixes
                   for c, (start, length) in enumerate(chunk_spans(w.length, self.prefix_chunk_tokens))]
         return dict(enumerate(chunks))
@@ -209,9 +252,12 @@ class StepPlan:
         prefixes = ", ".join(f"g{w.group}[{w.length}]" for w in self.prefixes) or "none"
         lines = [f"StepPlan: {len(self.microbatches)} microbatches, token budget {self.token_budget}, "
                  f"cached prefixes: {prefixes}"]
+        if self.row_multiple > 1:
+            lines.append(f"  rows padded to a multiple of {self.row_multiple}")
         if self.prefix_chunk_tokens is not None:
             lines.append(f"  prefix units (chunks of <= {self.prefix_chunk_tokens} tokens): " + " ".join(
                 f"u{u}=g{c.group}c{c.chunk}[{c.start}:{c.start + c.length}]"
+                + (f"+pad{c.padding}" if c.padding else "")
                 for u, c in self.prefix_units().items()))
         dense = set()
         for mb in self.microbatches:
@@ -221,138 +267,94 @@ class StepPlan:
                 parts.append(f"g{s.group}t{s.trajectory}[{s.length} {mode}]")
                 if s.cached_len == 0:
                     dense.add(s.group)
-            lines.append(f"  mb{mb.index} ({mb.num_tokens}/{self.token_budget} tokens): " + " ".join(parts))
+            if mb.padding:
+                parts.append(f"pad[{mb.padding}]")
+            lines.append(f"  mb{mb.index} ({mb.row_length}/{self.token_budget} tokens): " + " ".join(parts))
         lines.append("  groups without cache: " + (", ".join(f"g{g}" for g in sorted(dense)) or "none"))
         return "\n".join(lines)
 
 
-def _segment_lengths(batch: GroupBatch, *, token_budget: int, run_singletons_dense: bool):
+def _padding(length: int, multiple: int) -> int:
+    """Padding tokens that make a row of `length` tokens a multiple of `multiple`."""
+    return -length % multiple
+
+
+def _segment_lengths(batch: GroupBatch, *, capacity: int, multiple: int,
+                     run_singletons_dense: bool):
     """Yield (group, trajectory, length, cached_len) in packing order."""
     for g, group in enumerate(batch.groups):
         p = group.prefix_len
         singleton = len(group.trajectories) == 1
         for t, trajectory in enumerate(group.trajectories):
             n = trajectory.num_tokens
-            dense = p == 1 or (run_singletons_dense and singleton and p - 1 + n <= token_budget)
-            yield (g, t, p - 1 + n, 0) if dense else (g, t, n, p - 1)
+            full = p - 1 + n
+            dense = p == 1 or (run_singletons_dense and singleton
+                               and full + _padding(full, multiple) <= capacity)
+            yield (g, t, full, 0) if dense else (g, t, n, p - 1)
 
 
-def _check_budget(batch: GroupBatch, token_budget: int) -> None:
-    # With the cache a row is n tokens; a singleton only runs dense when its full row fits, so the
-    # smallest workable budget is the longest suffix.
+def _check_budget(batch: GroupBatch, token_budget: int, multiple: int) -> None:
+    # With the cache a row is n tokens (+ padding); a singleton only runs dense when its full row
+    # fits, so the smallest workable budget is the longest suffix, padded.
     longest, where = 0, ""
     for g, group in enumerate(batch.groups):
         for t, trajectory in enumerate(group.trajectories):
             if trajectory.num_tokens > longest:
                 longest, where = trajectory.num_tokens, f"group {g}, trajectory {t}"
-    if token_budget < longest:
+    needed = longest + _padding(longest, multiple)
+    if token_budget < needed:
+        padded = f" padded to a multiple of {multiple}" if needed != longest else ""
         raise ValueError(f"token_budget={token_budget} is smaller than the longest row: {where} needs "
-                         f"{longest} tokens; use token_budget >= {longest}")
+                         f"{needed} tokens{padded}; use token_budget >= {needed}")
 
 
 def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
                       run_singletons_dense: bool = True,
                       prefix_chunk_tokens: Optional[int] = None,
-                      vocab_size: Optional[int] = None) -> StepPlan:
+                      row_multiple: int = 1, vocab_size: Optional[int] = None) -> StepPlan:
     """Greedy, order-preserving packing of every trajectory's row; see the module docstring.
     `prefix_chunk_tokens`: see StepPlan (None: each cached prefix runs as one chunk).
+    `row_multiple`: pad every row to a multiple of it ([Note: row padding]); pass the TP size
+    when Megatron runs with sequence_parallel=True. The padded row fits the token budget.
     `vocab_size`: also check every token id (the executor checks both against the model)."""
     _check_int(token_budget, "token_budget", 1)
+    _check_int(row_multiple, "row_multiple", 1)
     if prefix_chunk_tokens is not None:
         _check_int(prefix_chunk_tokens, "prefix_chunk_tokens", 1)
     batch.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
-    _check_budget(batch, token_budget)
+    _check_budget(batch, token_budget, row_multiple)
+    capacity = token_budget - token_budget % row_multiple  # the longest row that pads within budget
     rows: list[list[Segment]] = []
-    used = token_budget  # forces a new microbatch for the first segment
-    for g, t, length, cached_len in _segment_lengths(batch, token_budget=token_budget,
+    used = capacity  # forces a new microbatch for the first segment
+    for g, t, length, cached_len in _segment_lengths(batch, capacity=capacity,
+                                                     multiple=row_multiple,
                                                      run_singletons_dense=run_singletons_dense):
-        if used + length > token_budget:
+        if used + length > capacity:
             rows.append([])
             used = 0
         rows[-1].append(Segment(group=g, trajectory=t, row_start=used, length=length,
                                 cached_len=cached_len))
         used += length
-    microbatches = tuple(SuffixMicrobatch(index=i, segments=tuple(r)) for i, r in enumerate(rows))
+    microbatches = tuple(
+        SuffixMicrobatch(index=i, segments=tuple(r),
+                         padding=_padding(sum(s.length for s in r), row_multiple))
+        for i, r in enumerate(rows))
     prefixes = {}
     for mb in microbatches:
         for s in mb.segments:
             if s.cached_len > 0:
                 prefixes.setdefault(s.group, PrefixWork(group=s.group, length=s.cached_len))
     return StepPlan(microbatches=microbatches, prefixes=tuple(prefixes.values()), token_budget=token_budget,
-                    prefix_chunk_tokens=prefix_chunk_tokens)
+                    prefix_chunk_tokens=prefix_chunk_tokens, row_multiple=row_multiple)
 
 
-# ---- tensor builders ---------------------------------------------------------------------------
-
-def _dense_row(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torch.Tensor]:
-    """1-D arrays of the full dense row: input (prefix+suffix)[:-1], labels (prefix+suffix)[1:]."""
-    if not 0 <= group < len(batch.groups):
-        raise ValueError(f"group {group} is not in the batch (it has {len(batch.groups)} groups)")
-    g = batch.groups[group]
-    if not 0 <= trajectory < len(g.trajectories):
-        raise ValueError(f"group {group} has no trajectory {trajectory} (it has {len(g.trajectories)})")
-    tr = g.trajectories[trajectory]
-    full = torch.cat([g.prefix, tr.suffix])
-    pad = torch.zeros(g.prefix_len - 1, dtype=torch.float32)  # prefix positions carry no loss
-    row = {
-        "tokens": full[:-1],
-        "position_ids": torch.arange(full.numel() - 1, dtype=torch.int64),
-        "labels": full[1:],
-        "loss_mask": torch.cat([pad, tr.loss_mask]),
-        "advantages": torch.cat([pad, tr.advantages]),
-    }
-    for name in ("old_logprobs", "ref_logprobs"):
-        if getattr(tr, name) is not None:
-            row[name] = torch.cat([pad, getattr(tr, name)])
-    return row
+# The tensor builders live in planning/inputs.py; importing them from here keeps working.
+_BUILDERS = ("build_suffix_inputs", "build_prefix_inputs", "build_dense_inputs")
 
 
-def _segment_row(batch: GroupBatch, segment: Segment) -> dict[str, torch.Tensor]:
-    # Every segment is the tail of its dense row: cached_len tokens come from the cache.
-    row = _dense_row(batch, segment.group, segment.trajectory)
-    total = row["tokens"].numel()
-    if segment.cached_len + segment.length != total:
-        raise ValueError(f"segment (group {segment.group}, trajectory {segment.trajectory}) has "
-                         f"cached_len {segment.cached_len} + length {segment.length} != {total}, the "
-                         "dense row length P+n-1; the plan does not belong to this batch")
-    return {name: value[segment.cached_len:] for name, value in row.items()}
+def __getattr__(name: str):
+    if name in _BUILDERS:
+        from prefix_schedule.planning import inputs
 
-
-def _as_batch_dim(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: value.unsqueeze(0).contiguous() for name, value in row.items()}
-
-
-def build_suffix_inputs(batch: GroupBatch, mb: SuffixMicrobatch) -> dict[str, torch.Tensor]:
-    """The packed row of a suffix microbatch, [1, L] tensors.
-
-    Keys: tokens, position_ids, labels (int64); loss_mask, advantages, and old_logprobs /
-    ref_logprobs when the batch has them (float32).
-    """
-    batch._check_logprob_presence()
-    rows = [_segment_row(batch, segment) for segment in mb.segments]
-    return _as_batch_dim({name: torch.cat([r[name] for r in rows]) for name in rows[0]})
-
-
-def build_prefix_inputs(batch: GroupBatch,
-                        work: Union[PrefixWork, PrefixChunk]) -> dict[str, torch.Tensor]:
-    """The cached part of a group's prompt: tokens prefix[:-1] at positions 0..P-2, [1, P-1];
-    for a PrefixChunk only its tokens prefix[start:start+length] at their positions."""
-    if not 0 <= work.group < len(batch.groups):
-        raise ValueError(f"group {work.group} is not in the batch (it has {len(batch.groups)} groups)")
-    prefix = batch.groups[work.group].prefix
-    if isinstance(work, PrefixWork):
-        work = PrefixChunk(group=work.group, chunk=0, start=0, length=work.length)
-        fits = work.length == prefix.numel() - 1
-    else:
-        fits = work.start + work.length <= prefix.numel() - 1
-    if not fits:
-        raise ValueError(f"{work} does not fit group {work.group}, which caches P-1 = "
-                         f"{prefix.numel() - 1} tokens; the plan does not belong to this batch")
-    end = work.start + work.length
-    return _as_batch_dim({"tokens": prefix[work.start:end],
-                          "position_ids": torch.arange(work.start, end)})
-
-
-def build_dense_inputs(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torch.Tensor]:
-    """The full-sequence row of one trajectory, [1, P+n-1]; loss_mask etc. 0 on the first P-1."""
-    return _as_batch_dim(_dense_row(batch, group, trajectory))
+        return getattr(inputs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

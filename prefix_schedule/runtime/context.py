@@ -51,9 +51,12 @@ class PrefixForwardContext:
     group's chunks < c."""
     position_offset: int = 0
     """Position of the row's first token (the chunk's start in the prefix; 0 unchunked)."""
+    padding: int = 0
+    """Padding tokens at the row's end ([Note: row padding] in planner.py): their K/V are never
+    cached."""
 
     def __post_init__(self) -> None:
-        for name in ("group", "chunk", "position_offset"):
+        for name in ("group", "chunk", "position_offset", "padding"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"PrefixForwardContext.{name} must be an int >= 0, got {value!r}")

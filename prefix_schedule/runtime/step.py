@@ -7,7 +7,9 @@ the executor decides the order, the user's function never needs to know it.
 
 Items are dicts of [1, L] tensors. Prefix items (`kind == "prefix"`) carry only `tokens` and
 `position_ids`; suffix items (`kind == "suffix"`) also carry `labels`, `loss_mask`, `advantages`
-and, when the batch has them, `old_logprobs` / `ref_logprobs` (see planner.build_suffix_inputs).
+and, when the batch has them, `old_logprobs` / `ref_logprobs` (see
+planning.inputs.build_suffix_inputs). Rows include their padding ([Note: row padding] in
+planner.py); `prefix_length` / `microbatch_length` are the padded lengths every rank uses.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from prefix_schedule.attention import PackedMeta
 from prefix_schedule.runtime.cache import PrefixKVCache
 from prefix_schedule.runtime.context import PrefixForwardContext, SuffixForwardContext
 from prefix_schedule.planning.data import GroupBatch
-from prefix_schedule.planning.planner import PrefixChunk, StepPlan, build_prefix_inputs, build_suffix_inputs
+from prefix_schedule.planning.inputs import build_prefix_inputs, build_suffix_inputs
+from prefix_schedule.planning.planner import PrefixChunk, StepPlan
 from prefix_schedule.pipeline.lowering import lower
 from prefix_schedule.pipeline import Action, ActionKind, Schedule, build_schedule
 
@@ -69,12 +72,16 @@ class ReuseStep:
         return self._units[unit]
 
     def prefix_length(self, unit: int) -> int:
-        """Tokens of prefix unit `unit` (its row's length; the whole cached prefix unchunked)."""
-        return self._units[unit].length
+        """Length of prefix unit `unit`'s row (the whole cached prefix unchunked), padding
+        included: a multiple of `plan.row_multiple`. Under sequence parallelism a stage's
+        hidden states are this / TP long."""
+        return self._units[unit].row_length
 
     def microbatch_length(self, microbatch: int) -> int:
-        """Tokens of suffix microbatch `microbatch` (its packed row's length)."""
-        return self.plan.microbatches[microbatch].num_tokens
+        """Length of suffix microbatch `microbatch`'s packed row, padding included: a multiple of
+        `plan.row_multiple`. Under sequence parallelism a stage's hidden states are this / TP
+        long."""
+        return self.plan.microbatches[microbatch].row_length
 
     @property
     def num_loss_tokens(self) -> int:
@@ -133,7 +140,8 @@ class ReuseStep:
         chunk = self._units[unit]
         return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
                                     position_offset=chunk.start, cache=self.cache,
-                                    stop_after_layer=stop_after_layer, recomputing=recomputing)
+                                    stop_after_layer=stop_after_layer, recomputing=recomputing,
+                                    padding=chunk.padding)
 
     def suffix_context(self, microbatch: int) -> SuffixForwardContext:
         """Context of suffix microbatch `microbatch` (its forward and its backward)."""
@@ -143,22 +151,26 @@ class ReuseStep:
 
     def _build_suffix_context(self, microbatch: int) -> SuffixForwardContext:
         mb = self.plan.microbatches[microbatch]
+        # (group, cached_len, length) of each sequence; padding is one more with no prefix
+        sequences = [(s.group, s.cached_len, s.length) for s in mb.segments]
+        if mb.padding:  # [Note: row padding] in planner.py
+            sequences.append((None, 0, mb.padding))
         slot_groups, slots, lengths, positions = [], [], [], []
-        for seg in mb.segments:
-            group = seg.group if seg.cached_len > 0 else None
+        for group, cached_len, length in sequences:
+            group = group if cached_len > 0 else None
             # consecutive sequences of one cached group share a slot; a dense row has its own
             if group is None or not slot_groups or slot_groups[-1] != group:
                 slot_groups.append(group)
             slots.append(len(slot_groups) - 1)
-            lengths.append(seg.length)
-            positions.append(torch.arange(seg.cached_len, seg.cached_len + seg.length))
+            lengths.append(length)
+            positions.append(torch.arange(cached_len, cached_len + length))
         return SuffixForwardContext(
             microbatch=microbatch,
             cache=self.cache,
             slot_groups=tuple(slot_groups),
             meta=PackedMeta.from_lengths(lengths, slots),
             position_ids=torch.cat(positions),
-            max_position=max(s.cached_len + s.length - 1 for s in mb.segments),
+            max_position=max(cached_len + length - 1 for _, cached_len, length in sequences),
         )
 
     def release_microbatch(self, microbatch: int) -> None:

@@ -1,0 +1,107 @@
+"""Tensor builders of a StepPlan's rows: [1, L] dicts for the suffix microbatches, the prefix
+units and the dense baseline (see the split of a trajectory in planner.py, and
+[Note: row padding] there for the padding tokens).
+"""
+from __future__ import annotations
+
+from typing import Union
+
+import torch
+
+from prefix_schedule.planning.data import GroupBatch
+from prefix_schedule.planning.planner import (PrefixChunk, PrefixWork, Segment, SuffixMicrobatch,
+                                              _check_int, _padding)
+
+__all__ = ["build_suffix_inputs", "build_prefix_inputs", "build_dense_inputs"]
+
+
+def _dense_row(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torch.Tensor]:
+    """1-D arrays of the full dense row: input (prefix+suffix)[:-1], labels (prefix+suffix)[1:]."""
+    if not 0 <= group < len(batch.groups):
+        raise ValueError(f"group {group} is not in the batch (it has {len(batch.groups)} groups)")
+    g = batch.groups[group]
+    if not 0 <= trajectory < len(g.trajectories):
+        raise ValueError(f"group {group} has no trajectory {trajectory} (it has {len(g.trajectories)})")
+    tr = g.trajectories[trajectory]
+    full = torch.cat([g.prefix, tr.suffix])
+    pad = torch.zeros(g.prefix_len - 1, dtype=torch.float32)  # prefix positions carry no loss
+    row = {
+        "tokens": full[:-1],
+        "position_ids": torch.arange(full.numel() - 1, dtype=torch.int64),
+        "labels": full[1:],
+        "loss_mask": torch.cat([pad, tr.loss_mask]),
+        "advantages": torch.cat([pad, tr.advantages]),
+    }
+    for name in ("old_logprobs", "ref_logprobs"):
+        if getattr(tr, name) is not None:
+            row[name] = torch.cat([pad, getattr(tr, name)])
+    return row
+
+
+def _segment_row(batch: GroupBatch, segment: Segment) -> dict[str, torch.Tensor]:
+    # Every segment is the tail of its dense row: cached_len tokens come from the cache.
+    row = _dense_row(batch, segment.group, segment.trajectory)
+    total = row["tokens"].numel()
+    if segment.cached_len + segment.length != total:
+        raise ValueError(f"segment (group {segment.group}, trajectory {segment.trajectory}) has "
+                         f"cached_len {segment.cached_len} + length {segment.length} != {total}, the "
+                         "dense row length P+n-1; the plan does not belong to this batch")
+    return {name: value[segment.cached_len:] for name, value in row.items()}
+
+
+def _as_batch_dim(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.unsqueeze(0).contiguous() for name, value in row.items()}
+
+
+def build_suffix_inputs(batch: GroupBatch, mb: SuffixMicrobatch) -> dict[str, torch.Tensor]:
+    """The packed row of a suffix microbatch, [1, L] tensors.
+
+    Keys: tokens, position_ids, labels (int64); loss_mask, advantages, and old_logprobs /
+    ref_logprobs when the batch has them (float32).
+    """
+    batch._check_logprob_presence()
+    rows = [_segment_row(batch, segment) for segment in mb.segments]
+    row = {name: torch.cat([r[name] for r in rows]) for name in rows[0]}
+    return _as_batch_dim(_pad(row, mb.padding))  # a sequence of its own (the context says so)
+
+
+def _pad(row: dict[str, torch.Tensor], padding: int) -> dict[str, torch.Tensor]:
+    """`row` followed by `padding` inert tokens ([Note: row padding] in planner.py): token /
+    label 0, loss mask, advantages and log-probs 0, position ids 0..padding-1."""
+    if not padding:
+        return row
+    pad = {name: value.new_zeros(padding) for name, value in row.items()}
+    pad["position_ids"] = torch.arange(padding, dtype=row["position_ids"].dtype)
+    return {name: torch.cat([row[name], pad[name]]) for name in row}
+
+
+def build_prefix_inputs(batch: GroupBatch,
+                        work: Union[PrefixWork, PrefixChunk]) -> dict[str, torch.Tensor]:
+    """The cached part of a group's prompt: tokens prefix[:-1] at positions 0..P-2, [1, P-1];
+    for a PrefixChunk only its tokens prefix[start:start+length] at their positions."""
+    if not 0 <= work.group < len(batch.groups):
+        raise ValueError(f"group {work.group} is not in the batch (it has {len(batch.groups)} groups)")
+    prefix = batch.groups[work.group].prefix
+    if isinstance(work, PrefixWork):
+        work = PrefixChunk(group=work.group, chunk=0, start=0, length=work.length)
+        fits = work.length == prefix.numel() - 1
+    else:
+        fits = work.start + work.length <= prefix.numel() - 1
+    if not fits:
+        raise ValueError(f"{work} does not fit group {work.group}, which caches P-1 = "
+                         f"{prefix.numel() - 1} tokens; the plan does not belong to this batch")
+    end = work.start + work.length
+    row = {"tokens": prefix[work.start:end], "position_ids": torch.arange(work.start, end)}
+    return _as_batch_dim(_pad(row, work.padding))
+
+
+def build_dense_inputs(batch: GroupBatch, group: int, trajectory: int, *,
+                       row_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """The full-sequence row of one trajectory, [1, P+n-1]; loss_mask etc. 0 on the first P-1.
+
+    `row_multiple` > 1 right-pads the row to a multiple of it (stock Megatron under sequence
+    parallelism needs that too), with the inert tokens of `_pad`. Exact for causal attention: no
+    real token attends to a later one, and padding carries no loss."""
+    _check_int(row_multiple, "row_multiple", 1)
+    row = _dense_row(batch, group, trajectory)
+    return _as_batch_dim(_pad(row, _padding(row["tokens"].numel(), row_multiple)))
