@@ -12,6 +12,7 @@ The shapes of the paper's models are expressible: Llama 3 (`rotary_base=500000`)
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from typing import Optional
 
