@@ -146,8 +146,11 @@ def test_reuse_equals_dense_on_megatron_lm_main(tmp_path_factory):
     PYTHONPATH (forkserver ranks inherit it); every one must pass, none skip. The plugin
     `megatron_trees` stops the run unless megatron.core is imported from that tree."""
     tree = patched_tree("0.20.0", tmp_path_factory)
-    env = {**os.environ, EXPECT_ENV: str(tree),
-           "PYTHONPATH": os.pathsep.join([str(tree), str(REPO / "tests")])}
+    # not this process's rendezvous: its MASTER_PORT may be in use by its own process group
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update({EXPECT_ENV: str(tree),
+                "PYTHONPATH": os.pathsep.join([str(tree), str(REPO / "tests")])})
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
                           "-p", "megatron_trees", *_ON_THE_TREE], cwd=REPO, capture_output=True,
                          text=True, timeout=900, env=env)
