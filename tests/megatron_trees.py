@@ -78,7 +78,7 @@ def stock_tree(version: str, factory) -> Path:
     if version not in _STOCK:
         tarball = find_tarball(version)
         root = extract_tree(tarball, factory.mktemp(f"stock-{version}"))
-        assert registry.megatron_version(root) == version, f"{tarball} is not megatron-core {version}"
+        assert registry.megatron_version(root) == version, f"{tarball}: not megatron-core {version}"
         _STOCK[version] = root
     return _STOCK[version]
 
@@ -104,5 +104,5 @@ def pytest_sessionstart(session):
     import megatron.core
 
     if not megatron.core.__file__.startswith(expected):
-        raise pytest.UsageError(f"megatron.core comes from {megatron.core.__file__}, not {expected}")
+        raise pytest.UsageError(f"megatron.core is {megatron.core.__file__}, not under {expected}")
     print(f"megatron.core {registry.imported_version()} from {megatron.core.__file__}")

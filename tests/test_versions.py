@@ -92,7 +92,8 @@ def test_signatures_match_the_snapshot_and_hooks_are_live(release, tmp_path_fact
         tree = patched_tree(release, tmp_path_factory)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(tree)])
     run = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _LIVE_CHECK, str(REPO / "tools" / "snapshot_signatures.py")],
+        [sys.executable, "-W", "ignore", "-c", _LIVE_CHECK,
+         str(REPO / "tools" / "snapshot_signatures.py")],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
     )
     assert run.returncode == 0, run.stderr[-3000:]
