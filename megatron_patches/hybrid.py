@@ -15,19 +15,19 @@ from typing import Optional
 
 import torch
 
+# before megatron.core, as models.py itself is (it sets up Megatron on CPU where needed)
 from megatron_patches.models import TinyLlamaConfig, make_transformer_config
 
-from megatron.core import parallel_state, tensor_parallel  # noqa: E402  (after the CPU layer)
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.models.hybrid.hybrid_block import (  # noqa: E402
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.hybrid.hybrid_block import (
     HybridStack,
     HybridStackSubmodules,
 )
-from megatron.core.models.hybrid.hybrid_model import HybridModel  # noqa: E402
-from megatron.core.ssm.mlp_layer import MLPLayer  # noqa: E402
-from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
-from megatron.core.transformer.transformer_layer import (  # noqa: E402
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer,
     TransformerLayer,
     TransformerLayerSubmodules,
