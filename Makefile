@@ -14,7 +14,8 @@ setup: $(STAMP)
 # declares Requires-Python >= 3.12 but ships a working cp311 wheel; its only hard deps are
 # torch, numpy and packaging, installed here first (see README "Installing"). transformers is
 # a test-only dependency (it does not depend on torch's wheel: it leaves torch as installed).
-$(STAMP): setup.py Makefile
+# Re-run when the patch declarations change: `apply` adds new patches and leaves applied ones.
+$(STAMP): setup.py Makefile megatron_patches/declarations.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0 numpy==2.4.6 'packaging>=24.2' 'pytest>=8' 'hypothesis>=6'
 	$(PIP) install -q --no-deps --ignore-requires-python megatron-core==0.19.2

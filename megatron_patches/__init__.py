@@ -34,6 +34,7 @@ def install(*, cpu_support: bool = True) -> None:
 
     require_patched()
     from megatron.core.models.gpt import gpt_model
+    from megatron.core.models.hybrid import hybrid_model
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import attention
 
@@ -41,17 +42,20 @@ def install(*, cpu_support: bool = True) -> None:
 
     attention._core_attention_hook = hooks.core_attention_hook
     gpt_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
+    hybrid_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     schedules._forward_backward_func_hook = _select_schedule
 
 
 def uninstall() -> None:
     """Remove the hooks (Megatron behaves exactly as stock again)."""
     from megatron.core.models.gpt import gpt_model
+    from megatron.core.models.hybrid import hybrid_model
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import attention
 
     attention._core_attention_hook = None
     gpt_model._rotary_pos_emb_hook = None
+    hybrid_model._rotary_pos_emb_hook = None
     schedules._forward_backward_func_hook = None
 
 

@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--write", action="store_true",
-        help=f"with diff: write one .patch per patch into {_PATCH_DIR} instead of printing",
+        help=f"with diff: write one .patch per patch into {_PATCH_DIR}/<patch set of the "
+        "version under --root>/ instead of printing",
     )
     return parser
 
@@ -42,9 +43,12 @@ def _print_states(states) -> None:
 
 
 def _report(root: Path) -> int:
-    states = registry.status(root)
-    print(f"megatron-core {registry.megatron_version(root)} under {root}")
-    by_id = {patch.id: patch for patch in registry.PATCHES}
+    patches = registry.patches_at(root)
+    states = registry.status(root, patches)
+    version = registry.megatron_version(root)
+    print(f"megatron-core {version} under {root} ({registry.SUPPORTED_RELEASES[version]}); "
+          f"patch files: {_PATCH_DIR / registry.patch_set_name(version)}")
+    by_id = {patch.id: patch for patch in patches}
     rows = [("id", "target", "state", "description")] + [
         (s.patch_id, by_id[s.patch_id].target, s.state, by_id[s.patch_id].description)
         for s in states
@@ -70,17 +74,18 @@ def _check(root: Path) -> int:
 
 
 def _diff(root: Path, write: bool) -> int:
-    rendered = {patch.id: registry.unified_diff(patch, root) for patch in registry.PATCHES}
+    rendered = {patch.id: registry.unified_diff(patch, root) for patch in registry.patches_at(root)}
     if not write:
         sys.stdout.write("".join(rendered.values()))
         return _EXIT_OK
-    _PATCH_DIR.mkdir(exist_ok=True)
-    for stale in sorted(set(p.stem for p in _PATCH_DIR.glob("*.patch")) - set(rendered)):
-        (_PATCH_DIR / f"{stale}.patch").unlink()
-        print(f"removed {_PATCH_DIR / stale}.patch (no longer declared)")
+    out = _PATCH_DIR / registry.patch_set_name(registry.megatron_version(root))
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in sorted(set(p.stem for p in out.glob("*.patch")) - set(rendered)):
+        (out / f"{stale}.patch").unlink()
+        print(f"removed {out / stale}.patch (no longer declared)")
     for patch_id, text in rendered.items():
-        (_PATCH_DIR / f"{patch_id}.patch").write_text(text, encoding="utf-8")
-        print(f"wrote {_PATCH_DIR / patch_id}.patch")
+        (out / f"{patch_id}.patch").write_text(text, encoding="utf-8")
+        print(f"wrote {out / patch_id}.patch")
     return _EXIT_OK
 
 

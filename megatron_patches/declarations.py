@@ -3,7 +3,10 @@
 Each patch adds one module-level hook (None by default) to a Megatron file and a check of it at
 the start of the function Megatron already uses for that job; docs/DESIGN.md, "Hook points in
 Megatron", says what each hook is for. A hunk is an exact-text replacement whose `old` text occurs
-exactly once in the pinned release. This module imports neither torch nor megatron.
+exactly once in every release the patch declares. Where a release's source differs at an anchor,
+the patch is declared again for that release with the same id (`patches_for` picks one per id);
+today every anchor is shared by all supported releases. This module imports neither torch nor
+megatron.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ATTENTION_CORE_HOOK", "GPT_ROPE_POSITIONS_HOOK", "Hunk", "PATCHES",
-           "SCHEDULE_SELECTION_HOOK", "SUPPORTED_VERSIONS", "SourcePatch"]
+__all__ = ["ATTENTION_CORE_HOOK", "DECLARED_PATCHES", "GPT_ROPE_POSITIONS_HOOK",
+           "HYBRID_ROPE_POSITIONS_HOOK", "Hunk", "PATCH_SETS", "SCHEDULE_SELECTION_HOOK",
+           "SUPPORTED_RELEASES", "SUPPORTED_VERSIONS", "SourcePatch", "patch_set_name",
+           "patches_for", "supported_range"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +71,29 @@ class SourcePatch:
             raise ValueError(f"SourcePatch {self.id}: hook {self.hook!r} must be added by a hunk")
 
 
-SUPPORTED_VERSIONS = ("0.19.2",)
+SUPPORTED_RELEASES = {
+    "0.19.1": "Megatron-LM branch core_r0.19.0 (commit f8837c04ef6c)",
+    "0.19.2": "the megatron-core 0.19.2 wheel on PyPI",
+    "0.20.0": "Megatron-LM main as of 2026-08-22 (commit d98e8a64ddf3)",
+}
+"""megatron-core version (`package_info.py`) -> the source it was checked against."""
+
+SUPPORTED_VERSIONS = tuple(SUPPORTED_RELEASES)
+
+PATCH_SETS = {"megatron-core-0.19": ("0.19.1", "0.19.2"), "megatron-core-0.20": ("0.20.0",)}
+"""Directory under megatron_patches/patches/ -> the releases whose target files its `.patch`
+renderings match byte for byte (0.19.1 and 0.19.2 ship identical target files)."""
+
+
+def supported_range() -> str:
+    """The supported releases in words, for refusals."""
+    return "; ".join(f"{v} ({source})" for v, source in SUPPORTED_RELEASES.items())
+
+
+def patch_set_name(version: str) -> str:
+    """The patches/ directory holding the renderings for `version` (a supported version)."""
+    (name,) = [name for name, versions in PATCH_SETS.items() if version in versions]
+    return name
 
 
 def _insert(before: str, lines: str, after: str) -> Hunk:
@@ -141,7 +168,8 @@ GPT_ROPE_POSITIONS_HOOK = SourcePatch(
                 "when set,\n# GPTModel._preprocess replaces its RoPE table with "
                 "hook(model, rotary_pos_emb).",
             ),
-            "\n\nclass GPTModel(LanguageModule):\n",
+            # anchored on the class name only: 0.20 added GraphableMegatronModule to its bases
+            "\n\nclass GPTModel(",
         ),
         _insert('''\
                 rotary_pos_emb = self.rotary_pos_emb(
@@ -196,6 +224,69 @@ SCHEDULE_SELECTION_HOOK = SourcePatch(
     references=(("get_forward_backward_func", "_forward_backward_func_hook"),),
 )
 
-PATCHES: tuple[SourcePatch, ...] = (
-    ATTENTION_CORE_HOOK, GPT_ROPE_POSITIONS_HOOK, SCHEDULE_SELECTION_HOOK,
+HYBRID_ROPE_POSITIONS_HOOK = SourcePatch(
+    id="hybrid-rope-positions-hook",
+    target="megatron/core/models/hybrid/hybrid_model.py",
+    description=(
+        "HybridModel.forward passes the RoPE table it built through _rotary_pos_emb_hook, as "
+        "GPTModel._preprocess does (a suffix continues at its prefix length)."
+    ),
+    supported_versions=SUPPORTED_VERSIONS,
+    hunks=(
+        _insert(
+            "logger = logging.getLogger(__name__)\n",
+            _hook_declaration(
+                "hybrid-rope-positions-hook", "_rotary_pos_emb_hook",
+                "when set,\n# HybridModel.forward replaces its RoPE table with "
+                "hook(model, rotary_pos_emb).",
+            ),
+            "\n\ndef _hybrid_logging_pg_kwargs(",
+        ),
+        _insert('''\
+            rotary_pos_emb = self.rotary_pos_emb(
+                rotary_seq_len,
+                packed_seq=packed_seq_params is not None and packed_seq_params.qkv_format == 'thd',
+            )
+''', '''\
+            if _rotary_pos_emb_hook is not None:
+                rotary_pos_emb = _rotary_pos_emb_hook(self, rotary_pos_emb)
+''', '''\
+        elif self.position_embedding_type == 'yarn':
+'''),
+    ),
+    hook="_rotary_pos_emb_hook",
+    references=(("HybridModel.forward", "_rotary_pos_emb_hook"),),
 )
+
+DECLARED_PATCHES: tuple[SourcePatch, ...] = (
+    ATTENTION_CORE_HOOK, GPT_ROPE_POSITIONS_HOOK, HYBRID_ROPE_POSITIONS_HOOK,
+    SCHEDULE_SELECTION_HOOK,
+)
+"""Every declaration, all releases; a release's set is `patches_for(version)`."""
+
+
+def patches_for(version: str, declared: tuple[SourcePatch, ...] = DECLARED_PATCHES,
+                ) -> tuple[SourcePatch, ...]:
+    """The patches for one release: per id, the declaration that lists `version`.
+
+    ValueError naming the supported range when no declaration does.
+    """
+    chosen: dict[str, SourcePatch] = {}
+    for patch in declared:
+        if version in patch.supported_versions:
+            if patch.id in chosen:
+                raise AssertionError(f"{patch.id} is declared twice for megatron-core {version}")
+            chosen[patch.id] = patch
+    ids = list(dict.fromkeys(patch.id for patch in declared))
+    missing = [patch_id for patch_id in ids if patch_id not in chosen]
+    if missing:
+        raise ValueError(
+            f"megatron-core {version} is not supported (no declaration of {', '.join(missing)} "
+            f"for it); supported: {supported_range()}"
+        )
+    return tuple(chosen[patch_id] for patch_id in ids)
+
+
+for _version in SUPPORTED_VERSIONS:  # every release: every patch exactly once, one patch set
+    patches_for(_version)
+    patch_set_name(_version)

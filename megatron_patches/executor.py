@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap_model
 
 from megatron_patches.config_support import check_config_supported
+from megatron_patches.layers import check_layers_supported, last_kv_layer_number
 from megatron_patches.p2p import PipelineP2P
 
 __all__ = ["forward_backward_prefix_reuse", "check_reuse_supported"]
@@ -61,6 +62,8 @@ def check_reuse_supported(config, step, num_microbatches, model=None) -> None:
         )
     if parallel_state.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
         raise ValueError("prefix reuse does not support virtual pipeline stages yet")
+    if model is not None:
+        check_layers_supported(config, model)  # HybridModel layer kinds, MTP
     _check_sequence_parallel_rows(config, step)
 
 
@@ -159,7 +162,7 @@ class _StageRunner:
         key = self._key(action)
         step.prepare(action)
         get_attr_wrapped_model(self.model, "set_input_tensor")([self.inputs.get(key)])
-        stop = config.num_layers if self.is_last else None
+        stop = last_kv_layer_number(self.model) if self.is_last else None
         autocast = (torch.autocast("cuda", dtype=config.autocast_dtype)
                     if config.enable_autocast else contextlib.nullcontext())
         # Dormant prefix activations (needed again only in Phase C) can live in host memory.

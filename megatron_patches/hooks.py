@@ -84,7 +84,8 @@ def _prefix_attention(context, layer, q, k, v, scale):
 
 
 def rotary_pos_emb_hook(model, rotary_pos_emb):
-    """Megatron `GPTModel._preprocess` hook: RoPE angles at the packed row's own positions.
+    """Megatron `GPTModel._preprocess` / `HybridModel.forward` hook: RoPE angles at the packed
+    row's own positions.
 
     Suffix tokens continue at their group's cached prefix length, each sequence of the row
     separately; a prefix row starts at its chunk's offset (0 unchunked: the stock table).

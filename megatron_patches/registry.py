@@ -3,8 +3,9 @@
 Each patch adds one module-level hook (None by default) to a Megatron file and a check of it at the
 start of the function Megatron already uses for that job, so with no hook set every patched
 function behaves exactly as stock (see docs/DESIGN.md, "Hook points in Megatron"). A patch is data:
-exact-text hunks whose `old` text occurs exactly once in the pinned release. `apply` and `revert`
-are idempotent and all-or-nothing; a version other than the pinned one is refused.
+exact-text hunks whose `old` text occurs exactly once in each release it declares. `apply` and
+`revert` are idempotent and all-or-nothing; the patch set is chosen by the version found under the
+root (`declarations.patches_for`), and a version outside the supported range is refused.
 
 This module imports neither torch nor megatron at import time.
 """
@@ -18,18 +19,20 @@ import importlib.util
 import os
 import tempfile
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from megatron_patches.declarations import (  # the patches themselves; re-exported
-    ATTENTION_CORE_HOOK, GPT_ROPE_POSITIONS_HOOK, PATCHES, SCHEDULE_SELECTION_HOOK,
-    SUPPORTED_VERSIONS, Hunk, SourcePatch,
+    ATTENTION_CORE_HOOK, DECLARED_PATCHES, GPT_ROPE_POSITIONS_HOOK, HYBRID_ROPE_POSITIONS_HOOK,
+    PATCH_SETS, SCHEDULE_SELECTION_HOOK, SUPPORTED_RELEASES, SUPPORTED_VERSIONS, Hunk, SourcePatch,
+    patch_set_name, patches_for, supported_range,
 )
 
 __all__ = [
-    "APPLIED", "CONFLICT", "NOT_APPLIED", "PATCHES", "SUPPORTED_VERSIONS", "Hunk",
-    "PatchConflictError", "PatchStatus", "SourcePatch", "apply", "check", "default_root",
-    "is_applied_in_process", "megatron_version", "require_patched", "revert", "status",
-    "unified_diff",
+    "APPLIED", "CONFLICT", "DECLARED_PATCHES", "NOT_APPLIED", "PATCH_SETS", "SUPPORTED_RELEASES",
+    "SUPPORTED_VERSIONS", "Hunk", "PatchConflictError", "PatchStatus", "SourcePatch", "apply",
+    "check", "default_root", "imported_version", "is_applied_in_process", "megatron_version",
+    "patch_set_name", "patches_at", "patches_for", "require_patched", "revert", "status",
+    "supported_range", "unified_diff",
 ]
 
 APPLIED = "applied"
@@ -37,10 +40,9 @@ NOT_APPLIED = "not applied"
 CONFLICT = "conflict"
 
 _INSTALL_HINT = (
-    "install a supported release with `pip install --no-deps --ignore-requires-python "
-    "megatron-core=={v}`, or check out tag core_v{v} of Megatron-LM and pass its root with --root"
+    "Install a supported release (`pip install --no-deps --ignore-requires-python "
+    "megatron-core==0.19.2`), or pass the root of a supported Megatron-LM checkout with --root"
 )
-
 
 
 class PatchStatus(NamedTuple):
@@ -63,9 +65,8 @@ def default_root() -> Path:
     spec = importlib.util.find_spec("megatron.core")
     if spec is None or spec.origin is None:
         raise ValueError(
-            "megatron-core is not importable from this Python; "
-            + _INSTALL_HINT.format(v=SUPPORTED_VERSIONS[-1])
-            + " (or pass --root PATH, the directory that contains megatron/)"
+            "megatron-core is not importable from this Python. " + _INSTALL_HINT
+            + " (--root PATH: the directory that contains megatron/)"
         )
     return Path(spec.origin).resolve().parents[2]
 
@@ -84,21 +85,35 @@ def megatron_version(root: Path | str) -> str:
             for target in node.targets:
                 if isinstance(target, ast.Name) and target.id in ("MAJOR", "MINOR", "PATCH"):
                     values[target.id] = node.value.value
-    if len(values) != 3:
-        raise ValueError(f"{info} does not define MAJOR, MINOR and PATCH as literals")
-    return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}"
+    return _version_of(values, info)
 
 
-def _require_supported(root: Path, patches: tuple[SourcePatch, ...]) -> str:
+def _version_of(info: dict, where) -> str:
+    if not all(isinstance(info.get(k), int) for k in ("MAJOR", "MINOR", "PATCH")):
+        raise ValueError(f"{where} does not define MAJOR, MINOR and PATCH as int literals")
+    return f"{info['MAJOR']}.{info['MINOR']}.{info['PATCH']}"
+
+
+def patches_at(root: Path | str) -> tuple[SourcePatch, ...]:
+    """The patch set for the megatron-core under root; ValueError naming the supported range."""
+    version = megatron_version(root)
+    if version not in SUPPORTED_VERSIONS:
+        raise ValueError(
+            f"megatron-core {version} found under {root}; supported: {supported_range()}. "
+            + _INSTALL_HINT
+        )
+    return patches_for(version)
+
+
+def _require_supported(root: Path, patches: tuple[SourcePatch, ...]) -> None:
     version = megatron_version(root)
     for patch in patches:
         if version not in patch.supported_versions:
-            supported = ", ".join(patch.supported_versions)
             raise ValueError(
-                f"megatron-core {version} found under {root}, but patch {patch.id!r} supports only "
-                f"{supported}: " + _INSTALL_HINT.format(v=patch.supported_versions[-1])
+                f"megatron-core {version} found under {root}, but this declaration of patch "
+                f"{patch.id!r} is for {', '.join(patch.supported_versions)}; supported: "
+                f"{supported_range()}"
             )
-    return version
 
 
 def _resolve(root: Path | str | None) -> Path:
@@ -132,15 +147,21 @@ def _patch_status(root: Path, patch: SourcePatch) -> PatchStatus:
     )
     return PatchStatus(
         patch.id, CONFLICT,
-        f"{path} matches neither the stock nor the patched text ({summary}); reinstall "
-        "megatron-core (`pip install --force-reinstall --no-deps --ignore-requires-python "
-        f"megatron-core=={patch.supported_versions[-1]}`) or restore the file from git",
+        f"{path} matches neither the stock nor the patched text ({summary}): restore the stock "
+        f"file (in a checkout: `git checkout -- {patch.target}`; the wheel: `pip install "
+        "--force-reinstall --no-deps --ignore-requires-python megatron-core==0.19.2`)",
     )
 
 
-def status(root: Path | str | None = None, patches=PATCHES) -> list[PatchStatus]:
-    """(patch_id, "applied" | "not applied" | "conflict", detail) for each patch, in order."""
+def status(root: Path | str | None = None, patches: Optional[tuple[SourcePatch, ...]] = None,
+           ) -> list[PatchStatus]:
+    """(patch_id, "applied" | "not applied" | "conflict", detail) for each patch, in order.
+
+    `patches` defaults to the set for the version found under root (`patches_at`).
+    """
     root = _resolve(root)
+    if patches is None:
+        patches = patches_at(root)
     _require_supported(root, patches)
     return [_patch_status(root, patch) for patch in patches]
 
@@ -169,6 +190,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _transition(root, patches, *, forward: bool) -> list[PatchStatus]:
     root = _resolve(root)
+    if patches is None:
+        patches = patches_at(root)
     states = status(root, patches)
     conflicts = [s for s in states if s.state == CONFLICT]
     if conflicts:
@@ -191,17 +214,17 @@ def _transition(root, patches, *, forward: bool) -> list[PatchStatus]:
     return results
 
 
-def apply(root: Path | str | None = None, patches=PATCHES) -> list[PatchStatus]:
+def apply(root: Path | str | None = None, patches=None) -> list[PatchStatus]:
     """Apply every patch not yet applied; writes nothing if any patch conflicts."""
     return _transition(root, patches, forward=True)
 
 
-def revert(root: Path | str | None = None, patches=PATCHES) -> list[PatchStatus]:
+def revert(root: Path | str | None = None, patches=None) -> list[PatchStatus]:
     """Exact inverse of `apply`: restores the stock text; writes nothing if any patch conflicts."""
     return _transition(root, patches, forward=False)
 
 
-def check(root: Path | str | None = None, patches=PATCHES) -> bool:
+def check(root: Path | str | None = None, patches=None) -> bool:
     """True when every patch is applied under root."""
     return all(s.state == APPLIED for s in status(root, patches))
 
@@ -227,7 +250,7 @@ def unified_diff(patch: SourcePatch, root: Path | str | None = None) -> str:
     assert body.endswith("\n"), "targets end with a newline, so every diff line does"
     header = (
         f"{patch.id}: {patch.description}\n"
-        f"supported megatron-core versions: {', '.join(patch.supported_versions)}\n"
+        f"megatron-core versions of this declaration: {', '.join(patch.supported_versions)}\n"
         "generated by `python -m megatron_patches diff --write`; do not edit\n\n"
     )
     return header + f"diff --git a/{patch.target} b/{patch.target}\n" + body
@@ -237,7 +260,18 @@ def _module_name(target: str) -> str:
     return target.removesuffix(".py").replace("/", ".")
 
 
-def _missing_in_process(patches=PATCHES) -> list[str]:
+def imported_version() -> str:
+    """`MAJOR.MINOR.PATCH` of the megatron.core this process imports (imports package_info)."""
+    info = importlib.import_module("megatron.core.package_info")
+    return _version_of(vars(info), info.__file__)
+
+
+def _missing_in_process(patches=None) -> list[str]:
+    if patches is None:
+        version = imported_version()
+        if version not in SUPPORTED_VERSIONS:
+            return [f"megatron-core {version} is not supported (supported: {supported_range()})"]
+        patches = patches_for(version)
     missing = []
     for patch in patches:
         module = importlib.import_module(_module_name(patch.target))
@@ -253,13 +287,14 @@ def _missing_in_process(patches=PATCHES) -> list[str]:
     return missing
 
 
-def is_applied_in_process(patches=PATCHES) -> bool:
-    """True when the imported Megatron modules carry every hook (imports them; the caller has
-    made megatron.core importable, e.g. with megatron_patches.cpu_support on CPU)."""
+def is_applied_in_process(patches=None) -> bool:
+    """True when the imported Megatron modules carry every hook of the imported version's patch
+    set (imports them; the caller has made megatron.core importable, e.g. with
+    megatron_patches.cpu_support on CPU)."""
     return not _missing_in_process(patches)
 
 
-def require_patched(patches=PATCHES) -> None:
+def require_patched(patches=None) -> None:
     """Raise RuntimeError, saying how to fix it, unless the imported Megatron is patched."""
     missing = _missing_in_process(patches)
     if missing:
@@ -268,4 +303,3 @@ def require_patched(patches=PATCHES) -> None:
             + ". Run `python -m megatron_patches apply` (or `make setup`) with this Python, "
             "then restart the process."
         )
-

@@ -1,8 +1,10 @@
 """Declared Megatron source patches: apply/revert/status on copies of the real target files.
 
 Nothing here writes to the installed megatron-core: every test works on a tmp tree holding copies
-of the three target files and package_info.py, brought back to the released bytes (checked against
-the wheel's RECORD hashes) whether or not the venv is patched.
+of the target files and package_info.py of one supported release -- the installed megatron-core
+0.19.2, brought back to the released bytes (checked against the wheel's RECORD hashes) whether or
+not the venv is patched, and the offline Megatron-LM checkouts 0.19.1 (core_r0.19.0) and 0.20.0
+(main; tests/megatron_trees.py says where they are found, and these cases skip without them).
 """
 
 from __future__ import annotations
@@ -13,22 +15,24 @@ import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
-import json
 import shutil
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from megatron_patches import registry
-from megatron_patches.registry import APPLIED, CONFLICT, NOT_APPLIED, PATCHES
+from megatron_patches.registry import APPLIED, CONFLICT, DECLARED_PATCHES, NOT_APPLIED
+from megatron_trees import stock_tree
 
 REPO = Path(__file__).resolve().parents[1]
 INFO = "megatron/core/package_info.py"
-TARGETS = [patch.target for patch in PATCHES]
-BY_ID = {patch.id: patch for patch in PATCHES}
+TARGETS = sorted({patch.target for patch in DECLARED_PATCHES})
+IDS = list(dict.fromkeys(patch.id for patch in DECLARED_PATCHES))
+RELEASES = [pytest.param("installed", id="installed-0.19.2"),
+            pytest.param("0.19.1", id="core_r0.19.0", marks=pytest.mark.versions),
+            pytest.param("0.20.0", id="main-0.20.0", marks=pytest.mark.versions)]
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed"
@@ -48,17 +52,33 @@ def _record_hash(data: bytes) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
-@pytest.fixture
-def root(tmp_path) -> Path:
-    """A tmp tree with stock copies of the targets (reverted if the venv is patched)."""
-    installed = registry.default_root()
+def _stock_copy(release: str, dest: Path, factory) -> Path:
+    """Stock copies of the targets of `release` ("installed" or a tarball's version) under dest."""
+    source = registry.default_root() if release == "installed" else stock_tree(release, factory)
     for rel in TARGETS + [INFO]:
-        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(installed / rel, tmp_path / rel)
-    registry.revert(tmp_path)
-    for rel, expected in _release_hashes().items():
-        assert _record_hash((tmp_path / rel).read_bytes()) == expected, f"{rel} is not stock"
-    return tmp_path
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source / rel, dest / rel)
+    if release == "installed":
+        registry.revert(dest)
+        for rel, expected in _release_hashes().items():
+            assert _record_hash((dest / rel).read_bytes()) == expected, f"{rel} is not stock"
+    return dest
+
+
+@pytest.fixture
+def root(tmp_path, tmp_path_factory) -> Path:
+    """The installed release's targets, stock (for the failure-mode tests)."""
+    return _stock_copy("installed", tmp_path, tmp_path_factory)
+
+
+@pytest.fixture(params=RELEASES)
+def release_root(request, tmp_path, tmp_path_factory) -> Path:
+    """Stock targets of each supported release in turn."""
+    return _stock_copy(request.param, tmp_path, tmp_path_factory)
+
+
+def _patches(root: Path):
+    return registry.patches_at(root)
 
 
 def _snapshot(root: Path) -> dict[str, tuple[bytes, int]]:
@@ -69,17 +89,22 @@ def _states(root: Path) -> dict[str, str]:
     return {s.patch_id: s.state for s in registry.status(root)}
 
 
-def test_stock_tree_is_not_applied(root):
-    assert _states(root) == {patch.id: NOT_APPLIED for patch in PATCHES}
-    assert not registry.check(root)
-    assert registry.megatron_version(root) in registry.SUPPORTED_VERSIONS
+def _by_id(root: Path):
+    return {patch.id: patch for patch in _patches(root)}
 
 
-def test_apply_patches_every_target_and_keeps_it_valid_python(root):
+def test_stock_tree_is_not_applied(release_root):
+    assert _states(release_root) == {patch_id: NOT_APPLIED for patch_id in IDS}
+    assert not registry.check(release_root)
+    assert registry.megatron_version(release_root) in registry.SUPPORTED_VERSIONS
+
+
+def test_apply_patches_every_target_and_keeps_it_valid_python(release_root):
+    root, patches = release_root, _patches(release_root)
     results = registry.apply(root)
-    assert [r.state for r in results] == [APPLIED] * len(PATCHES)
-    assert _states(root) == {patch.id: APPLIED for patch in PATCHES} and registry.check(root)
-    for patch in PATCHES:
+    assert [r.state for r in results] == [APPLIED] * len(patches)
+    assert _states(root) == {patch_id: APPLIED for patch_id in IDS} and registry.check(root)
+    for patch in patches:
         text = (root / patch.target).read_text(encoding="utf-8")
         compile(text, patch.target, "exec")
         module_level = [
@@ -90,19 +115,20 @@ def test_apply_patches_every_target_and_keeps_it_valid_python(root):
         assert patch.hook in module_level, f"{patch.id}: no module-level `{patch.hook} = None`"
 
 
-def test_apply_twice_changes_nothing(root):
-    registry.apply(root)
-    before = _snapshot(root)
-    results = registry.apply(root)
+def test_apply_twice_changes_nothing(release_root):
+    registry.apply(release_root)
+    before = _snapshot(release_root)
+    results = registry.apply(release_root)
     assert all("unchanged" in r.detail for r in results)
-    assert _snapshot(root) == before  # same bytes, and not even rewritten (same mtime)
+    assert _snapshot(release_root) == before  # same bytes, and not even rewritten (same mtime)
 
 
-def test_revert_restores_the_released_bytes(root):
+def test_revert_restores_the_released_bytes(release_root):
+    root = release_root
     stock = {rel: (root / rel).read_bytes() for rel in TARGETS}
     registry.apply(root)
     assert all((root / rel).read_bytes() != stock[rel] for rel in TARGETS)
-    assert [r.state for r in registry.revert(root)] == [NOT_APPLIED] * len(PATCHES)
+    assert [r.state for r in registry.revert(root)] == [NOT_APPLIED] * len(IDS)
     assert {rel: (root / rel).read_bytes() for rel in TARGETS} == stock
     before = _snapshot(root)
     registry.revert(root)
@@ -110,17 +136,15 @@ def test_revert_restores_the_released_bytes(root):
 
 
 def test_edited_anchor_is_a_conflict_and_apply_writes_nothing(root):
-    path = root / BY_ID["attention-core-hook"].target
+    path = root / _by_id(root)["attention-core-hook"].target
     text = path.read_text(encoding="utf-8")
     path.write_text(text.replace('"""Run the configured core attention module."""', "pass"))
     before = _snapshot(root)
-    assert _states(root) == {
-        "attention-core-hook": CONFLICT,
-        "gpt-rope-positions-hook": NOT_APPLIED,
-        "schedule-selection-hook": NOT_APPLIED,
-    }
+    assert _states(root) == {patch_id: CONFLICT if patch_id == "attention-core-hook"
+                             else NOT_APPLIED for patch_id in IDS}
     (state,) = [s for s in registry.status(root) if s.patch_id == "attention-core-hook"]
     assert "hunk 2: stock text found 0x, patched 0x" in state.detail
+    assert "git checkout -- megatron/core/transformer/attention.py" in state.detail
     with pytest.raises(registry.PatchConflictError, match="(?s)nothing was written.*attention"):
         registry.apply(root)
     assert _snapshot(root) == before
@@ -128,8 +152,8 @@ def test_edited_anchor_is_a_conflict_and_apply_writes_nothing(root):
 
 def test_partially_applied_file_is_a_conflict_for_revert_too(root):
     registry.apply(root)
-    path = root / BY_ID["schedule-selection-hook"].target
-    hunk = BY_ID["schedule-selection-hook"].hunks[1]
+    path = root / _by_id(root)["schedule-selection-hook"].target
+    hunk = _by_id(root)["schedule-selection-hook"].hunks[1]
     path.write_text(path.read_text(encoding="utf-8").replace(hunk.new, hunk.old))
     before = _snapshot(root)
     (state,) = [s for s in registry.status(root) if s.patch_id == "schedule-selection-hook"]
@@ -139,16 +163,20 @@ def test_partially_applied_file_is_a_conflict_for_revert_too(root):
     assert _snapshot(root) == before
 
 
-def test_unsupported_version_is_refused_with_the_fix(root):
+@pytest.mark.parametrize("minor, patch", [(21, 0), (19, 0), (18, 2)])
+def test_unsupported_version_is_refused_naming_the_range(root, minor, patch):
     info = root / INFO
-    info.write_text(info.read_text(encoding="utf-8").replace("MINOR = 19", "MINOR = 20"))
+    text = info.read_text(encoding="utf-8").replace("MINOR = 19", f"MINOR = {minor}")
+    info.write_text(text.replace("PATCH = 2", f"PATCH = {patch}"))
     before = _snapshot(root)
-    for operation in (registry.status, registry.apply, registry.revert):
-        with pytest.raises(ValueError, match=r"0\.20\.2.*supports only 0\.19\.2") as error:
+    for operation in (registry.status, registry.apply, registry.revert, registry.check):
+        with pytest.raises(ValueError, match=rf"megatron-core 0\.{minor}\.{patch} found") as error:
             operation(root)
-        assert "pip install --no-deps --ignore-requires-python megatron-core==0.19.2" in str(
-            error.value
-        )
+        message = str(error.value)
+        assert all(v in message for v in ("0.19.1 (Megatron-LM branch core_r0.19.0",
+                                          "0.19.2 (the megatron-core 0.19.2 wheel",
+                                          "0.20.0 (Megatron-LM main as of 2026-08-22"))
+        assert "pip install --no-deps --ignore-requires-python megatron-core==0.19.2" in message
     assert _snapshot(root) == before
 
 
@@ -170,6 +198,25 @@ def test_declarations_are_validated():
         registry.SourcePatch(id="p", target="m.py", **{**fields, "supported_versions": ("0.19",)})
 
 
+def test_a_release_whose_source_differs_gets_its_own_declaration():
+    def patch(versions, new):
+        return registry.SourcePatch(
+            id="p", target="m.py", description="d", supported_versions=versions, hook="_hook",
+            hunks=(registry.Hunk(old="a = 1\n", new=f"_hook = None\n{new}"),))
+
+    old, newer = patch(("0.19.1", "0.19.2"), "a = 2\n"), patch(("0.20.0",), "a = 3\n")
+    assert registry.patches_for("0.19.2", (old, newer)) == (old,)
+    assert registry.patches_for("0.20.0", (old, newer)) == (newer,)
+    with pytest.raises(ValueError, match=r"0\.21\.0 is not supported.*supported: 0\.19\.1"):
+        registry.patches_for("0.21.0", (old, newer))
+    with pytest.raises(AssertionError, match="declared twice"):
+        registry.patches_for("0.20.0", (old, newer, newer))
+    # the real declarations: one per id for every supported release, same ids everywhere
+    for version in registry.SUPPORTED_VERSIONS:
+        assert [p.id for p in registry.patches_for(version)] == IDS
+        assert version in sum(registry.PATCH_SETS.values(), ())
+
+
 def _function(tree: ast.AST, qualname: str) -> ast.FunctionDef:
     node = tree
     for name in qualname.split("."):
@@ -186,9 +233,20 @@ def _names(node: ast.AST) -> set[str]:
     }
 
 
-def test_hook_checks_come_first_and_the_stock_body_follows(root):
+def _rope_branch_tail(function: ast.FunctionDef) -> list:
+    """The last two statements of the branch that builds the plain RoPE table."""
+    branch = next(n for n in ast.walk(function) if isinstance(n, ast.If)
+                  and "'rope'" in ast.unparse(n.test)).body
+    while isinstance(branch[-1], ast.If) and branch[-1].orelse:  # GPTModel: under "not inference"
+        branch = branch[-1].orelse
+    return [ast.unparse(statement) for statement in branch[-2:]]
+
+
+def test_hook_checks_come_first_and_the_stock_body_follows(release_root):
+    root = release_root
     registry.apply(root)
-    trees = {p.id: ast.parse((root / p.target).read_text(encoding="utf-8")) for p in PATCHES}
+    trees = {p.id: ast.parse((root / p.target).read_text(encoding="utf-8"))
+             for p in _patches(root)}
     for patch_id, qualname, hook in (
         ("attention-core-hook", "Attention._run_core_attention", "_core_attention_hook"),
         ("schedule-selection-hook", "get_forward_backward_func", "_forward_backward_func_hook"),
@@ -201,30 +259,37 @@ def test_hook_checks_come_first_and_the_stock_body_follows(root):
     calls = [ast.unparse(n.func) for n in ast.walk(forward) if isinstance(n, ast.Call)]
     assert "self._run_core_attention" in calls
     assert "apply_module(self.core_attention)" not in calls, "inline call must use the hook path"
-    preprocess = _function(trees["gpt-rope-positions-hook"], "GPTModel._preprocess")
-    rope_branch = next(n for n in ast.walk(preprocess) if isinstance(n, ast.If)
-                       and "'rope'" in ast.unparse(n.test)).body[-1].orelse
-    assert ast.unparse(rope_branch[-2]).startswith("rotary_pos_emb = self.rotary_pos_emb(")
-    assert ast.unparse(rope_branch[-1]) == (
-        "if _rotary_pos_emb_hook is not None:\n"
-        "    rotary_pos_emb = _rotary_pos_emb_hook(self, rotary_pos_emb)"
-    )
+    hook_call = ("if _rotary_pos_emb_hook is not None:\n"
+                 "    rotary_pos_emb = _rotary_pos_emb_hook(self, rotary_pos_emb)")
+    for patch_id, qualname in (("gpt-rope-positions-hook", "GPTModel._preprocess"),
+                               ("hybrid-rope-positions-hook", "HybridModel.forward")):
+        built, hooked = _rope_branch_tail(_function(trees[patch_id], qualname))
+        assert built.startswith("rotary_pos_emb = self.rotary_pos_emb("), qualname
+        assert hooked == hook_call, qualname
 
 
-def test_generated_patch_files_are_in_sync(root):
-    patch_dir = REPO / "megatron_patches" / "patches"
-    fix = "regenerate with `python -m megatron_patches diff --write`"
-    assert sorted(p.stem for p in patch_dir.glob("*.patch")) == sorted(BY_ID), fix
-    for patch in PATCHES:
+def _patch_dir(root: Path) -> Path:
+    name = registry.patch_set_name(registry.megatron_version(root))
+    return REPO / "megatron_patches" / "patches" / name
+
+
+def test_generated_patch_files_are_in_sync(release_root):
+    root, patch_dir = release_root, _patch_dir(release_root)
+    fix = "regenerate with `python -m megatron_patches diff --write --root <stock tree>`"
+    assert sorted(p.stem for p in patch_dir.glob("*.patch")) == sorted(IDS), fix
+    for patch in _patches(root):
         stored = (patch_dir / f"{patch.id}.patch").read_text(encoding="utf-8")
         assert stored == registry.unified_diff(patch, root), f"{patch.id}.patch is stale: {fix}"
+    sets = sorted(p.name for p in (REPO / "megatron_patches" / "patches").iterdir())
+    assert sets == sorted(registry.PATCH_SETS), "a patches/ directory per declared patch set"
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
-def test_patch_files_apply_with_git_to_the_same_bytes(root, tmp_path_factory):
+def test_patch_files_apply_with_git_to_the_same_bytes(release_root, tmp_path_factory):
+    root = release_root
     other = tmp_path_factory.mktemp("git_apply")
     shutil.copytree(root, other, dirs_exist_ok=True)
-    files = sorted(str(p) for p in (REPO / "megatron_patches" / "patches").glob("*.patch"))
+    files = sorted(str(p) for p in _patch_dir(root).glob("*.patch"))
     subprocess.run(["git", "apply", *files], cwd=other, check=True, capture_output=True)
     registry.apply(root)
     assert {rel: (other / rel).read_bytes() for rel in TARGETS} == {
@@ -239,15 +304,18 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_cli_exit_codes_and_messages(root):
+def test_cli_exit_codes_and_messages(release_root):
+    root = release_root
+    version = registry.megatron_version(root)
     report = _cli("report", "--root", str(root))
-    assert report.returncode == 0 and "megatron-core 0.19.2" in report.stdout
-    assert all(pid in report.stdout for pid in BY_ID) and "not applied" in report.stdout
+    assert report.returncode == 0 and f"megatron-core {version} under" in report.stdout
+    assert registry.patch_set_name(version) in report.stdout
+    assert all(pid in report.stdout for pid in IDS) and "not applied" in report.stdout
     check = _cli("check", "--root", str(root))
     assert check.returncode == 1 and "python -m megatron_patches apply" in check.stderr
     assert _cli("apply", "--root", str(root)).returncode == 0
     assert _cli("check", "--root", str(root)).returncode == 0
-    target = root / BY_ID["gpt-rope-positions-hook"].target
+    target = root / _by_id(root)["gpt-rope-positions-hook"].target
     target.write_text(target.read_text(encoding="utf-8").replace("_rotary_pos_emb_hook", "_x"))
     conflict = _cli("revert", "--root", str(root))
     assert conflict.returncode == 1 and "gpt-rope-positions-hook" in conflict.stderr
@@ -287,43 +355,3 @@ def test_in_process_check_requires_the_patched_code(tmp_path, monkeypatch):
     finally:
         for name in [package, f"{package}.mod"]:
             sys.modules.pop(name, None)
-
-
-_LIVE_CHECK = textwrap.dedent("""
-    import importlib.util, json, sys
-    spec = importlib.util.spec_from_file_location("snap", sys.argv[1])
-    snap = importlib.util.module_from_spec(spec); spec.loader.exec_module(snap)
-    live = snap.collect()
-    stored = json.loads(snap.snapshot_path(live["megatron_core_version"]).read_text())
-    from megatron_patches import registry
-    print(json.dumps({"problems": snap.compare(stored, live),
-                      "on_disk": registry.check(), "in_process": registry.is_applied_in_process()}))
-""")
-
-
-def test_upstream_signatures_match_the_snapshot_and_hooks_are_live():
-    # A subprocess: importing megatron.core here would do it before megatron_patches.cpu_support.
-    tool = REPO / "tools" / "snapshot_signatures.py"
-    run = subprocess.run(
-        [sys.executable, "-W", "ignore", "-c", _LIVE_CHECK, str(tool)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert not result["problems"], (
-        "upstream Megatron signatures changed; review the patches and the executor, then "
-        "regenerate with `.venv/bin/python tools/snapshot_signatures.py`:\n"
-        + "\n".join(result["problems"])
-    )
-    # The venv copy is patched by `make setup`; whichever state it is in, the import must agree.
-    assert result["in_process"] == result["on_disk"]
-
-
-def test_snapshot_comparison_reports_a_changed_signature():
-    spec = importlib.util.spec_from_file_location("snap", REPO / "tools" / "snapshot_signatures.py")
-    snap = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(snap)
-    stored = {"signatures": {"m:f": "(a, b)", "m:gone": "()"}, "dataclass_fields": {}}
-    live = {"signatures": {"m:f": "(a)", "m:new": "()"}, "dataclass_fields": {}}
-    problems = snap.compare(stored, live)
-    assert len(problems) == 3 and problems[0].startswith("m:f changed")

@@ -2,10 +2,13 @@
 
     .venv/bin/python tools/snapshot_signatures.py          # write it for the installed version
     .venv/bin/python tools/snapshot_signatures.py --check  # exit 1 and list the differences
+    .venv/bin/python tools/snapshot_signatures.py --root /path/to/Megatron-LM [--check]
 
-The snapshot lives in megatron_patches/snapshots/megatron_core_<version>.json and is compared with
-the live signatures by tests/test_patches.py: an upstream change to any of these (megatron-core
-0.17 dropped `backward_step`'s `model_type`, for one) must be a visible, reviewed event.
+One snapshot per supported version, in megatron_patches/snapshots/megatron_core_<version>.json,
+compared with the live signatures by tests/test_patches.py (installed) and tests/test_versions.py
+(the offline checkouts): an upstream change to any of these (megatron-core 0.17 dropped
+`backward_step`'s `model_type`, for one) must be a visible, reviewed event. `--root` imports
+megatron.core from that directory (a Megatron-LM checkout) instead of the installed one.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ if str(_REPO) not in sys.path:
 
 from megatron_patches import registry  # noqa: E402  (needs the repo on sys.path first)
 
-__all__ = ["SIGNATURE_TARGETS", "DATACLASS_TARGETS", "collect", "compare", "snapshot_path", "main"]
+__all__ = ["SIGNATURE_TARGETS", "DATACLASS_TARGETS", "CONSTANT_TARGETS", "collect", "compare",
+           "snapshot_path", "main"]
 
 SNAPSHOT_DIR = _REPO / "megatron_patches" / "snapshots"
 REGENERATE = ".venv/bin/python tools/snapshot_signatures.py"
@@ -36,6 +40,8 @@ _GPT = "megatron.core.models.gpt.gpt_model:GPTModel"
 _ROPE = "megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding"
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules:"
 _DDP = "megatron.core.distributed.distributed_data_parallel:DistributedDataParallel"
+_HYBRID = "megatron.core.models.hybrid."
+_PS = "megatron.core.parallel_state:"
 
 SIGNATURE_TARGETS = (
     f"{_ATTENTION}.forward",
@@ -65,12 +71,42 @@ SIGNATURE_TARGETS = (
     "megatron.core.parallel_state:get_pipeline_model_parallel_next_rank",
     "megatron.core.parallel_state:get_pipeline_model_parallel_last_rank",
     "megatron.core.parallel_state:initialize_model_parallel",
+    # models.py / hybrid.py / layers.py: the models we build and the layer patterns we read
+    f"{_GPT}.__init__",
+    f"{_HYBRID}hybrid_model:HybridModel.__init__",
+    f"{_HYBRID}hybrid_model:HybridModel.forward",
+    f"{_HYBRID}hybrid_block:HybridStack.__init__",
+    f"{_HYBRID}hybrid_block:HybridStack.forward",
+    f"{_HYBRID}hybrid_layer_allocation:parse_hybrid_pattern",
+    f"{_HYBRID}hybrid_layer_allocation:select_pipeline_segment",
+    "megatron.core.ssm.mlp_layer:MLPLayer.__init__",
+    "megatron.core.transformer.transformer_layer:TransformerLayer.__init__",
+    # executor, training, rl: parallel state they read
+    f"{_PS}get_pipeline_model_parallel_world_size",
+    f"{_PS}get_pipeline_model_parallel_rank",
+    f"{_PS}get_pipeline_model_parallel_group",
+    f"{_PS}get_virtual_pipeline_model_parallel_world_size",
+    f"{_PS}is_pipeline_first_stage",
+    f"{_PS}is_pipeline_last_stage",
+    f"{_PS}get_tensor_model_parallel_world_size",
+    f"{_PS}get_tensor_model_parallel_group",
+    "megatron.core.tensor_parallel:model_parallel_cuda_manual_seed",
+    # what cpu_support replaces on CPU
+    "megatron.core.transformer.utils:get_default_causal_mask",
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state",
 )
 """Functions as `module:qualname`; P2PCommunicator's methods are added by `_p2p_methods`."""
 
 P2P_COMMUNICATOR = "megatron.core.pipeline_parallel.p2p_communication:P2PCommunicator"
-DATACLASS_TARGETS = ("megatron.core.transformer.transformer_config:TransformerConfig",)
+DATACLASS_TARGETS = (
+    "megatron.core.transformer.transformer_config:TransformerConfig",
+    f"{_HYBRID}hybrid_block:HybridStackSubmodules",
+    "megatron.core.transformer.transformer_layer:TransformerLayerSubmodules",
+)
 """Dataclasses whose field names (in order) are snapshot."""
+CONSTANT_TARGETS = (f"{_HYBRID}hybrid_layer_allocation:Symbols",)
+"""Classes whose public str constants (name -> value) are snapshot: the layer symbols."""
 
 _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
 
@@ -118,8 +154,15 @@ def collect() -> dict:
         name: [field.name for field in dataclasses.fields(_resolve(name))]
         for name in DATACLASS_TARGETS
     }
-    version = registry.megatron_version(registry.default_root())
-    return {"megatron_core_version": version, "signatures": signatures, "dataclass_fields": fields}
+    constants = {
+        name: {k: v for k, v in sorted(vars(_resolve(name)).items())
+               if not k.startswith("_") and isinstance(v, str)}
+        for name in CONSTANT_TARGETS
+    }
+    version = registry.imported_version()
+    assert version == registry.megatron_version(registry.default_root())
+    return {"megatron_core_version": version, "signatures": signatures, "dataclass_fields": fields,
+            "constants": constants}
 
 
 def snapshot_path(version: str) -> Path:
@@ -130,8 +173,8 @@ def snapshot_path(version: str) -> Path:
 def compare(expected: dict, live: dict) -> list[str]:
     """Human-readable differences between a stored snapshot and the live one ([] if equal)."""
     problems = []
-    for section in ("signatures", "dataclass_fields"):
-        old, new = expected.get(section, {}), live[section]
+    for section in ("signatures", "dataclass_fields", "constants"):
+        old, new = expected.get(section, {}), live.get(section, {})
         for name in sorted(old.keys() | new.keys()):
             if name not in new:
                 problems.append(f"{name}: in the snapshot, no longer snapshot")
@@ -148,7 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     """Write (or with --check, verify) the snapshot; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare instead of writing")
+    parser.add_argument("--root", type=Path, default=None,
+                        help="import megatron.core from this directory (contains megatron/)")
     args = parser.parse_args(argv)
+    if args.root is not None:
+        registry.megatron_version(args.root)  # a clear error if it holds no megatron-core
+        sys.path.insert(0, str(args.root.resolve()))
     live = collect()
     path = snapshot_path(live["megatron_core_version"])
     if args.check:

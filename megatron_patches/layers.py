@@ -1,0 +1,104 @@
+"""Which layers of a model hold prefix K/V, and which layer kinds prefix reuse refuses.
+
+`GPTModel`: every decoder layer is attention + MLP, so the last layer holds the last K/V.
+`HybridModel`: one symbol per layer in `hybrid_layer_pattern` (Megatron's `Symbols`): attention
+(`*`) and MLP (`-`) layers are supported; MoE (`E`) is refused as it is for GPTModel; Mamba (`M`)
+and gated delta net (`G`) layers carry a recurrent state that a suffix would have to resume from
+(the prefix would have to cache that state instead of K/V); DSA (`D`) and MLA (`+`) attention is
+not hooked. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
+refuse together, before any compute (no rank is left waiting on a peer that raised).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+from megatron.core import parallel_state
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.utils import get_model_config, unwrap_model
+
+__all__ = ["check_layers_supported", "last_kv_layer_number", "stage_patterns"]
+
+_RECURRENT = ("its recurrent state would have to be cached for the suffixes to resume from, "
+              "instead of K/V; prefix reuse caches K/V only")
+_REFUSED = {
+    Symbols.MAMBA: ("Mamba", _RECURRENT),
+    Symbols.GDN: ("gated delta net", _RECURRENT),
+    Symbols.MOE: ("MoE", "MoE needs logical prefix-token accounting, not supported yet"),
+    Symbols.DS_ATTENTION: ("DeepSeek sparse attention", "its core attention is not hooked"),
+    Symbols.MLA: ("multi-latent attention", "its core attention is not hooked"),
+}
+
+
+def _hybrid(model) -> Optional[HybridModel]:
+    inner = unwrap_model(model)
+    return inner if isinstance(inner, HybridModel) else None
+
+
+def stage_patterns(pattern: str, pp_size: int, config) -> List[str]:
+    """The main-decoder layer symbols of each pipeline stage, as `HybridModel` splits them.
+
+    Explicit `|` marks, else an even split (or `num_layers_in_first/last_pipeline_stage`).
+    """
+    main = parse_hybrid_pattern(pattern).main_pattern or ""
+    if Symbols.PIPE in main:
+        return main.split(Symbols.PIPE)
+    first = config.num_layers_in_first_pipeline_stage
+    last = config.num_layers_in_last_pipeline_stage
+    counts = [None] * pp_size
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    middle = [i for i, c in enumerate(counts) if c is None]
+    rest = len(main) - sum(c for c in counts if c is not None)
+    for i in middle:
+        counts[i] = rest // len(middle)
+    starts = [sum(counts[:i]) for i in range(pp_size)]
+    return [main[s:s + c] for s, c in zip(starts, counts)]
+
+
+def check_layers_supported(config, model) -> None:
+    """ValueError, before any compute, for layers whose prefix state is not K/V (see module)."""
+    if getattr(config, "mtp_num_layers", None):
+        raise ValueError("multi-token prediction (mtp_num_layers) is not supported in prefix "
+                         "reuse steps yet; train without MTP layers")
+    hybrid = _hybrid(model)
+    if hybrid is None:
+        return
+    pattern = hybrid.hybrid_layer_pattern
+    parsed = parse_hybrid_pattern(pattern)
+    if parsed.mtp_pattern is not None:
+        raise ValueError(f"hybrid_layer_pattern {pattern!r} has multi-token prediction layers "
+                         "(after '/'): not supported in prefix reuse steps yet")
+    refused = [f"{symbol!r} ({name}): {why}" for symbol, (name, why) in _REFUSED.items()
+               if symbol in (parsed.main_pattern or "")]
+    if refused:
+        raise ValueError(f"hybrid_layer_pattern {pattern!r} has layers prefix reuse cannot run: "
+                         + "; ".join(refused))
+    stages = stage_patterns(pattern, parallel_state.get_pipeline_model_parallel_world_size(),
+                            config)
+    empty = [i for i, stage in enumerate(stages) if Symbols.ATTENTION not in stage]
+    if empty:
+        raise ValueError(
+            f"hybrid_layer_pattern {pattern!r}: pipeline stage(s) {empty} hold no attention "
+            f"layer ('*'), so they would cache no prefix K/V (stages: {stages}); give every stage "
+            "an attention layer ('|' marks the stage boundaries)")
+    own = "".join(hybrid.decoder.layer_type_list)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    assert own == stages[rank], f"stage {rank} built {own!r}, not {stages[rank]!r}: split drifted"
+
+
+def last_kv_layer_number(model) -> int:
+    """Global number (1-based) of the model's last layer that stores prefix K/V.
+
+    The last pipeline stage's prefix forward stops right after storing it: nothing after it
+    (MLP layers, final norm, output layer) feeds a suffix.
+    """
+    hybrid = _hybrid(model)
+    if hybrid is None:
+        return get_model_config(model).num_layers
+    main = (parse_hybrid_pattern(hybrid.hybrid_layer_pattern).main_pattern or "")
+    layers = main.replace(Symbols.PIPE, "")
+    return max(i for i, symbol in enumerate(layers, start=1) if symbol == Symbols.ATTENTION)
