@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_patches.cpu_support import enable_cpu_support
+from megatron_patches.cpu_support import stub_missing_triton
 
-enable_cpu_support()
+stub_missing_triton()  # `import megatron.core` needs it where triton is missing; CPU runs also
+# call megatron_patches.enable_cpu_support() themselves (tests, demo, bench, examples' --cpu)
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -167,6 +168,7 @@ def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig) -> Tran
 
 
 def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Optional[int] = 1234,
+                transformer_config: Optional[TransformerConfig] = None,
                 **config_overrides) -> GPTModel:
     """Build this pipeline stage's part of a tiny Llama GPTModel with Megatron's local layer spec.
 
@@ -174,7 +176,9 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     parameters: core attention has none), the fair dense baseline for timing. With
     `sequence_parallel=True` (TP > 1) the norms are `SequenceParallelTorchNorm`. With pipeline
     parallelism the config allows variable row lengths, so that stock dense 1F1B (the reference)
-    can run rows of any length.
+    can run rows of any length. `transformer_config` (e.g. built by Megatron-LM's argument
+    parser) replaces the config made from `cfg` and the overrides; `cfg` still gives the
+    vocabulary and the longest sequence.
     """
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         config_overrides = {"variable_seq_lengths": True,
@@ -183,7 +187,7 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     if seed is not None:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    config = make_transformer_config(cfg, **config_overrides)
+    config = transformer_config or make_transformer_config(cfg, **config_overrides)
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     if fused_attention:
         spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention

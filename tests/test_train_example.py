@@ -21,8 +21,8 @@ def _run(*extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(ROOT / "examples" / "train_grpo_megatron.py"), "--pp", "2",
-                          *SMALL, *extra], capture_output=True, text=True, timeout=300, env=env,
-                         cwd=ROOT)
+                          "--cpu", *SMALL, *extra], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=ROOT)
     assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
     lines = re.findall(r"step (\d+): loss (\S+)  grad norm (\S+)", out.stdout)
     assert len(lines) == 2, out.stdout
