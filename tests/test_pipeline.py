@@ -9,7 +9,7 @@ from dist_harness import run_distributed
 pytestmark = pytest.mark.megatron
 
 
-def _pp_rank(pp, shapes, token_budget, seed):
+def _pp_rank(pp, shapes, token_budget, seed, config_overrides=None):
     import megatron_patches
     from megatron.core import parallel_state
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
@@ -23,7 +23,7 @@ def _pp_rank(pp, shapes, token_budget, seed):
     cfg = TinyLlamaConfig(num_layers=4, hidden_size=64, ffn_hidden_size=176,
                           num_attention_heads=4, num_query_groups=2, vocab_size=256,
                           max_seq_len=512)
-    model = build_model(cfg)
+    model = build_model(cfg, **(config_overrides or {}))
     model.config.finalize_model_grads_func = scale_grads_by_token_count
     batch = make_batch(seed, shapes)
     dense = dense_step(model, batch, LOSS)
@@ -58,6 +58,15 @@ def test_pp2_several_groups_variable_lengths():
 def test_pp4_group_spanning_many_microbatches():
     shapes = [(37, [7, 8, 6, 9, 5, 7, 8]), (12, [4, 6])]
     results = run_distributed(_pp_rank, world_size=4, args=(4, shapes, 9, 4), timeout_s=240)
+    _check(results)
+
+
+def test_pp2_deallocate_pipeline_outputs():
+    """What Megatron-LM's argument parser sets (training/argument_utils.py:305): each sent output
+    is pseudo-freed and backward_step runs custom_backward on it, prefix outputs included."""
+    shapes = [(22, [6, 5, 4]), (13, [7, 3])]
+    results = run_distributed(_pp_rank, world_size=2, timeout_s=180,
+                              args=(2, shapes, 10, 7, {"deallocate_pipeline_outputs": True}))
     _check(results)
 
 
