@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from prefix_schedule.pipeline.ir import Action, ActionKind, Schedule, ScheduleError
+from prefix_schedule.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, peer_stage
 
 __all__ = ["PASSES", "add_grad_reduce", "add_p2p", "lower", "peer_of", "recv_kind", "send_kind"]
 
@@ -52,17 +52,7 @@ def recv_kind(compute: ActionKind) -> ActionKind:
     return _RECV[compute]
 
 
-def peer_of(action: Action, num_stages: int) -> Optional[int]:
-    """The rank a p2p action talks to, or, for compute, where its output goes (None: nowhere)."""
-    kind = action.kind
-    if kind is ActionKind.REDUCE_GRAD:
-        return None
-    sends = kind.is_send or kind.is_compute
-    if kind.is_forward == sends:  # forward data goes up, gradients come down
-        peer = action.stage + 1
-    else:
-        peer = action.stage - 1
-    return peer if 0 <= peer < num_stages else None
+peer_of = peer_stage  # the name the passes and the simulator have used
 
 
 def _needs_input(action: Action, num_stages: int) -> bool:
