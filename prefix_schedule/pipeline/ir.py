@@ -95,21 +95,28 @@ class ActionKind(enum.Enum):
     # its ops joined by '+', never by this code.
     EXCHANGE = "X"
 
-    is_compute = property(lambda self: self in _COMPUTE, doc="PF, SF, SB or PB.")
-    is_send = property(lambda self: self in _SENDS, doc="A single send lowering added.")
-    is_recv = property(lambda self: self in _RECVS, doc="A single receive lowering added.")
-    is_forward = property(lambda self: self in _FORWARD,
-                          doc="Forward compute, or a p2p kind that carries forward outputs.")
-    compute = property(lambda self: _CARRIES[self],
-                       doc="The compute kind whose data a p2p kind carries (others: itself).")
+    # Members hash by identity (they are singletons): Enum's default hashes the name in Python,
+    # and kinds key the dicts of every pass and simulation.
+    __hash__ = object.__hash__
+
+    # Set per member below (plain attributes, not properties: read once per action per pass):
+    #   is_compute  PF, SF, SB or PB.
+    #   is_send     a single send lowering added;   is_recv  a single receive.
+    #   is_forward  forward compute, or a p2p kind that carries forward outputs.
+    #   compute     the compute kind whose data a p2p kind carries (others: itself).
 
 
-# Sets, not string tests on .value: these run once per action in every pass and simulation.
 _COMPUTE = frozenset(k for k in ActionKind if len(k.value) == 2 and k.value != "RG")
 _SENDS = frozenset(k for k in ActionKind if len(k.value) == 3 and k.value.endswith("S"))
 _RECVS = frozenset(k for k in ActionKind if len(k.value) == 3 and k.value.endswith("R"))
 _FORWARD = frozenset(k for k in ActionKind if k.value[1:2] == "F")
-_CARRIES = {k: ActionKind(k.value[:2]) if len(k.value) > 1 else k for k in ActionKind}
+for _kind in ActionKind:
+    _kind.is_compute = _kind in _COMPUTE
+    _kind.is_send = _kind in _SENDS
+    _kind.is_recv = _kind in _RECVS
+    _kind.is_forward = _kind in _FORWARD
+    _kind.compute = ActionKind(_kind.value[:2]) if len(_kind.value) > 1 else _kind
+del _kind
 _ACTION_RE = re.compile(r"(0|[1-9][0-9]*)([A-Z]+)(0|[1-9][0-9]*)")
 _CODES = frozenset(k.value for k in ActionKind if k is not ActionKind.EXCHANGE)
 
