@@ -245,22 +245,24 @@ def _ops_text(group: _Group) -> str:
     return "+".join(str(op.action) for op in group.ops)
 
 
-def _why(op: _Op, streams: _Streams) -> str:
-    """Why `op` (rank op.rank) has not completed: who it waits on."""
+def _why(op: _Op, streams: _Streams, depth: int = 1) -> str:
+    """Why `op` (rank op.rank) has not completed: who it waits on (and, `depth` levels deep,
+    on whom that waits)."""
     blocker = _blocker(op, streams)
     if blocker is not None:
-        return (f"{op.action} is queued behind {blocker.action} (step {blocker.group.step}) in "
+        text = (f"{op.action} is queued behind {blocker.action} (step {blocker.group.step}) in "
                 f"rank {op.rank}'s stream to rank {op.peer}")
+        return text + (f", and {_why(blocker, streams, depth - 1)}" if depth else "")
     other = op.partner
     if other is None:
         verb = "receive" if op.action.kind.is_send else "send"
         return f"{op.action} waits for rank {op.peer} to post the matching {verb}"
     blocker = _blocker(other, streams)
-    where = f" (step {other.group.step})"
+    text = f"{op.action} waits for rank {other.rank}'s {other.action} (step {other.group.step})"
     if blocker is not None:
-        return (f"{op.action} waits for rank {other.rank}'s {other.action}{where}, queued behind "
-                f"{blocker.action} (step {blocker.group.step}) in its stream to rank {op.rank}")
-    return f"{op.action} waits for rank {other.rank}'s {other.action}{where}"
+        text += (f", queued behind {blocker.action} (step {blocker.group.step}) in its stream to "
+                 f"rank {op.rank}")
+    return text
 
 
 def _blocker(op: _Op, streams: _Streams) -> Optional[_Op]:
