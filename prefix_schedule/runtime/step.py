@@ -21,7 +21,7 @@ from prefix_schedule.runtime.cache import PrefixKVCache
 from prefix_schedule.runtime.context import PrefixForwardContext, SuffixForwardContext
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.planner import PrefixChunk, StepPlan, build_prefix_inputs, build_suffix_inputs
-from prefix_schedule.pipeline.lowering import lower
+from prefix_schedule.pipeline.lowering import flatten_exchanges, lower
 from prefix_schedule.pipeline import Action, ActionKind, Schedule, build_schedule
 
 __all__ = ["ReuseStep"]
@@ -44,7 +44,9 @@ class ReuseStep:
             prefix_groups=[work.group for work in plan.prefixes],
             prefix_units={u: (c.group, c.chunk) for u, c in self._units.items()},
         )
-        self.lowered: Schedule = lower(self.schedule)
+        # Exchanges flattened into their ops (sends first) until the executor posts grouped
+        # exchanges (prefix_schedule/pipeline/ir.py, [Note: grouped p2p exchanges]).
+        self.lowered: Schedule = flatten_exchanges(lower(self.schedule))
         """The schedule with p2p actions: what each pipeline rank executes."""
         self.cache = PrefixKVCache()
         self._pending: Optional[Dict[str, torch.Tensor]] = None
