@@ -132,10 +132,6 @@ class PipelineP2P:
         """Drop the sent tensors whose work has completed."""
         self._transport.release_completed()
 
-    def held_sends(self) -> List[str]:
-        """Labels of the sent tensors still held (their send has not completed)."""
-        return self._transport.held_sends()
-
     def wait_all(self) -> None:
         """Complete every posted entry (end of step)."""
         self._transport.wait_all()
@@ -159,9 +155,9 @@ class _BatchedTransport:
             dist.P2POp(dist.isend if op.is_send else dist.irecv,
                        op.tensor if op.is_send else buffer, op.peer, self.group)
             for op, buffer in zip(ops, buffers)])
-        sent = [op for op in ops if op.is_send]
+        sent = [op.tensor for op in ops if op.is_send]
         if sent:  # the tensors stay referenced until their work completes
-            self._sends.append((works, [op.label for op in sent], [op.tensor for op in sent]))
+            self._sends.append((works, sent))
 
         def wait() -> None:
             for work in works:
@@ -172,11 +168,8 @@ class _BatchedTransport:
         self._sends = [entry for entry in self._sends
                        if not all(work.is_completed() for work in entry[0])]
 
-    def held_sends(self) -> List[str]:
-        return [label for _, labels, _ in self._sends for label in labels]
-
     def wait_all(self) -> None:
-        for works, _, _ in self._sends:
+        for works, _ in self._sends:
             for work in works:
                 work.wait()
         self._sends.clear()
@@ -260,10 +253,6 @@ class _StrictGlooTransport:
 
     def release_completed(self) -> None:
         self._posted = [e for e in self._posted if not e.done.is_set() or e.error is not None]
-
-    def held_sends(self) -> List[str]:
-        return [op.label for e in self._posted if not e.done.is_set()
-                for op in e.ops if op.is_send]
 
     def wait_all(self) -> None:
         for entry in list(self._posted):

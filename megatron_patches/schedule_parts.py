@@ -37,17 +37,22 @@ class StopAtPrefixEnd:
 class GradSync:
     """Megatron's disable_grad_sync / enable_grad_sync, for the whole step.
 
-    Every backward runs under `no_sync`; the REDUCE_GRAD action (after this rank's last
-    backward) leaves it and starts the data-parallel gradient reduce the way Megatron's
-    schedules launch their remaining reductions: `config.grad_sync_func` (what Megatron-LM sets
-    with overlap_grad_reduce), or, without one, the DDP wrapper's own `start_grad_sync` when it
+    Every backward runs under `no_sync` (each model chunk's, as the interleaved schedule enters
+    them all); each REDUCE_GRAD action (after this rank's last backward) leaves it and starts
+    its model chunk's data-parallel gradient reduce the way Megatron's schedules launch their
+    remaining reductions: `config.grad_sync_func` (what Megatron-LM sets with
+    overlap_grad_reduce), or, without one, the DDP wrapper's own `start_grad_sync` when it
     overlaps. So DDP's per-parameter ready counts never depend on which prefix or suffix work
     happens to run last, nor on the plan of the step (distributed/param_and_grad_buffer.py).
     """
 
-    def __init__(self, config, model):
-        self.config, self.model = config, model
-        self.no_sync = config.no_sync_func or contextlib.nullcontext
+    def __init__(self, config, models):
+        self.config, self.models = config, models
+        no_sync = config.no_sync_func
+        if isinstance(no_sync, list):
+            self.no_sync = lambda: _enter_all(no_sync)
+        else:
+            self.no_sync = no_sync or contextlib.nullcontext
         self.context = None
 
     def disable(self) -> None:
@@ -60,14 +65,25 @@ class GradSync:
             self.context.__exit__(None, None, None)
             self.context = None
 
-    def start(self) -> None:
+    def start(self, chunk: int) -> None:
         self.enable()
-        ddp_config = getattr(self.model, "ddp_config", None)
+        model = self.models[chunk]
         grad_sync = self.config.grad_sync_func
-        if grad_sync is None and getattr(ddp_config, "overlap_grad_reduce", False):
-            grad_sync = self.model.start_grad_sync
+        if isinstance(grad_sync, list):
+            grad_sync = grad_sync[chunk]
+        if grad_sync is None and getattr(getattr(model, "ddp_config", None),
+                                         "overlap_grad_reduce", False):
+            grad_sync = model.start_grad_sync
         if grad_sync is not None:
-            grad_sync(self.model.parameters())
+            grad_sync(model.parameters())
+
+
+@contextlib.contextmanager
+def _enter_all(context_funcs):
+    with contextlib.ExitStack() as stack:
+        for func in context_funcs:
+            stack.enter_context(func())
+        yield
 
 
 def model_device(model) -> torch.device:

@@ -23,7 +23,7 @@ from megatron_patches.launch import DEFAULT_PRELOAD, LaunchError, launch
 
 __all__ = ["run_distributed", "DistributedRunError", "DEFAULT_PRELOAD", "STRICT_P2P_DEFAULT"]
 
-STRICT_P2P_DEFAULT = False
+STRICT_P2P_DEFAULT = True
 """Whether ranks run the executor's p2p in strict mode unless told otherwise."""
 
 

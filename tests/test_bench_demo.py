@@ -11,6 +11,7 @@ hung rank.
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -39,6 +40,11 @@ MEMORY_FIELDS = {"dense_peak_saved_bytes", "reuse_peak_saved_bytes",
                  "basis"}
 
 
+# the scripts import this checkout's packages, not an installed copy
+CHECKOUT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Start the bench (one process; PP=2 with the math backend and prefix chunks) and the quick
@@ -52,7 +58,7 @@ def runs(tmp_path_factory):
         "demo": [sys.executable, str(ROOT / "examples" / "grpo_demo.py"), "--quick"],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True) for name, cmd in commands.items()}
+                                    text=True, env=CHECKOUT_ENV) for name, cmd in commands.items()}
     results = {}
     for name, proc in procs.items():
         try:
@@ -196,7 +202,8 @@ def test_bench_refuses_bad_flags_before_compute():
     cases run at once: each is only an interpreter start)."""
     procs = [(flags, message, subprocess.Popen(
         [sys.executable, str(ROOT / "tools" / "bench.py"), *flags], cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for flags, message in REFUSALS]
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CHECKOUT_ENV))
+        for flags, message in REFUSALS]
     for flags, message, proc in procs:
         _, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 2, (flags, stderr[-2000:])

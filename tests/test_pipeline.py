@@ -1,6 +1,10 @@
 """Prefix reuse under pipeline parallelism (gloo, 2 and 4 processes) vs stock Megatron 1F1B
 (`forward_backward_pipelining_without_interleaving`) on the same data and weights: the loss and
-every parameter gradient on every stage within 1e-5 relative (fp32)."""
+every parameter gradient on every stage within 1e-5 relative (fp32).
+
+The executor's p2p runs under strict NCCL semantics (tests/dist_harness.py): a send waits for its
+receiver. Today's lowering groups crossing pairs into one exchange; the ungrouped lowering it
+replaced deadlocks under these semantics (and passes on plain gloo, which buffers sends)."""
 
 import pytest
 
@@ -48,9 +52,12 @@ def _check(results):
         assert r["grad_diff"] <= 1e-5, f"stage {r['stage']}: gradient diff {r['grad_diff']:.2e}"
 
 
-def test_pp2_several_groups_variable_lengths():
+@pytest.mark.parametrize("strict_p2p", [True, False], ids=["strict", "batch_isend_irecv"])
+def test_pp2_several_groups_variable_lengths(strict_p2p):
+    """strict: the NCCL-semantics transport; batch_isend_irecv: the product transport on gloo."""
     shapes = [(30, [6, 9, 4, 7, 5]), (17, [8, 3]), (41, [5, 7, 6, 2])]
-    results = run_distributed(_pp_rank, world_size=2, args=(2, shapes, 12, 3), timeout_s=180)
+    results = run_distributed(_pp_rank, world_size=2, args=(2, shapes, 12, 3), timeout_s=180,
+                              strict_p2p=strict_p2p)
     assert results[0]["num_microbatches"] >= 6
     _check(results)
 
@@ -92,3 +99,66 @@ def test_p2p_log_names_every_operation_with_rank_and_counter():
         assert counters == list(range(1, len(lines) + 1))
     assert any("send" in line and "PFS" in line for line in logs[0])
     assert any("recv" in line and "PFR" in line for line in logs[1])
+
+
+def _ungrouped_rank():
+    """The reuse step with the pre-exchange lowering (single sends/receives only)."""
+    from prefix_schedule.pipeline.lowering import lower
+    from prefix_schedule.runtime import step as step_module
+
+    class Ungrouped(step_module.ReuseStep):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.lowered = lower(self.schedule, group_exchanges=False)
+
+    step_module.ReuseStep = Ungrouped
+    from megatron_patches import training
+    training.ReuseStep = Ungrouped
+    return _pp_rank(2, [(20, [5, 6, 4, 7]), (11, [6, 3])], 8, 9)
+
+
+def test_ungrouped_lowering_deadlocks_under_nccl_semantics_but_not_on_plain_gloo():
+    # plain gloo buffers every send: the ungrouped plan runs (and is exact)
+    _check(run_distributed(_ungrouped_rank, world_size=2, timeout_s=180, strict_p2p=False))
+    # NCCL semantics: both ranks send to each other before either receives
+    with pytest.raises(AssertionError, match="p2p deadlock") as info:
+        run_distributed(_ungrouped_rank, world_size=2, timeout_s=180, strict_p2p=True,
+                        stall_s=5)
+    assert "send 0SFS" in str(info.value) and "send 1SBS" in str(info.value)
+
+
+def _release_rank():
+    import weakref
+
+    from megatron_patches import p2p, stage_runner
+
+    sent, seen = {}, []
+    post, backward = p2p._StrictGlooTransport.post, stage_runner.StageRunner.suffix_backward
+
+    def recording_post(self, ops, buffers):
+        sent.update((op.label, weakref.ref(op.tensor)) for op in ops if op.is_send)
+        return post(self, ops, buffers)
+
+    def recording_backward(self, action):
+        backward(self, action)
+        self.p2p.release_completed()
+        seen.append((action.index, sorted(k for k, ref in sent.items() if ref() is not None)))
+
+    p2p._StrictGlooTransport.post = recording_post
+    stage_runner.StageRunner.suffix_backward = recording_backward
+    result = _pp_rank(2, [(20, [5, 6, 4, 7]), (11, [6, 3])], 8, 9)
+    return dict(result, alive=seen)
+
+
+def test_sent_tensors_are_released_when_their_send_completes():
+    """Rank 0 sends microbatch m's activations before it receives m's gradient; once SB m has
+    run, that send has completed (the receiver took it) and the sent tensor is freed, so the
+    held activations follow 1F1B, not the step."""
+    results = run_distributed(_release_rank, world_size=2, timeout_s=180)
+    _check(results)
+    alive = results[0]["alive"]
+    assert len(alive) >= 4
+    for microbatch, labels in alive:
+        stale = [label for label in labels if label.startswith("0SFS")
+                 and int(label[4:]) <= microbatch]
+        assert not stale, (microbatch, labels)

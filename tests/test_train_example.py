@@ -18,7 +18,10 @@ SMALL = ["--steps", "2", "--num-groups", "2", "--group-size", "3", "--prefix-len
 
 
 def _run(*extra):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # strict NCCL p2p semantics on gloo (megatron_patches/p2p.py), as the whole pipeline matrix
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFIX_REUSE_P2P_STRICT": "1",
+           # this checkout's packages, not an installed copy
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                           str(ROOT / "examples" / "train_grpo_megatron.py"), "--pp", "2",
                           "--cpu", *SMALL, *extra], capture_output=True, text=True, timeout=300,
