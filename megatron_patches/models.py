@@ -80,12 +80,15 @@ def initialize_single_process(seed: int = 1234, tp: int = 1, pp: int = 1) -> Non
     initialize_distributed(seed=seed, tp=tp, pp=pp)
 
 
-def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1) -> None:
-    """Megatron parallel state + RNG tracker on an already initialised process group."""
+def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1,
+                           vpp: Optional[int] = None) -> None:
+    """Megatron parallel state + RNG tracker on an already initialised process group (`vpp`:
+    virtual pipeline stages per rank, Megatron's interleaved layout)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
@@ -111,6 +114,8 @@ def make_transformer_config(cfg: TinyLlamaConfig, **overrides) -> TransformerCon
         calculate_per_token_loss=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -160,16 +165,18 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig) -> TransformerBlockSubmodules:
+def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig,
+                                  vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
     layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers,
                                       layer_norm=SequenceParallelTorchNorm)
 
 
 def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Optional[int] = 1234,
                 transformer_config: Optional[TransformerConfig] = None,
-                **config_overrides) -> GPTModel:
+                vp_stage: Optional[int] = None, **config_overrides) -> GPTModel:
     """Build this pipeline stage's part of a tiny Llama GPTModel with Megatron's local layer spec.
 
     `fused_attention=True` swaps the core attention for `FusedSDPACoreAttention` (same
@@ -178,7 +185,8 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     parallelism the config allows variable row lengths, so that stock dense 1F1B (the reference)
     can run rows of any length. `transformer_config` (e.g. built by Megatron-LM's argument
     parser) replaces the config made from `cfg` and the overrides; `cfg` still gives the
-    vocabulary and the longest sequence.
+    vocabulary and the longest sequence. With virtual pipeline stages, `vp_stage` = v builds
+    this rank's model chunk v (Megatron's interleaved layout).
     """
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         config_overrides = {"variable_seq_lengths": True,
@@ -192,17 +200,20 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     if fused_attention:
         spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
     if config.sequence_parallel:  # the local spec's norms refuse it
-        spec = _sequence_parallel_block_spec(spec, config)
+        spec = _sequence_parallel_block_spec(spec, config, vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None,
+                                                           vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None,
+                                                           vp_stage=vp_stage),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=10000,
+        vp_stage=vp_stage,
     )
     model = model.to(cfg.params_dtype)
     return model.cuda() if torch.cuda.is_available() else model

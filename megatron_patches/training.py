@@ -78,14 +78,18 @@ def _summarise(reports: List[dict]) -> StepResult:
 
 def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
                forward_only: bool = False) -> StepResult:
-    """Stock Megatron dense step: every trajectory's full row is one microbatch."""
+    """Stock Megatron dense step: every trajectory's full row is one microbatch. `model`: a
+    module, or the rank's model chunks (virtual pipeline stages: Megatron's interleaved
+    schedule, each chunk reading its own copy of the rows in order)."""
     num_rows = sum(len(g.trajectories) for g in batch.groups)
+    models = model if isinstance(model, list) else [model]
     with megatron_patches.use_prefix_reuse_schedule(False):
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
         forward_step_func=make_policy_forward_step(loss_config),
-        data_iterator=dense_items(batch),
-        model=[model],
+        data_iterator=([dense_items(batch) for _ in models] if len(models) > 1
+                       else dense_items(batch)),
+        model=models,
         num_microbatches=num_rows,
         seq_length=0,
         micro_batch_size=1,
@@ -96,16 +100,19 @@ def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
 
 def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss_config: PolicyLossConfig,
                forward_only: bool = False, step: Optional[ReuseStep] = None) -> StepResult:
-    """Prefix-reuse step through `get_forward_backward_func()` with reuse selected."""
+    """Prefix-reuse step through `get_forward_backward_func()` with reuse selected (`model`: a
+    module, or the rank's model chunks)."""
+    models = model if isinstance(model, list) else [model]
     if step is None:
         step = ReuseStep(batch, plan,
-                         num_stages=parallel_state.get_pipeline_model_parallel_world_size())
+                         num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
+                         num_model_chunks=len(models))
     with megatron_patches.use_prefix_reuse_schedule():
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
         forward_step_func=make_policy_forward_step(loss_config),
         data_iterator=step,
-        model=[model],
+        model=models,
         num_microbatches=step.num_microbatches,
         seq_length=0,
         micro_batch_size=1,

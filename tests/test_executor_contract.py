@@ -145,3 +145,22 @@ def test_step_first_forward_sets_is_first_microbatch(megatron_env):
     starts = [i for i, e in enumerate(events) if e == "first"]
     assert len(starts) == 2 and starts[0] == 0, events
     assert events[1] == "prefix" and events[starts[1] + 1] == "prefix", events
+
+
+def test_model_chunks_must_match_the_planned_layout(megatron_env):
+    """A step planned for one model chunk per rank, given two chunks (virtual stages), is refused
+    before any compute, with the constructor call that fixes it."""
+    from megatron_patches.executor import forward_backward_prefix_reuse
+    from megatron_patches.models import TinyLlamaConfig, make_transformer_config
+    from prefix_schedule.planning.planner import plan_microbatches
+    from prefix_schedule.runtime.step import ReuseStep
+
+    events = []
+    model = _MetaStage(make_transformer_config(TinyLlamaConfig(**TINY)))
+    model.register_forward_pre_hook(lambda *_: events.append("forward"))
+    batch = make_batch(5, [(1, [3, 4])])
+    step = ReuseStep(batch, plan_microbatches(batch, token_budget=5, max_seq_len=64))
+    with pytest.raises(ValueError, match="num_model_chunks=1"):
+        forward_backward_prefix_reuse(forward_step_func=_meta_forward_step, data_iterator=step,
+                                      model=[model, model], num_microbatches=step.num_microbatches)
+    assert not events
