@@ -14,8 +14,10 @@ a sends to b is the k-th that b receives from a. So, for the schedule to run:
      (prefix_schedule/pipeline/lowering.py, [Note: p2p posting order]);
   2. no two ranks may each wait, at the head of their FIFO, on an op that the other posts
      behind its own head (two crossing sends deadlock: lowering pairs them into one grouped
-     exchange, as Megatron's send_forward_recv_backward does). The schedule simulator checks
-     both under these semantics; this module never reorders anything.
+     exchange, as Megatron's send_forward_recv_backward does). The schedule layer proves its
+     plans deadlock-free even when the host waits for each exchange before posting the next
+     (prefix_schedule/pipeline/nccl.py, blocking mode), which covers one FIFO per rank; this
+     module never reorders anything.
 Gloo buffers sends and would hide rule 2: `PREFIX_REUSE_P2P_STRICT=1` (tests) replaces the
 transport by `_StrictGlooTransport`, which emulates the NCCL semantics above on gloo.
 

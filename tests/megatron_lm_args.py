@@ -48,6 +48,8 @@ class ProductionSettings:
     align_param_gather: bool
     source: str
     """'megatron-lm parser' or 'mirrored'."""
+    raw: dict
+    """The MIRRORED keys as the parser / builders gave them (before variable_seq_lengths)."""
 
 
 def _import_megatron_training():
@@ -85,6 +87,7 @@ def command_line(*, tp: int, pp: int, dp: int, sequence_parallel: bool, model: d
         "--no-rope-fusion", "--no-gradient-accumulation-fusion", "--use-cpu-initialization",
         "--no-persist-layer-norm",  # the local spec's torch norm (Transformer Engine would use it)
         "--overlap-grad-reduce", "--use-distributed-optimizer", "--overlap-param-gather",
+        "--ddp-bucket-size", 40000,  # several buckets per stage (the chained param gathers)
         # The distributed optimizer supports Adam only (distrib_optimizer.py:691). eps=1, far
         # above |g|, makes each update linear in the gradient (Adam ~ SGD with momentum), so a
         # gradient entry at float-noise level cannot get an O(lr) update of noise sign in dense
@@ -112,15 +115,18 @@ def production_settings(**kwargs) -> ProductionSettings:
     finally:
         sys.argv = saved
     config = argument_utils.core_transformer_config_from_args(args)
+    ddp_config = training.get_megatron_ddp_config(args)
+    raw = {key: getattr(config, key, getattr(ddp_config, key, getattr(args, key, None)))
+           for key in MIRRORED}
     # RL rows differ in length: the dense reference's pipeline needs variable_seq_lengths
     # (Megatron-LM leaves it to the data loader: arguments.py:1226-1232); it requires alltoall.
     config = dataclasses.replace(config, variable_seq_lengths=True,
                                  moe_token_dispatcher_type="alltoall")
     optimizer_config, _ = training.get_megatron_optimizer_config(args)
     return ProductionSettings(
-        transformer_config=config, ddp_config=training.get_megatron_ddp_config(args),
-        optimizer_config=optimizer_config, align_grad_reduce=args.align_grad_reduce,
-        align_param_gather=args.align_param_gather, source="megatron-lm parser")
+        transformer_config=config, ddp_config=ddp_config, optimizer_config=optimizer_config,
+        align_grad_reduce=args.align_grad_reduce, align_param_gather=args.align_param_gather,
+        source="megatron-lm parser", raw=raw)
 
 
 def _mirrored(*, tp: int, pp: int, dp: int, sequence_parallel: bool, model: dict,
@@ -135,7 +141,7 @@ def _mirrored(*, tp: int, pp: int, dp: int, sequence_parallel: bool, model: dict
         cfg, sequence_parallel=sequence_parallel, variable_seq_lengths=True,
         moe_token_dispatcher_type="alltoall", batch_p2p_comm=MIRRORED["batch_p2p_comm"],
         deallocate_pipeline_outputs=MIRRORED["deallocate_pipeline_outputs"])
-    ddp = DistributedDataParallelConfig(**{k: MIRRORED[k] for k in (
+    ddp = DistributedDataParallelConfig(bucket_size=40000, **{k: MIRRORED[k] for k in (
         "overlap_grad_reduce", "use_distributed_optimizer", "overlap_param_gather",
         "check_for_nan_in_grad")})
     optimizer = OptimizerConfig(optimizer="adam", adam_eps=1.0, lr=0.1, min_lr=0.1,
@@ -143,4 +149,4 @@ def _mirrored(*, tp: int, pp: int, dp: int, sequence_parallel: bool, model: dict
                                 use_distributed_optimizer=True)
     return ProductionSettings(transformer_config=config, ddp_config=ddp, optimizer_config=optimizer,
                               align_grad_reduce=MIRRORED["align_grad_reduce"],
-                              align_param_gather=False, source="mirrored")
+                              align_param_gather=False, source="mirrored", raw=dict(MIRRORED))

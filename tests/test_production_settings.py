@@ -83,6 +83,7 @@ def production_rank(tp: int, pp: int, sequence_parallel: bool, steps, budget: in
     (dense, dense_opt), (reuse, reuse_opt) = _build(settings), _build(settings)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     out = {"steps": [], "last_stage": ps.is_pipeline_last_stage(), "source": settings.source,
+           "buckets": len(reuse.bucket_groups), "first_stage": ps.is_pipeline_first_stage(),
            "config": {k: getattr(dense.config, k) for k in (
                "deallocate_pipeline_outputs", "variable_seq_lengths", "sequence_parallel")}}
     for i, shapes in enumerate(steps):
@@ -127,6 +128,8 @@ def _check(results, expect_sp: bool):
                 dense_loss, reuse_loss = step["loss"]
                 assert abs(dense_loss - reuse_loss) <= TOL * abs(dense_loss), (rank, step)
         assert len(result["steps"]) == 2 and plans[0] != plans[1], plans  # the plans differ
+        # DDP buckets only the first stage (distributed_data_parallel.py:95-106): several there
+        assert result["buckets"] > 1 or not result["first_stage"], result
 
 
 def test_dp2_x_pp2_production_settings_two_steps():
@@ -147,3 +150,21 @@ def test_dp2_overlapped_grad_reduce_with_distributed_optimizer():
     results = run_distributed(production_rank, world_size=2, args=(1, 1, False, STEPS, 12),
                               timeout_s=300)
     _check(results, expect_sp=False)
+
+
+def parsed_rank() -> dict:
+    from megatron_lm_args import production_settings
+
+    settings = production_settings(tp=1, pp=2, dp=1, sequence_parallel=False, model=MODEL,
+                                   seq_length=MAX_SEQ)
+    return dict(source=settings.source, raw=settings.raw)
+
+
+def test_megatron_lm_parser_gives_the_mirrored_production_values():
+    """The values the tests rely on, read from Megatron-LM's own parser and builders, equal
+    MIRRORED (the fallback where megatron.training is not installed, each value cited)."""
+    from megatron_lm_args import MIRRORED
+
+    result = run_distributed(parsed_rank, world_size=2, timeout_s=120)[0]
+    assert result["source"] == "megatron-lm parser"
+    assert result["raw"] == MIRRORED
