@@ -59,12 +59,12 @@ from __future__ import annotations
 
 import csv
 import enum
-import functools
-import gc
 import io
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, NamedTuple, Optional
+from typing import Iterable, NamedTuple, Optional
+
+from prefix_schedule.pipeline.support import check_count, format_grid, without_gc
 
 __all__ = ["Action", "ActionKind", "Schedule", "ScheduleError", "format_grid", "check_count",
            "parse_action", "peer_dependency", "peer_stage", "unit_cost", "without_gc"]
@@ -121,29 +121,6 @@ for _kind in ActionKind:
 del _kind
 _ACTION_RE = re.compile(r"(0|[1-9][0-9]*)([A-Z]+)(0|[1-9][0-9]*)")
 _CODES = frozenset(k.value for k in ActionKind if k is not ActionKind.EXCHANGE)
-
-
-def without_gc(fn):
-    """Run `fn` with CPython's cyclic collector paused. Planning a big step builds hundreds of
-    thousands of small tuples that hold no cycles; the collector would rescan them all, over and
-    over, as they pile up (more than half of the lowering's time at 4,096 groups). Reference
-    counting still frees everything; cycles (the NCCL dry run's op pairs) wait for the next
-    collection after `fn` returns."""
-    @functools.wraps(fn)
-    def paused(*args, **kwargs):
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            if enabled:
-                gc.enable()
-    return paused
-
-
-def check_count(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class _ActionFields(NamedTuple):
@@ -378,28 +355,6 @@ def unit_cost(action: Action) -> float:
     if not action.kind.is_compute:
         return 0.0
     return 1.0 if action.kind.is_forward else 2.0
-
-
-def format_grid(schedule: Schedule, marks: Optional[Mapping[tuple[int, int], str]] = None,
-                *, width: int = 16) -> str:
-    """Per-rank grid by step; `marks[(rank, step)]` flags a cell with `>...<` and a note below.
-
-    A mark at step == len(row) flags the end of the row (something is missing there)."""
-    marks = dict(marks or {})
-    cells = [[str(a) for a in row] + (["(end)"] if (s, len(row)) in marks else [])
-             for s, row in enumerate(schedule.actions)]
-    num_steps = max((len(row) for row in cells), default=0)
-    cell_w = max([len(c) for row in cells for c in row] + [4]) + 2
-    lines = []
-    for lo in range(0, max(num_steps, 1), width):
-        steps = range(lo, min(lo + width, num_steps))
-        lines.append("step  " + "".join(f"{i:^{cell_w}}" for i in steps))
-        for s, row in enumerate(cells):
-            text = [(f">{row[i]}<" if (s, i) in marks else f" {row[i]} ") if i < len(row) else ""
-                    for i in steps]
-            lines.append(f"rank{s:<2}" + "".join(f"{c:^{cell_w}}" for c in text).rstrip())
-    lines += [f"  rank {s} step {i}: {note}" for (s, i), note in sorted(marks.items())]
-    return "\n".join(lines)
 
 
 def peer_stage(action: Action, num_stages: int) -> Optional[int]:
