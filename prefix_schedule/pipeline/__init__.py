@@ -1,6 +1,7 @@
 """Pipeline schedules as data: the IR, its generator, validator, lowering passes and simulator.
 
 Layers, each importing only those above it:
+    support.py     IR-free helpers: argument checks, the grid printer, GC pause
     ir.py          Action, ActionKind, Schedule (text/CSV forms, exchanges, virtual stages),
                    format_grid
     units.py       prefix units: a group's prefix as one or more chunks

@@ -7,11 +7,13 @@ chunk per rank or on virtual stages ([Note: virtual stages]).
 
 from __future__ import annotations
 
+import functools
 import heapq
 from bisect import insort
 from typing import Callable, Collection, Mapping, Optional, Sequence
 
-from prefix_schedule.pipeline.ir import Action, ActionKind, Schedule, check_count, unit_cost
+from prefix_schedule.pipeline.ir import (Action, ActionKind, Schedule, check_count, unit_cost,
+                                         without_gc)
 from prefix_schedule.pipeline.orders import BaseOrder, interleaved_order, one_f_one_b_order
 from prefix_schedule.pipeline.units import StepShape
 
@@ -19,9 +21,10 @@ __all__ = ["build_schedule"]
 
 _PF, _SF = ActionKind.PREFIX_FORWARD, ActionKind.SUFFIX_FORWARD
 _SB, _PB = ActionKind.SUFFIX_BACKWARD, ActionKind.PREFIX_BACKWARD
-_new = Action._make  # trusted internal construction: the planner only builds valid actions
+_new = functools.partial(tuple.__new__, Action)  # trusted: the planner builds valid actions
 
 
+@without_gc
 def build_schedule(*, num_stages: int, microbatch_groups: Sequence[Sequence[int]],
                    prefix_groups: Collection[int],
                    cost: Optional[Callable[[Action], float]] = None,
@@ -138,8 +141,8 @@ class _Planner:
             ended = ending.pop(now)
             woken = {n for r in ended for n in self.neighbours[r] if n in idle}
             candidates = sorted(woken.union(ended))
-        return Schedule(num_stages=self.num_stages, actions=tuple(map(tuple, self.rows)),
-                        num_model_chunks=self.num_stages // self.num_ranks)
+        return Schedule._trusted(self.num_stages, tuple(map(tuple, self.rows)),
+                                 self.num_stages // self.num_ranks)
 
     def _break_stall(self, idle: set, now: float) -> int:
         """Every unfinished rank waits: the interleaved order's warmup was too short for this

@@ -62,10 +62,12 @@ import enum
 import io
 import re
 from dataclasses import dataclass
-from typing import Iterable, Mapping, NamedTuple, Optional
+from typing import Iterable, NamedTuple, Optional
+
+from prefix_schedule.pipeline.support import check_count, format_grid, without_gc
 
 __all__ = ["Action", "ActionKind", "Schedule", "ScheduleError", "format_grid", "check_count",
-           "parse_action", "peer_dependency", "peer_stage", "unit_cost"]
+           "parse_action", "peer_dependency", "peer_stage", "unit_cost", "without_gc"]
 
 
 class ScheduleError(ValueError):
@@ -119,11 +121,6 @@ for _kind in ActionKind:
 del _kind
 _ACTION_RE = re.compile(r"(0|[1-9][0-9]*)([A-Z]+)(0|[1-9][0-9]*)")
 _CODES = frozenset(k.value for k in ActionKind if k is not ActionKind.EXCHANGE)
-
-
-def check_count(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 class _ActionFields(NamedTuple):
@@ -259,6 +256,17 @@ class Schedule:
                     raise ValueError(f"Schedule rows hold Actions, got {action!r}")
         object.__setattr__(self, "actions", rows)
 
+    @classmethod
+    def _trusted(cls, num_stages: int, rows: tuple, num_model_chunks: int) -> "Schedule":
+        """A schedule of `rows` (a tuple of tuples of Actions) built by a pass of this package:
+        the per-action type check of __post_init__ skipped (it is linear but not free)."""
+        schedule = object.__new__(cls)
+        for name, value in (("num_stages", num_stages), ("actions", rows),
+                            ("num_model_chunks", num_model_chunks)):
+            object.__setattr__(schedule, name, value)
+        assert len(rows) == num_stages // num_model_chunks
+        return schedule
+
     # ---- layout ([Note: virtual stages])
     @property
     def num_ranks(self) -> int:
@@ -347,28 +355,6 @@ def unit_cost(action: Action) -> float:
     if not action.kind.is_compute:
         return 0.0
     return 1.0 if action.kind.is_forward else 2.0
-
-
-def format_grid(schedule: Schedule, marks: Optional[Mapping[tuple[int, int], str]] = None,
-                *, width: int = 16) -> str:
-    """Per-rank grid by step; `marks[(rank, step)]` flags a cell with `>...<` and a note below.
-
-    A mark at step == len(row) flags the end of the row (something is missing there)."""
-    marks = dict(marks or {})
-    cells = [[str(a) for a in row] + (["(end)"] if (s, len(row)) in marks else [])
-             for s, row in enumerate(schedule.actions)]
-    num_steps = max((len(row) for row in cells), default=0)
-    cell_w = max([len(c) for row in cells for c in row] + [4]) + 2
-    lines = []
-    for lo in range(0, max(num_steps, 1), width):
-        steps = range(lo, min(lo + width, num_steps))
-        lines.append("step  " + "".join(f"{i:^{cell_w}}" for i in steps))
-        for s, row in enumerate(cells):
-            text = [(f">{row[i]}<" if (s, i) in marks else f" {row[i]} ") if i < len(row) else ""
-                    for i in steps]
-            lines.append(f"rank{s:<2}" + "".join(f"{c:^{cell_w}}" for c in text).rstrip())
-    lines += [f"  rank {s} step {i}: {note}" for (s, i), note in sorted(marks.items())]
-    return "\n".join(lines)
 
 
 def peer_stage(action: Action, num_stages: int) -> Optional[int]:

@@ -41,11 +41,13 @@ list, never from arrival order. `simulate` checks the rule and fails on any mism
 
 from __future__ import annotations
 
+import functools
+import operator
 from bisect import bisect_left
 from typing import Callable, Optional
 
-from prefix_schedule.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, peer_stage, \
-    unit_cost
+from prefix_schedule.pipeline.ir import (Action, ActionKind, Schedule, ScheduleError, peer_stage,
+                                         unit_cost, without_gc)
 
 __all__ = ["PASSES", "add_grad_reduce", "add_grouped_p2p", "add_p2p", "flatten_exchanges",
            "forward_only", "lower", "peer_of", "recv_kind", "send_kind"]
@@ -58,7 +60,8 @@ _RECV = {ActionKind.PREFIX_FORWARD: ActionKind.RECV_PREFIX_FORWARD,
          ActionKind.SUFFIX_FORWARD: ActionKind.RECV_SUFFIX_FORWARD,
          ActionKind.SUFFIX_BACKWARD: ActionKind.RECV_SUFFIX_BACKWARD,
          ActionKind.PREFIX_BACKWARD: ActionKind.RECV_PREFIX_BACKWARD}
-_new = Action._make  # trusted construction from a validated plan
+_new = functools.partial(tuple.__new__, Action)  # trusted construction: the ops are valid
+_kind_of = operator.itemgetter(1)  # action -> its kind, in C
 _EXCHANGE = ActionKind.EXCHANGE
 
 
@@ -84,7 +87,7 @@ def _input_stage(action: Action, num_stages: int) -> Optional[int]:
 def _check_compute_only(schedule: Schedule, pass_name: str) -> None:
     for row in schedule.actions:
         for action in row:
-            if not action.kind.is_compute:
+            if not action[1].is_compute:
                 raise ScheduleError(f"{pass_name} takes a compute-only plan but found {action}; "
                                     "pass the output of build_schedule (or from_text of one)")
 
@@ -96,8 +99,9 @@ def _check_ranks(schedule: Schedule, pass_name: str) -> None:
 
 
 def _like(schedule: Schedule, rows) -> Schedule:
-    return Schedule(num_stages=schedule.num_stages, actions=tuple(map(tuple, rows)),
-                    num_model_chunks=schedule.num_model_chunks)
+    """A schedule on `schedule`'s layout with `rows` (built here: only Actions)."""
+    return Schedule._trusted(schedule.num_stages, tuple(map(tuple, rows)),
+                             schedule.num_model_chunks)
 
 
 # ---------------------------------------------------------------- ungrouped (buffered sends only)
@@ -154,42 +158,50 @@ def _add_recvs(row, rank: int, schedule: Schedule, channels) -> tuple[Action, ..
 
 
 # ---------------------------------------------------------------- grouped exchanges
-def compute_timeline(schedule: Schedule,
-                     cost: Optional[Callable[[Action], float]] = None) -> list[list[float]]:
-    """Start time of every compute of every row when the plan runs with `cost` and free,
-    instant p2p (each compute waits for its rank and for its peer dependency)."""
+def compute_timeline(schedule: Schedule, cost: Optional[Callable[[Action], float]] = None
+                     ) -> tuple[list[list[float]], list[list[float]]]:
+    """(starts, ends): the modelled start and end of every compute of every row when the plan
+    runs with `cost` (> 0) and free, instant p2p (each compute waits for its rank and for its
+    peer dependency)."""
     cost = cost or unit_cost
     rows, num = schedule.actions, schedule.num_stages
-    ends: dict = {}
+    finish: dict = {}
     starts: list[list[float]] = [[] for _ in rows]
+    ends: list[list[float]] = [[] for _ in rows]
     pos, clock = [0] * len(rows), [0.0] * len(rows)
     progress = True
     while progress:
         progress = False
         for r, row in enumerate(rows):
-            while pos[r] < len(row):
-                stage, kind, index, _ = row[pos[r]]
+            p, now, start_r, end_r = pos[r], clock[r], starts[r], ends[r]
+            while p < len(row):
+                action = row[p]
+                stage, kind, index, _ = action
                 up = stage - 1 if kind.is_forward else stage + 1
-                ready = 0.0
                 if 0 <= up < num:
-                    ready = ends.get((up, kind, index))
+                    ready = finish.get((up, kind, index))
                     if ready is None:
                         break
-                start = max(clock[r], ready)
-                spent = float(cost(row[pos[r]]))
+                    if ready > now:
+                        now = ready
+                spent = cost(action)
                 if not spent > 0:
-                    raise ValueError(f"cost({row[pos[r]]}) = {spent}: compute costs must be > 0")
-                clock[r] = start + spent
-                ends[(stage, kind, index)] = clock[r]
-                starts[r].append(start)
-                pos[r], progress = pos[r] + 1, True
+                    raise ValueError(f"cost({action}) = {spent}: compute costs must be > 0")
+                start_r.append(now)
+                now += spent
+                end_r.append(now)
+                finish[(stage, kind, index)] = now
+                p += 1
+            if p != pos[r]:
+                pos[r], clock[r], progress = p, now, True
     stuck = [f"rank {r} at {rows[r][pos[r]]}" for r in range(len(rows)) if pos[r] < len(rows[r])]
     if stuck:
         raise ScheduleError(f"cannot lower a plan that deadlocks ({', '.join(stuck)} wait "
                             "forever); validate it first (validate_schedule)")
-    return starts
+    return starts, ends
 
 
+@without_gc
 def add_grouped_p2p(schedule: Schedule,
                     cost: Optional[Callable[[Action], float]] = None) -> Schedule:
     """Sends right after their producers, receives in the first gap after their send time,
@@ -197,48 +209,43 @@ def add_grouped_p2p(schedule: Schedule,
     only shapes which gap a receive joins."""
     _check_compute_only(schedule, "add_grouped_p2p")
     _check_ranks(schedule, "add_grouped_p2p")
-    num, ranks, cost = schedule.num_stages, schedule.num_ranks, cost or unit_cost
-    starts = compute_timeline(schedule, cost)
-    # gap_ops[r][k]: (order key, op) posted in gap k of rank r (before compute k)
-    gap_ops: list[dict] = [{} for _ in range(ranks)]
+    num, ranks = schedule.num_stages, schedule.num_ranks
+    starts, ends = compute_timeline(schedule, cost)
+    # per rank: (gap k, time key, peer rank, 0 send / 1 receive, op); gap k precedes compute k.
+    # The first four fields are unique per rank, so sorting never compares two ops.
+    posts: list[list] = [[] for _ in range(ranks)]
     for r, row in enumerate(schedule.actions):
-        for k, action in enumerate(row):
-            dst_stage = peer_stage(action, num)
-            if dst_stage is None:
+        mine, end_r = posts[r].append, ends[r]
+        for k, (stage, kind, index, _) in enumerate(row):
+            dst_stage = stage + 1 if kind.is_forward else stage - 1
+            if not 0 <= dst_stage < num:
                 continue
-            sent = starts[r][k] + float(cost(action))
-            gap_ops[r].setdefault(k + 1, []).append(
-                ((sent, dst_stage % ranks, 0), _new((action.stage, _SEND[action.kind], action.index, ()))))
-            dst = dst_stage % ranks
-            gap = bisect_left(starts[dst], sent)
-            gap_ops[dst].setdefault(gap, []).append(
-                ((sent, r, 1), _new((dst_stage, _RECV[action.kind], action.index, ()))))
-    rows = []
-    for r, row in enumerate(schedule.actions):
-        out = []
-        for k in range(len(row) + 1):
-            ops = gap_ops[r].get(k)
-            if ops:
-                out += _by_time(ops)
-            if k < len(row):
-                out.append(row[k])
-        rows.append(out)
-    return _like(schedule, rows)
+            sent, dst = end_r[k], dst_stage % ranks
+            mine((k + 1, sent, dst, 0, _new((stage, _SEND[kind], index, ()))))
+            posts[dst].append((bisect_left(starts[dst], sent), sent, r, 1,
+                               _new((dst_stage, _RECV[kind], index, ()))))
+    return _like(schedule, [_merge(row, sorted(posts[r]))
+                            for r, row in enumerate(schedule.actions)])
 
 
-def _by_time(ops: list) -> list[Action]:
-    """One gap's ops by (time, peer rank, send first); ops of the same time and peer (a crossing
-    pair) form one exchange."""
-    ops.sort(key=lambda entry: entry[0])
-    out, i = [], 0
-    while i < len(ops):
-        j = i + 1
-        while j < len(ops) and ops[j][0][:2] == ops[i][0][:2]:
-            j += 1
-        same = [op for _, op in ops[i:j]]
-        out.append(same[0] if len(same) == 1 else _new((same[0].stage, _EXCHANGE, 0, tuple(same))))
-        i = j
-    return out
+def _merge(row: tuple, posts: list) -> tuple:
+    """The row with its p2p posted in the gaps: per gap by (time, peer rank, send first); ops of
+    the same gap, time and peer (a crossing pair) form one exchange."""
+    out, i, n = [], 0, len(posts)
+    for k in range(len(row) + 1):
+        while i < n and posts[i][0] == k:
+            j, head = i + 1, posts[i]
+            while j < n and posts[j][0] == k and posts[j][1:3] == head[1:3]:
+                j += 1
+            if j == i + 1:
+                out.append(head[4])
+            else:
+                ops = tuple(entry[4] for entry in posts[i:j])
+                out.append(_new((ops[0][0], _EXCHANGE, 0, ops)))
+            i = j
+        if k < len(row):
+            out.append(row[k])
+    return tuple(out)
 
 
 def flatten_exchanges(schedule: Schedule) -> Schedule:
@@ -274,7 +281,7 @@ def add_grad_reduce(schedule: Schedule) -> Schedule:
     rank's list, after the last send so no peer waits on the reduce."""
     rows = []
     for rank, row in enumerate(schedule.actions):
-        if any(a.kind is ActionKind.REDUCE_GRAD for a in row):
+        if ActionKind.REDUCE_GRAD in map(_kind_of, row):
             raise ScheduleError(f"rank {rank} already has a grad reduce; add_grad_reduce runs once")
         rows.append(row + tuple(_new((s, ActionKind.REDUCE_GRAD, 0, ()))
                                 for s in schedule.stages_of(rank)))
@@ -284,6 +291,7 @@ def add_grad_reduce(schedule: Schedule) -> Schedule:
 PASSES: tuple[Callable[[Schedule], Schedule], ...] = (add_grouped_p2p, add_grad_reduce)
 
 
+@without_gc
 def lower(schedule: Schedule, *, group_exchanges: bool = True,
           cost: Optional[Callable[[Action], float]] = None) -> Schedule:
     """Run the passes on a compute-only plan: `add_grouped_p2p` (with `cost`), or `add_p2p`

@@ -23,7 +23,8 @@ import json
 from collections import deque
 from typing import Optional
 
-from prefix_schedule.pipeline.ir import Schedule, ScheduleError, format_grid, peer_stage, unit_cost
+from prefix_schedule.pipeline.ir import (Schedule, ScheduleError, format_grid, peer_stage, unit_cost,
+                                         without_gc)
 from prefix_schedule.pipeline.lowering import flatten_exchanges
 from prefix_schedule.pipeline.nccl import run_nccl
 from prefix_schedule.pipeline.sim_common import (CostFn, DeadlockError, RankState, SimResult,
@@ -36,6 +37,7 @@ __all__ = ["DeadlockError", "P2P_MODES", "SimResult", "TimedAction", "chrome_tra
 P2P_MODES = ("nccl", "blocking", "buffered")
 
 
+@without_gc
 def simulate(schedule: Schedule, *, cost: Optional[CostFn] = None,
              memory: Optional[CostFn] = None, p2p: str = "nccl") -> SimResult:
     """Execute a lowered plan (a compute-only plan only if it has one rank) under `p2p`.

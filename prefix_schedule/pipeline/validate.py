@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Collection, Mapping, Optional, Sequence
 
-from prefix_schedule.pipeline.ir import ActionKind, Schedule, ScheduleError, format_grid
+from prefix_schedule.pipeline.ir import ActionKind, Schedule, ScheduleError, format_grid, without_gc
 from prefix_schedule.pipeline.units import StepShape
 
 __all__ = ["validate_schedule"]
@@ -18,6 +18,7 @@ _PF, _SF = ActionKind.PREFIX_FORWARD, ActionKind.SUFFIX_FORWARD
 _SB, _PB = ActionKind.SUFFIX_BACKWARD, ActionKind.PREFIX_BACKWARD
 
 
+@without_gc
 def validate_schedule(schedule: Schedule, *, microbatch_groups: Sequence[Sequence[int]],
                       prefix_groups: Collection[int],
                       prefix_units: Optional[Mapping[int, tuple[int, int]]] = None) -> None:
@@ -27,43 +28,57 @@ def validate_schedule(schedule: Schedule, *, microbatch_groups: Sequence[Sequenc
     marked."""
     shape = StepShape(microbatch_groups=microbatch_groups, prefix_groups=prefix_groups,
                       prefix_units=prefix_units)
-    required = {(k, m) for m in range(len(shape.microbatch_groups)) for k in (_SF, _SB)} | {
-        (k, u) for u in shape.units for k in (_PF, _PB)}
+    num_mb = len(shape.microbatch_groups)
+    required = {_SF: range(num_mb), _SB: range(num_mb), _PF: shape.units, _PB: shape.units}
     for r, row in enumerate(schedule.actions):
         done = {s: set() for s in schedule.stages_of(r)}
         for i, action in enumerate(row):
-            problem = _row_problem(schedule, action, r, done, required, shape)
-            if problem:
+            kind = action[1]
+            ran = done.get(action[0])
+            if ran is None or (kind.is_compute and _breaks_rule(action, ran, required, shape)):
+                problem = _row_problem(schedule, action, r, done, required, shape)
                 _fail(schedule, {(r, i): problem}, f"rank {r} step {i}: {action} {problem}")
-            if action.kind.is_compute:
-                done[action.stage].add((action.kind, action.index))
+            if kind.is_compute:
+                ran.add((kind, action[2]))
         for s, ran in done.items():
-            missing = sorted(f"{s}{k.value}{j}" for k, j in required - ran)
+            missing = sorted(f"{s}{k.value}{j}" for k, indices in required.items()
+                             for j in indices if (k, j) not in ran)
             if missing:
                 _fail(schedule, {(r, len(row)): f"missing {' '.join(missing)}"},
                       f"rank {r} never runs {', '.join(missing)}")
     _check_progress(schedule)
 
 
-def _row_problem(schedule, action, r, done, required, shape) -> Optional[str]:
+def _breaks_rule(action, ran: set, required: dict, shape: StepShape) -> bool:
+    """The fast test of a compute action against its stage's rules (details: _row_problem)."""
+    _, kind, index, _ = action
+    if index not in required[kind] or (kind, index) in ran:
+        return True
+    if kind is _SB:
+        return (_SF, index) not in ran
+    for need in shape.local_needs(kind, index):
+        if need not in ran:
+            return True
+    return False
+
+
+def _row_problem(schedule, action, r, done, required, shape) -> str:
     if action.stage % schedule.num_ranks != r:
         where = ("" if schedule.num_model_chunks == 1
                  else f" (rank {action.stage % schedule.num_ranks})")
         return f"belongs to stage {action.stage}{where} but sits in rank {r}'s row"
-    if not action.kind.is_compute:
-        return None
-    if action.stage >= schedule.num_stages:
+    if action.stage not in done:
         return f"names stage {action.stage} of a {schedule.num_stages}-stage pipeline"
-    item = (action.kind, action.index)
-    if item not in required:
+    if action.index not in required[action.kind]:
         what = "group with a cached prefix" if action.kind in (_PF, _PB) else "microbatch"
         return f"names no {what} of this step"
     ran = done[action.stage]
-    if item in ran:
+    if (action.kind, action.index) in ran:
         return "runs twice"
-    missing = [f"{action.stage}{k.value}{j}" for k, j in shape.local_needs(*item)
+    missing = [f"{action.stage}{k.value}{j}" for k, j in shape.local_needs(action.kind,
+                                                                           action.index)
                if (k, j) not in ran]
-    return f"runs before {', '.join(missing)} on its stage" if missing else None
+    return f"runs before {', '.join(missing)} on its stage"
 
 
 def _check_progress(schedule: Schedule) -> None:
@@ -75,14 +90,17 @@ def _check_progress(schedule: Schedule) -> None:
     while progress:
         progress = False
         for r, row in enumerate(rows):
-            while pos[r] < len(row):
-                stage, kind, index, _ = row[pos[r]]
+            p = pos[r]
+            while p < len(row):
+                stage, kind, index, _ = row[p]
                 if kind.is_compute:
                     up = stage - 1 if kind.is_forward else stage + 1
                     if 0 <= up < num and (up, kind, index) not in done:
                         break
                     done.add((stage, kind, index))
-                pos[r], progress = pos[r] + 1, True
+                p += 1
+            if p != pos[r]:
+                pos[r], progress = p, True
     stuck = {}
     for r, row in enumerate(rows):
         if pos[r] < len(row):
