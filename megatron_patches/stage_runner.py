@@ -61,9 +61,10 @@ class StageRunner:
         self.outputs: Dict[tuple, torch.Tensor] = {}
         self.output_grads: Dict[tuple, object] = {}
         self.input_grads: Dict[tuple, Optional[torch.Tensor]] = {}
-        self.handlers = {K.PREFIX_FORWARD: self.prefix_forward, K.SUFFIX_FORWARD: self.suffix_forward,
-                         K.SUFFIX_BACKWARD: self.suffix_backward,
-                         K.PREFIX_BACKWARD: self.prefix_backward, K.REDUCE_GRAD: self.reduce_grad}
+        self.handlers = {  # every other kind is a send, receive or exchange: self.post
+            K.PREFIX_FORWARD: self.prefix_forward, K.SUFFIX_FORWARD: self.suffix_forward,
+            K.SUFFIX_BACKWARD: self.suffix_backward, K.PREFIX_BACKWARD: self.prefix_backward,
+            K.REDUCE_GRAD: self.reduce_grad}
 
     # ---- layout and shapes (every rank derives them from the shared plan; nothing is exchanged)
     def chunk(self, action: Action) -> int:

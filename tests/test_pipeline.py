@@ -162,3 +162,40 @@ def test_sent_tensors_are_released_when_their_send_completes():
         stale = [label for label in labels if label.startswith("0SFS")
                  and int(label[4:]) <= microbatch]
         assert not stale, (microbatch, labels)
+
+
+def _forward_only_rank():
+    import torch
+
+    import megatron_patches
+    from megatron.core import parallel_state
+    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.training import dense_step, reuse_step
+    from prefix_schedule.planning.planner import plan_microbatches
+    from prefix_schedule.runtime.step import ReuseStep
+    from test_equivalence import LOSS, make_batch
+
+    megatron_patches.install()
+    initialize_distributed(seed=1234, pp=2)
+    model = build_model(TinyLlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176,
+                                        num_attention_heads=4, num_query_groups=2,
+                                        vocab_size=256, max_seq_len=512),
+                        deallocate_pipeline_outputs=True)
+    batch = make_batch(11, [(18, [5, 6, 4]), (9, [6, 3])])
+    plan = plan_microbatches(batch, token_budget=8, max_seq_len=512, prefix_chunk_tokens=6)
+    step = ReuseStep(batch, plan, num_stages=2)
+    with torch.no_grad():
+        dense = dense_step(model, batch, LOSS, forward_only=True)
+        reuse = reuse_step(model, batch, plan, LOSS, forward_only=True, step=step)
+    return dict(last=parallel_state.is_pipeline_last_stage(), losses=(dense.loss, reuse.loss),
+                live=step.cache.live_groups())
+
+
+def test_pp2_forward_only_exchanges_keep_their_forward_half():
+    """Forward-only steps run the forward half of the lowered plan (exchanges keep their forward
+    ops): same loss as stock dense, nothing left in the cache, no deadlock."""
+    for result in run_distributed(_forward_only_rank, world_size=2, timeout_s=180):
+        assert result["live"] == ()
+        if result["last"]:
+            dense, reuse = result["losses"]
+            assert abs(dense - reuse) <= 1e-5 * abs(dense)
