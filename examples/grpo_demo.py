@@ -186,6 +186,8 @@ def weight_diff(a, b) -> float:
 def _setup(config: DemoConfig, stock_dense: bool):
     """Megatron (one CPU process), both models and optimizers, the fixed prompts."""
     import megatron_patches
+
+    megatron_patches.enable_cpu_support()  # the CPU/gloo layer (a no-op with CUDA)
     from megatron_patches.models import initialize_single_process
 
     megatron_patches.install()

@@ -1,8 +1,7 @@
 """GRPO training with prefix reuse under torchrun: any TP x PP x DP layout, Megatron's optimizer.
 
-    torchrun --nproc-per-node 2 examples/train_grpo_megatron.py --pp 2           # CPU: gloo
-    torchrun --nproc-per-node 4 examples/train_grpo_megatron.py --tp 2 --pp 2
-    torchrun --nproc-per-node 8 examples/train_grpo_megatron.py --tp 2 --dp 4 ... # GPU: NCCL
+    torchrun --nproc-per-node 8 examples/train_grpo_megatron.py --tp 2 --pp 2    # GPU: NCCL
+    torchrun --nproc-per-node 2 examples/train_grpo_megatron.py --pp 2 --cpu     # CPU: gloo
 
 The skeleton of a real trainer: every rank builds the same synthetic GRPO batch (in a real
 trainer: the rollout), `place_groups` gives each data-parallel rank whole groups,
@@ -65,6 +64,8 @@ def parse_args(argv=None):
                         "else 600)")
     p.add_argument("--stall-rank", type=int, default=None,
                    help="testing aid: this rank sleeps forever before its first step")
+    p.add_argument("--cpu", action="store_true",
+                   help="train on CPU over gloo (turns on megatron_patches.enable_cpu_support)")
     args = p.parse_args(argv)
     if args.collective_timeout is None:
         args.collective_timeout = collective_timeout_s(600.0)
@@ -103,16 +104,19 @@ def _store(timeout: datetime.timedelta):
 @record  # torchrun's failure summary shows the error (the headline of report_first_failure)
 def main(argv=None) -> int:
     args = parse_args(argv)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
+    if args.cpu:
+        megatron_patches.enable_cpu_support()  # explicit: a GPU job never falls back to CPU
+    elif not torch.cuda.is_available():
+        raise SystemExit("no CUDA device is available: pass --cpu to train on CPU over gloo")
+    else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=args.collective_timeout)
     torch.distributed.init_process_group(
-        backend, timeout=max(timeout, datetime.timedelta(seconds=_STARTUP_S)))
+        "gloo" if args.cpu else "nccl", timeout=max(timeout, datetime.timedelta(seconds=_STARTUP_S)))
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     key = f"prefix_reuse/end/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     with report_first_failure(_store(timeout), rank, world, key=key):
-        megatron_patches.install()  # + the CPU/gloo layer when there is no CUDA
+        megatron_patches.install()
         # every group the step uses gets the collective timeout: Megatron's, and `everyone`
         initialize_distributed(seed=1234 + args.seed, tp=args.tp, pp=args.pp,
                                timeout_s=args.collective_timeout)
@@ -139,7 +143,7 @@ def train(args, everyone) -> None:
     model = prepare_for_training(model, ddp=True)  # Megatron DDP + finalize_model_grads
     optimizer = get_megatron_optimizer(OptimizerConfig(
         optimizer="adam", lr=args.lr, params_dtype=cfg.params_dtype,
-        clip_grad=1.0 if torch.cuda.is_available() else 0.0), [model])  # CPU: no clipping
+        clip_grad=0.0 if args.cpu else 1.0), [model])  # CPU: no clipping
     loss_config = PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.28)
     rank0 = torch.distributed.get_rank() == 0
 
@@ -174,7 +178,8 @@ def train(args, everyone) -> None:
                                    micro_batch_size=1)
         _, grad_norm, _ = optimizer.step()
         seconds = time.perf_counter() - start
-        totals = torch.zeros(2, dtype=torch.float64)  # loss sum, tokens (last stage reports)
+        # loss sum, tokens (last stage reports); on the model's device: NCCL reduces it
+        totals = torch.zeros(2, dtype=torch.float64, device=next(model.parameters()).device)
         for report in reports:
             totals += report["loss"].double()
         torch.distributed.all_reduce(totals, group=everyone)  # same ratio on every TP/PP copy

@@ -4,7 +4,7 @@ Importing this package imports nothing from Megatron (the patch command must wor
 does not import yet). Use:
 
     import megatron_patches
-    megatron_patches.install()                  # hooks into the patched Megatron; CPU layer if no CUDA
+    megatron_patches.install()                  # hooks into the patched Megatron
     with megatron_patches.use_prefix_reuse_schedule():
         fb = get_forward_backward_func()        # -> forward_backward_prefix_reuse
         fb(forward_step_func=..., data_iterator=ReuseStep(batch, plan), model=..., ...)
@@ -15,21 +15,27 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-__all__ = ["install", "uninstall", "use_prefix_reuse_schedule", "prefix_reuse_schedule_enabled"]
+__all__ = ["install", "uninstall", "use_prefix_reuse_schedule", "prefix_reuse_schedule_enabled",
+           "enable_cpu_support"]
 
 _SCHEDULE_ENABLED = False
 
 
-def install(*, cpu_support: bool = True) -> None:
+def enable_cpu_support() -> bool:
+    """Turn on the CPU/gloo layer (tests, demo, benchmarks, the examples' --cpu): see
+    megatron_patches/cpu_support.py. Call it first, before anything imports megatron.core.
+    Refused under an NCCL process group; a no-op where CUDA is available."""
+    from megatron_patches.cpu_support import enable_cpu_support as enable
+
+    return enable()
+
+
+def install() -> None:
     """Register the reuse hooks in the (source-patched) Megatron of this process.
 
-    Refuses, with the command that fixes it, if the source patches are not applied. With
-    `cpu_support` and no CUDA, first enables the CPU/gloo layer. Idempotent.
+    Refuses, with the command that fixes it, if the source patches are not applied. Changes
+    nothing else: on CPU, call `enable_cpu_support()` first. Idempotent.
     """
-    if cpu_support:
-        from megatron_patches.cpu_support import enable_cpu_support
-
-        enable_cpu_support()
     from megatron_patches.registry import require_patched
 
     require_patched()

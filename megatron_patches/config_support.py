@@ -75,6 +75,15 @@ FIELD_RULES: Dict[str, Rule] = _merge(
              "pipeline_dtype"),
     _group("supported", "tests/test_reuse_megatron.py (DDP)", "finalize_model_grads_func "
              "no_sync_func"),
+    _group("supported", "tests/test_pipeline_vpp.py (Megatron's interleaved schedule)",
+             "virtual_pipeline_model_parallel_size"),
+    _group("supported", "tests/test_production_settings.py (Megatron-LM's parser)",
+             "deallocate_pipeline_outputs grad_sync_func"),
+    _group("supported", "tests/test_executor_contract.py (buffers cleared and drained as "
+             "Megatron's schedules; the fused wgrad kernels themselves need CUDA)",
+             "defer_embedding_wgrad_compute"),
+    _group("irrelevant", "overlap timing only: DDP's forward pre-hooks gather every parameter "
+             "not gathered yet", "param_sync_func"),
     {"recompute_granularity": Rule(
         "supported", "tests/test_reuse_megatron.py (selective)",
         allowed=lambda v: v != "full", example="full",
@@ -101,8 +110,6 @@ FIELD_RULES: Dict[str, Rule] = _merge(
               "parallelism yet; set context_parallel_size=1", 2, allowed=lambda v: v == 1),
     _refuse("multi_latent_attention", "MLA", "prefix reuse does not hook multi-latent "
               "attention (MLA) yet", True),
-    _refuse("virtual_pipeline_model_parallel_size", "VPP", "prefix reuse does not support "
-              "virtual pipeline stages yet", 2, allowed=lambda v: v in (None, 1)),
     _refuse("window_size", "sliding window", "sliding-window attention (window_size) is not "
               "implemented by the prefix-reuse attention; set window_size=None", (128, 0),
               allowed=lambda v: v is None),
@@ -147,15 +154,6 @@ FIELD_RULES: Dict[str, Rule] = _merge(
               "(user buffers); reuse rows vary in length", True),
     _refuse("delay_wgrad_compute", "deferred wgrad", "delay_wgrad_compute needs the schedule "
               "to run the deferred weight gradients; the reuse executor does not", True),
-    _refuse("defer_embedding_wgrad_compute", "deferred wgrad", "defer_embedding_wgrad_compute "
-              "needs the schedule to run the deferred weight gradients; the reuse executor does "
-              "not", True),
-    _refuse("grad_sync_func", "overlap", "grad_sync_func (overlapped DP grad reduce across "
-              "pipeline stages) is not called by the reuse executor; leave it None",
-              [print], allowed=lambda v: v is None),
-    _refuse("param_sync_func", "overlap", "param_sync_func (overlapped param gather) is not "
-              "called by the reuse executor; leave it None", [print],
-              allowed=lambda v: v is None),
     _refuse("enable_cuda_graph", "CUDA graphs", "CUDA graphs capture static shapes and no "
               "Python hooks; turn them off for reuse steps", True),
     _refuse("external_cuda_graph", "CUDA graphs", "CUDA graphs capture static shapes and no "
@@ -209,7 +207,7 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _group("irrelevant", "pipeline p2p / memory knobs of the stock schedules (the reuse "
              "executor derives shapes from the plan and orders p2p itself)",
              "pipeline_model_parallel_comm_backend variable_seq_lengths overlap_p2p_comm "
-             "batch_p2p_comm batch_p2p_sync use_ring_exchange_p2p deallocate_pipeline_outputs "
+             "batch_p2p_comm batch_p2p_sync use_ring_exchange_p2p "
              "wgrad_deferral_limit overlap_p2p_comm_warmup_flush "
              "microbatch_group_size_per_vp_stage num_microbatches_with_partial_activation_checkpoints"),
     _group("irrelevant", "only read with tp_comm_overlap (refused)", "tp_comm_bulk_wgrad "

@@ -1,10 +1,14 @@
 """Opt-in CPU/gloo support for megatron-core 0.19.2 (tests, demo and benchmarks on CPU).
 
-`enable_cpu_support()` does nothing when CUDA is available. Without CUDA it replaces only things
-that would raise on this machine anyway (so nothing that worked changes):
+Nothing here runs unless asked for: tests, the demo, the benchmarks and the examples' `--cpu`
+call `megatron_patches.enable_cpu_support()` (a training process never gets it by importing or
+installing anything, so a GPU node whose driver fails fails loudly instead of training on CPU).
+It is refused when the default process group is NCCL, and does nothing when CUDA is available.
+Without CUDA it replaces only things that would raise on this machine anyway:
 
 * `import megatron.core` imports triton for an MoE paged-stash kernel module: a stub module with the
   same public names is installed first when triton is missing (calling a stub kernel raises).
+  `stub_missing_triton()` does only this (the tiny-model builders call it at import).
 * `torch.cuda.current_device()` -> the CPU device (RoPE tables, GlobalMemoryBuffer, TP layers,
   p2p receive buffers); `torch.cuda.synchronize()` -> no-op (p2p with variable sequence lengths);
   `torch.cuda.current_stream()` -> a stream stand-in (DDP grad buckets).
@@ -12,19 +16,22 @@ that would raise on this machine anyway (so nothing that worked changes):
   (`model_parallel_cuda_manual_seed` is mandatory even with dropout 0: attention forks it).
 * `device="cuda"` factories inside Megatron functions: the default causal mask, the token
   counter in every schedule, and the optimizer's flags / grad-norm buffers are created on the CPU.
+* The distributed optimizer sorts parameters by `param.type() == 'torch.cuda.FloatTensor'`
+  (distrib_optimizer.py:401-481, 758): while it is built, CPU tensors report CUDA type names.
 See ../shared/notes/megatron-on-cpu.md for where each was measured.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import sys
 import types
 
 import torch
 
-__all__ = ["enable_cpu_support", "cpu_support_enabled"]
+__all__ = ["enable_cpu_support", "cpu_support_enabled", "stub_missing_triton"]
 
 _ENABLED = False
 _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
@@ -38,21 +45,35 @@ def cpu_support_enabled() -> bool:
 def enable_cpu_support() -> bool:
     """Patch this process for Megatron on CPU; returns True if anything was patched.
 
-    Must run before `import megatron.core` (the triton stub). Idempotent. A no-op with CUDA.
+    Call it before `import megatron.core` where triton is missing. Idempotent. A no-op with
+    CUDA; a ValueError when the default process group is NCCL (a GPU job must not run here).
     """
     global _ENABLED
+    refuse_with_nccl()
     if torch.cuda.is_available():
         return False
     if _ENABLED:
         return True
-    _stub_triton_kernels()
+    stub_missing_triton()
     _patch_torch_cuda()
     _patch_megatron_modules()
     _ENABLED = True
     return True
 
 
-def _stub_triton_kernels() -> None:
+def refuse_with_nccl() -> None:
+    """ValueError if the CPU layer is on (or being turned on) in an NCCL job."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        raise ValueError(
+            "the CPU/gloo support layer (megatron_patches.enable_cpu_support) is for CPU runs on "
+            "gloo, but the default process group is NCCL: do not enable it in a GPU job (drop "
+            "the call, or the example's --cpu flag)")
+
+
+def stub_missing_triton() -> None:
+    """Install the paged-stash stub if triton is missing (needed before `import megatron.core`
+    on a machine without triton; changes nothing where triton exists)."""
     if importlib.util.find_spec("triton") is not None or _PAGED_STASH in sys.modules:
         return
     stub = types.ModuleType(_PAGED_STASH)
@@ -120,6 +141,28 @@ class _CpuFactoryTorch(types.ModuleType):
     tensor = staticmethod(_on_cpu(torch.tensor))
 
 
+def _cuda_type_names(init):
+    """Run `init` with CPU tensors answering `type()` with their CUDA name: Megatron's
+    distributed optimizer sorts parameters by `param.type() == 'torch.cuda.FloatTensor'`."""
+
+    @functools.wraps(init)
+    def wrapped(*args, **kwargs):
+        original = torch.Tensor.type
+
+        def cuda_named(tensor, dtype=None, non_blocking=False, **more):
+            if dtype is None and not more and tensor.device.type == "cpu":
+                return original(tensor).replace("torch.", "torch.cuda.", 1)
+            return original(tensor, dtype, non_blocking, **more)
+
+        torch.Tensor.type = cuda_named
+        try:
+            return init(*args, **kwargs)
+        finally:
+            torch.Tensor.type = original
+
+    return wrapped
+
+
 def _patch_megatron_modules() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.pipeline_parallel import schedules
@@ -128,12 +171,15 @@ def _patch_megatron_modules() -> None:
 
     from megatron.core import utils as core_utils
     from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer import optimizer as megatron_optimizer
 
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
-    for module in (schedules, megatron_optimizer, clip_grads, core_utils):
+    for module in (schedules, megatron_optimizer, clip_grads, core_utils, distrib_optimizer):
         module.torch = _CpuFactoryTorch()
+    optimizer_class = distrib_optimizer.DistributedOptimizer
+    optimizer_class.__init__ = _cuda_type_names(optimizer_class.__init__)
 
     def _get_rng_state(*_args, clone: bool = False, **_kwargs):
         state = torch.get_rng_state()

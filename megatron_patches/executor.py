@@ -2,38 +2,38 @@
 
 `forward_backward_prefix_reuse` has the signature of Megatron's own schedule functions, so a
 training loop selects it through `get_forward_backward_func()` (see `use_prefix_reuse_schedule`)
-and calls it the same way, with a `prefix_schedule.ReuseStep` as `data_iterator`. This rank runs
-its row of the step's lowered schedule; each action kind has one handler, built on Megatron's
-`forward_step` / `backward_step`, with all p2p traffic in megatron_patches/p2p.py.
+and calls it the same way, with a `prefix_schedule.ReuseStep` as `data_iterator` and the model
+(a list of V model chunks with virtual pipeline stages). This module checks the settings before
+any compute and brackets the step as Megatron's schedules do (embedding-wgrad buffers,
+finalize_model_grads); megatron_patches/stage_runner.py runs this rank's row of the step's
+lowered schedule, with all p2p traffic in megatron_patches/p2p.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Dict, List, Optional
-
-import torch
-
-from prefix_schedule.runtime.context import PrefixForwardDone, active_context
-from prefix_schedule.pipeline import Action, ActionKind
+from prefix_schedule.pipeline import ActionKind
+from prefix_schedule.pipeline.lowering import forward_only as forward_half
 from prefix_schedule.runtime.step import ReuseStep
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
-from megatron.core.utils import get_attr_wrapped_model, get_model_config, unwrap_model
+from megatron.core.utils import get_model_config, unwrap_model
 
 from megatron_patches.config_support import check_config_supported
-from megatron_patches.layers import check_layers_supported, last_kv_layer_number
-from megatron_patches.p2p import PipelineP2P
+from megatron_patches.cpu_support import cpu_support_enabled, refuse_with_nccl
+from megatron_patches.layers import check_layers_supported
+from megatron_patches.stage_runner import StageRunner
 
 __all__ = ["forward_backward_prefix_reuse", "check_reuse_supported"]
 
 K = ActionKind
-_BACKWARD = (K.SUFFIX_BACKWARD, K.PREFIX_BACKWARD)
 
 
-def check_reuse_supported(config, step, num_microbatches, model=None) -> None:
+def check_reuse_supported(config, step, num_microbatches, model=None,
+                          num_model_chunks: int = 1) -> None:
     """ValueErrors, before any compute, for settings where reuse would not equal dense."""
+    if cpu_support_enabled():
+        refuse_with_nccl()  # the CPU layer must never meet a GPU job
     if not isinstance(step, ReuseStep):
         raise ValueError(
             "the prefix-reuse schedule needs a prefix_schedule.ReuseStep as data_iterator "
@@ -54,17 +54,42 @@ def check_reuse_supported(config, step, num_microbatches, model=None) -> None:
         raise ValueError(
             f"position_embedding_type={position_embedding!r}: only 'rope' (and learned absolute "
             "positions) continue at the prefix length in reuse steps; yarn / mrope are not hooked")
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if pp != step.schedule.num_stages:
-        raise ValueError(
-            f"the step was planned for {step.schedule.num_stages} pipeline stage(s) but the "
-            f"pipeline size is {pp}; build it with ReuseStep(batch, plan, num_stages={pp})"
-        )
-    if parallel_state.get_virtual_pipeline_model_parallel_world_size() not in (None, 1):
-        raise ValueError("prefix reuse does not support virtual pipeline stages yet")
+    _check_layout(step, num_model_chunks)
     if model is not None:
         check_layers_supported(config, model)  # HybridModel layer kinds, MTP
     _check_sequence_parallel_rows(config, step)
+    _check_deferred_embedding_wgrad(config, step)
+
+
+def _check_layout(step, num_model_chunks: int) -> None:
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    planned = step.lowered
+    if pp != planned.num_ranks:
+        raise ValueError(
+            f"the step was planned for {planned.num_ranks} pipeline stage(s) but the pipeline "
+            f"size is {pp}; build it with ReuseStep(batch, plan, num_stages={pp})")
+    if not planned.num_model_chunks == num_model_chunks == vpp:
+        raise ValueError(
+            f"the step was planned for {planned.num_model_chunks} model chunk(s) per rank, the "
+            f"model has {num_model_chunks} and the virtual pipeline size is {vpp}; build the "
+            f"step with ReuseStep(batch, plan, num_stages={pp}, num_model_chunks={vpp}) and "
+            "pass the rank's model chunks as a list")
+
+
+def _check_deferred_embedding_wgrad(config, step) -> None:
+    # Megatron's drain (utils.drain_embedding_wgrad_compute) pairs the output layer's buffered
+    # inputs (appended per forward) with its buffered output gradients (per backward) in order.
+    if not config.defer_embedding_wgrad_compute:
+        return
+    last, last_row = step.lowered.num_stages - 1, step.lowered.actions[-1]
+    forwards = [a.index for a in last_row if a.kind is K.SUFFIX_FORWARD and a.stage == last]
+    backwards = [a.index for a in last_row if a.kind is K.SUFFIX_BACKWARD and a.stage == last]
+    if forwards != backwards:
+        raise ValueError(
+            "defer_embedding_wgrad_compute pairs the last stage's suffix forwards and backwards "
+            f"in order, but this plan runs forwards {forwards} and backwards {backwards}; turn "
+            "defer_embedding_wgrad_compute off for this plan")
 
 
 def _check_sequence_parallel_rows(config, step) -> None:
@@ -90,151 +115,6 @@ def _check_sequence_parallel_rows(config, step) -> None:
             )
 
 
-class _StageRunner:
-    """One step on one pipeline rank: the state that flows between this rank's actions."""
-
-    def __init__(self, *, step, model, forward_step_func, config, pg_collection,
-                 collect_non_loss_data):
-        self.step, self.model, self.config = step, model, config
-        self.forward_step_func = forward_step_func
-        self.pg_collection = pg_collection
-        self.collect_non_loss_data = collect_non_loss_data
-        self.is_first = parallel_state.is_pipeline_first_stage()
-        self.is_last = parallel_state.is_pipeline_last_stage()
-        self.p2p = PipelineP2P(
-            group=parallel_state.get_pipeline_model_parallel_group(),
-            prev_rank=None if self.is_first else parallel_state.get_pipeline_model_parallel_prev_rank(),
-            next_rank=None if self.is_last else parallel_state.get_pipeline_model_parallel_next_rank(),
-            rank=torch.distributed.get_rank(),
-            dtype=config.pipeline_dtype or config.params_dtype,
-            device=torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available() else torch.device("cpu"),
-        )
-        self.forward_data_store: List = []
-        self.total_num_tokens = torch.zeros([], dtype=torch.int)
-        self.num_forwards = 0
-        # (kind of the work, index) -> tensors in flight on this rank
-        self.inputs: Dict[tuple, Optional[torch.Tensor]] = {}
-        self.outputs: Dict[tuple, torch.Tensor] = {}
-        self.output_grads: Dict[tuple, torch.Tensor] = {}
-        self.input_grads: Dict[tuple, Optional[torch.Tensor]] = {}
-        self.handlers = {
-            K.PREFIX_FORWARD: self.prefix_forward, K.SUFFIX_FORWARD: self.suffix_forward,
-            K.SUFFIX_BACKWARD: self.suffix_backward, K.PREFIX_BACKWARD: self.prefix_backward,
-            K.RECV_PREFIX_FORWARD: self.recv_forward, K.RECV_SUFFIX_FORWARD: self.recv_forward,
-            K.SEND_PREFIX_FORWARD: self.send_forward, K.SEND_SUFFIX_FORWARD: self.send_forward,
-            K.RECV_PREFIX_BACKWARD: self.recv_backward, K.RECV_SUFFIX_BACKWARD: self.recv_backward,
-            K.SEND_PREFIX_BACKWARD: self.send_backward, K.SEND_SUFFIX_BACKWARD: self.send_backward,
-            K.REDUCE_GRAD: lambda action: None,  # finalize_model_grads reduces at the end
-        }
-
-    # ---- shapes (every rank derives them from the shared plan; nothing is exchanged)
-    def _hidden_shape(self, action: Action):
-        work = action.kind.compute
-        rows = (self.step.prefix_length(action.index) if work in (K.PREFIX_FORWARD,
-                                                                  K.PREFIX_BACKWARD)
-                else self.step.microbatch_length(action.index))
-        return (rows, 1, self.config.hidden_size)
-
-    @staticmethod
-    def _key(action: Action) -> tuple:
-        prefix = action.kind.compute in (K.PREFIX_FORWARD, K.PREFIX_BACKWARD)
-        return ("prefix" if prefix else "suffix", action.index)
-
-    # ---- p2p handlers
-    def recv_forward(self, action):
-        self.inputs[self._key(action)] = self.p2p.recv_forward(self._hidden_shape(action),
-                                                              str(action))
-
-    def send_forward(self, action):
-        self.p2p.send_forward(self.outputs[self._key(action)], str(action))
-
-    def recv_backward(self, action):
-        self.output_grads[self._key(action)] = self.p2p.recv_backward(self._hidden_shape(action),
-                                                                      str(action))
-
-    def send_backward(self, action):
-        self.p2p.send_backward(self.input_grads.pop(self._key(action)), str(action))
-
-    # ---- compute handlers
-    def prefix_forward(self, action):
-        step, config = self.step, self.config
-        key = self._key(action)
-        step.prepare(action)
-        get_attr_wrapped_model(self.model, "set_input_tensor")([self.inputs.get(key)])
-        stop = last_kv_layer_number(self.model) if self.is_last else None
-        autocast = (torch.autocast("cuda", dtype=config.autocast_dtype)
-                    if config.enable_autocast else contextlib.nullcontext())
-        # Dormant prefix activations (needed again only in Phase C) can live in host memory.
-        offload = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
-                   if step.offload_prefix_activations else contextlib.nullcontext())
-        with active_context(step.prefix_context(action.index, stop_after_layer=stop)), autocast, \
-                offload:
-            try:
-                output, _ = self.forward_step_func(step, self.model)
-            except PrefixForwardDone:
-                output = None
-        step.finish_forward()  # a rank may leave the item unread (TP ranks > 0 in get_batch)
-        assert (output is None) == self.is_last, (
-            f"{action}: the prefix forward must stop at the last layer's K/V exactly on the "
-            "last stage")
-        if output is not None:
-            self.outputs[key] = output
-
-    def suffix_forward(self, action):
-        step, key = self.step, self._key(action)
-        step.prepare(action)
-        with active_context(step.suffix_context(action.index)):
-            output, num_tokens = schedules.forward_step(
-                self.forward_step_func, step, self.model, step.num_microbatches,
-                self.inputs.get(key), self.forward_data_store, self.config,
-                self.pg_collection.cp.size(), self.collect_non_loss_data,
-                is_first_microbatch=self.num_forwards == 0, current_microbatch=action.index,
-                is_last_stage=self.is_last,
-            )
-        step.finish_forward()  # a rank may leave the item unread (TP ranks > 0 in get_batch)
-        self.num_forwards += 1
-        self.total_num_tokens += num_tokens
-        self.outputs[key] = output
-
-    def suffix_backward(self, action):
-        key = self._key(action)
-        with active_context(self.step.suffix_context(action.index)):
-            grad = schedules.backward_step(self.inputs.pop(key, None), self.outputs.pop(key),
-                                           self.output_grads.pop(key, None), self.config)
-        if not self.is_first:
-            self.input_grads[key] = grad
-        self.step.release_microbatch(action.index)
-
-    def prefix_backward(self, action):
-        step, key = self.step, self._key(action)
-        input_tensor = self.inputs.pop(key, None)
-        ctx = step.prefix_context(action.index, stop_after_layer=None, recomputing=True)
-        unit = step.prefix_unit(action.index)
-        with active_context(ctx):
-            step.cache.backward(unit.group, chunk=unit.chunk, output=self.outputs.pop(key, None),
-                                output_grad=self.output_grads.pop(key, None))
-        if not self.is_first:
-            self.input_grads[key] = input_tensor.grad
-
-    def run(self, actions: List[Action], no_sync, forward_only: bool) -> None:
-        """Execute `actions` in order; only the last backward runs with gradient sync."""
-        last_backward = max((i for i, a in enumerate(actions) if a.kind in _BACKWARD),
-                            default=-1)
-        for i, action in enumerate(actions):
-            sync = contextlib.nullcontext() if i == last_backward else no_sync()
-            if action.kind in _BACKWARD:
-                with sync:
-                    self.handlers[action.kind](action)
-            else:
-                self.handlers[action.kind](action)
-        self.p2p.wait_all()
-        if forward_only:
-            self.outputs.clear()
-        assert not (self.outputs or self.output_grads or self.input_grads), (
-            "tensors left in flight after the step: the schedule and the executor disagree")
-
-
 def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, num_microbatches,
                                   seq_length=None, micro_batch_size=None,
                                   decoder_seq_length=None, forward_only=False,
@@ -247,15 +127,16 @@ def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, nu
     reported per suffix microbatch (last stage), and calls `config.finalize_model_grads_func`
     with the step's total loss-token count.
     """
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError("prefix reuse does not support virtual pipeline model chunks yet")
-        model = model[0]
-    if isinstance(data_iterator, list):
+    models = model if isinstance(model, list) else [model]
+    if isinstance(data_iterator, list):  # one per model chunk in Megatron; the step is shared
+        if any(it is not data_iterator[0] for it in data_iterator):
+            raise ValueError("prefix reuse takes one ReuseStep for all model chunks; pass the "
+                             "same step for each (or the step itself)")
         data_iterator = data_iterator[0]
     step: ReuseStep = data_iterator
-    config = get_model_config(model)
-    check_reuse_supported(config, step, num_microbatches, model)
+    config = get_model_config(models[0])
+    check_reuse_supported(config, step, num_microbatches, models[0],
+                          num_model_chunks=len(models))
     check_batch = getattr(forward_step_func, "check_batch", None)  # rl.make_policy_forward_step
     if check_batch is not None:
         check_batch(step.batch)
@@ -263,21 +144,27 @@ def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, nu
     if pg_collection is None:
         pg_collection = schedules._build_default_pg_collection()
 
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    actions = list(step.lowered.actions[rank])
-    if forward_only:
-        actions = [a for a in actions if a.kind.is_forward]
-    runner = _StageRunner(step=step, model=model, forward_step_func=forward_step_func,
-                          config=config, pg_collection=pg_collection,
-                          collect_non_loss_data=collect_non_loss_data)
-    runner.run(actions, config.no_sync_func or contextlib.nullcontext, forward_only)
-    for group in step.cache.live_groups():  # forward-only steps keep nothing
-        assert forward_only, f"group {group}: prefix cache left after a training step"
-        step.cache.free(group)
+    lowered = forward_half(step.lowered) if forward_only else step.lowered
+    runner = StageRunner(step=step, models=models, forward_step_func=forward_step_func,
+                         config=config, pg_collection=pg_collection,
+                         actions=lowered.actions[parallel_state.get_pipeline_model_parallel_rank()],
+                         collect_non_loss_data=collect_non_loss_data,
+                         forward_only=forward_only, first_val_step=first_val_step)
+    finalize = config.finalize_model_grads_func is not None and not forward_only
+    last_rank = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    embedding = (schedules.clear_embedding_activation_buffer(config, models, last_rank)
+                 if finalize else None)
+    runner.run()
+    for cache in step.caches:
+        for group in cache.live_groups():  # forward-only steps keep nothing
+            assert forward_only, f"group {group}: prefix cache left after a training step"
+            cache.free(group)
 
-    if config.finalize_model_grads_func is not None and not forward_only:
+    if finalize:
+        # deferred output-layer weight gradients (defer_embedding_wgrad_compute), as Megatron
+        schedules.finish_embedding_wgrad_compute(config, embedding, last_rank, pg_collection.tp)
         config.finalize_model_grads_func(
-            [model],
+            models,
             runner.total_num_tokens if config.calculate_per_token_loss else None,
             pg_collection=pg_collection,
             force_all_reduce=force_all_reduce,

@@ -19,10 +19,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_patches.cpu_support import enable_cpu_support
+from megatron_patches.cpu_support import stub_missing_triton
 from megatron_patches.failures import COLLECTIVE_TIMEOUT_ENV, collective_timeout_s
 
-enable_cpu_support()
+stub_missing_triton()  # `import megatron.core` needs it where triton is missing; CPU runs also
+# call megatron_patches.enable_cpu_support() themselves (tests, demo, bench, examples' --cpu)
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
@@ -107,19 +108,21 @@ def initialize_single_process(seed: int = 1234, tp: int = 1, pp: int = 1) -> Non
 
 
 def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1,
-                           timeout_s: Optional[float] = None) -> None:
+                           vpp: Optional[int] = None, timeout_s: Optional[float] = None) -> None:
     """Megatron parallel state + RNG tracker on an already initialised process group.
 
-    `timeout_s`: how long a collective or p2p in Megatron's groups waits for its peers before it
-    fails (None: `$PREFIX_REUSE_COLLECTIVE_TIMEOUT_S`, which the launchers set, else Megatron's
-    default of 30 minutes)."""
+    `vpp`: virtual pipeline stages per rank (Megatron's interleaved layout). `timeout_s`: how
+    long a collective or p2p in Megatron's groups waits for its peers before it fails (None:
+    `$PREFIX_REUSE_COLLECTIVE_TIMEOUT_S`, which the launchers set, else Megatron's default of
+    30 minutes)."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     if timeout_s is None and os.environ.get(COLLECTIVE_TIMEOUT_ENV):
         timeout_s = collective_timeout_s(0)
     extra = {} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, **extra
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, **extra
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
@@ -148,6 +151,8 @@ def make_transformer_config(cfg: TinyLlamaConfig, **overrides) -> TransformerCon
         calculate_per_token_loss=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        virtual_pipeline_model_parallel_size=(
+            parallel_state.get_virtual_pipeline_model_parallel_world_size()),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -209,13 +214,15 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig) -> TransformerBlockSubmodules:
+def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig,
+                                  vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
     layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
     layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
     if config.qk_layernorm:  # per-head norms: their TP grad sum is finalize_model_grads' job
         attention = layer_spec.submodules.self_attention.submodules
         attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers,
                                       layer_norm=SequenceParallelTorchNorm)
 
 
@@ -234,7 +241,8 @@ def _check_buildable(config: TransformerConfig, fused_attention: bool) -> None:
 
 
 def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Optional[int] = 1234,
-                **config_overrides) -> GPTModel:
+                transformer_config: Optional[TransformerConfig] = None,
+                vp_stage: Optional[int] = None, **config_overrides) -> GPTModel:
     """Build this pipeline stage's part of a tiny Llama GPTModel with Megatron's local layer spec.
 
     `fused_attention=True` swaps the core attention for `FusedSDPACoreAttention` (same
@@ -243,7 +251,10 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     parallelism the config allows variable row lengths, so that stock dense 1F1B (the reference)
     can run rows of any length. `config_overrides` are TransformerConfig fields; the layer spec
     follows the config (normalization, qk_layernorm / qk_l2_norm), and what the spec cannot
-    build is refused with a ValueError.
+    build is refused with a ValueError. `transformer_config` (e.g. built by Megatron-LM's
+    argument parser) replaces the config made from `cfg` and the overrides; `cfg` still gives
+    the vocabulary, the longest sequence and the RoPE base/scaling. With virtual pipeline
+    stages, `vp_stage` = v builds this rank's model chunk v (Megatron's interleaved layout).
     """
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         config_overrides = {"variable_seq_lengths": True,
@@ -252,7 +263,7 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     if seed is not None:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    config = make_transformer_config(cfg, **config_overrides)
+    config = transformer_config or make_transformer_config(cfg, **config_overrides)
     _check_buildable(config, fused_attention)
     spec = get_gpt_layer_local_spec(normalization=config.normalization,
                                     qk_layernorm=config.qk_layernorm,
@@ -260,19 +271,22 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     if fused_attention:
         spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
     if config.sequence_parallel:  # the local spec's norms refuse it
-        spec = _sequence_parallel_block_spec(spec, config)
+        spec = _sequence_parallel_block_spec(spec, config, vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None,
+                                                           vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None,
+                                                           vp_stage=vp_stage),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
         rotary_base=cfg.rotary_base,
         rope_scaling=cfg.rope_scaling_factor is not None,
         rope_scaling_factor=cfg.rope_scaling_factor or 8.0,
+        vp_stage=vp_stage,
     )
     model = model.to(cfg.params_dtype)
     return model.cuda() if torch.cuda.is_available() else model

@@ -84,6 +84,10 @@ def make_policy_forward_step(loss_config: PolicyLossConfig) -> Callable:
 
     def forward_step(data_iterator, model):
         item = next(data_iterator)
+        # items are host tensors; like Megatron's get_batch, move them to the model's device
+        device = next(model.parameters()).device
+        item = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
+                for k, v in item.items()}
         output = model(item["tokens"], item["position_ids"], None)
         if item.get("kind") == "prefix":  # Phase A: no loss; the executor ignores loss_func
             return output, None

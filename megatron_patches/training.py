@@ -101,20 +101,23 @@ def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
                forward_only: bool = False, row_multiple: Optional[int] = None) -> StepResult:
     """Stock Megatron dense step: every trajectory's full row is one microbatch, right-padded to
     a multiple of `row_multiple` (None: `row_multiple_for` the model, as stock Megatron needs
-    under sequence parallelism)."""
+    under sequence parallelism). `model`: a module, or the rank's model chunks (virtual pipeline
+    stages: Megatron's interleaved schedule, each chunk reading its own copy of the rows)."""
     num_rows = sum(len(g.trajectories) for g in batch.groups)
-    gpt = unwrap_model(model)
+    models = model if isinstance(model, list) else [model]
+    gpt = unwrap_model(models[0])
     batch.validate(max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
     forward_step_func = make_policy_forward_step(loss_config)
     forward_step_func.check_batch(batch)
     if row_multiple is None:
-        row_multiple = row_multiple_for(get_model_config(model))
+        row_multiple = row_multiple_for(get_model_config(models[0]))
     with megatron_patches.use_prefix_reuse_schedule(False):
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
         forward_step_func=forward_step_func,
-        data_iterator=dense_items(batch, row_multiple),
-        model=[model],
+        data_iterator=([dense_items(batch, row_multiple) for _ in models] if len(models) > 1
+                       else dense_items(batch, row_multiple)),
+        model=models,
         num_microbatches=num_rows,
         seq_length=0,
         micro_batch_size=1,
@@ -125,20 +128,23 @@ def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
 
 def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss_config: PolicyLossConfig,
                forward_only: bool = False, step: Optional[ReuseStep] = None) -> StepResult:
-    """Prefix-reuse step through `get_forward_backward_func()` with reuse selected.
-    `step`: a ReuseStep built from this very `batch` and `plan` (else ValueError)."""
+    """Prefix-reuse step through `get_forward_backward_func()` with reuse selected (`model`: a
+    module, or the rank's model chunks). `step`: a ReuseStep built from this very `batch` and
+    `plan` (else ValueError)."""
     if step is not None and (step.batch is not batch or step.plan is not plan):
         raise ValueError("reuse_step(step=...) got a ReuseStep built from another batch or plan; "
                          "pass the batch and plan it was built from, or leave step=None")
+    models = model if isinstance(model, list) else [model]
     if step is None:
         step = ReuseStep(batch, plan,
-                         num_stages=parallel_state.get_pipeline_model_parallel_world_size())
+                         num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
+                         num_model_chunks=len(models))
     with megatron_patches.use_prefix_reuse_schedule():
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
         forward_step_func=make_policy_forward_step(loss_config),
         data_iterator=step,
-        model=[model],
+        model=models,
         num_microbatches=step.num_microbatches,
         seq_length=0,
         micro_batch_size=1,

@@ -1,11 +1,18 @@
 """Test tiers: plan/attention/data tests need no Megatron; `megatron_env` sets up real Megatron
-on CPU (gloo, one process) with the prefix-reuse hooks installed; `gpu` tests skip without CUDA."""
+on CPU (gloo, one process) with the prefix-reuse hooks installed; `gpu` tests skip without CUDA.
+
+The CPU/gloo layer is opt-in (megatron_patches/cpu_support.py): the test session turns it on
+here, before any test imports megatron.core (a no-op where CUDA is available)."""
 
 import os
 
 import pytest
 import torch
 from hypothesis import settings
+
+import megatron_patches
+
+megatron_patches.enable_cpu_support()
 
 # CI must not depend on the draw: the "ci" profile (default) replays the same examples every run;
 # HYPOTHESIS_PROFILE=explore draws fresh ones (run it locally to hunt for new counterexamples).

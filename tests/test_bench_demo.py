@@ -43,6 +43,11 @@ MEMORY_FIELDS = {"dense_peak_saved_bytes", "reuse_peak_saved_bytes",
                  "basis"}
 
 
+# the scripts import this checkout's packages, not an installed copy
+CHECKOUT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Start the bench (one process; PP=2 with the math backend and prefix chunks) and the quick

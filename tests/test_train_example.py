@@ -20,10 +20,12 @@ SMALL = ["--steps", "2", "--num-groups", "2", "--group-size", "3", "--prefix-len
 
 def _torchrun(*args, timeout=300):
     # the checkout under test first on the path (the script's own directory is examples/)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    # strict NCCL p2p semantics on gloo (megatron_patches/p2p.py), as the whole pipeline matrix
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFIX_REUSE_P2P_STRICT": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           str(ROOT / "examples" / "train_grpo_megatron.py"), *SMALL, *args],
+                           str(ROOT / "examples" / "train_grpo_megatron.py"), "--cpu", *SMALL,
+                           *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

@@ -231,6 +231,8 @@ def _build_models(config: BenchConfig, distributed: bool):
     """(local-spec model, fused-SDPA model with the same weights), Megatron initialised; one
     pipeline stage's part of each; DDP-wrapped with data parallelism."""
     import megatron_patches
+
+    megatron_patches.enable_cpu_support()  # the CPU/gloo layer (a no-op with CUDA)
     from megatron_patches.models import (TinyLlamaConfig, build_model, initialize_distributed,
                                          initialize_single_process)
 

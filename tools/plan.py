@@ -5,13 +5,17 @@
         --microbatch-tokens 4096 --rows 4 --png plan.png --chrome-trace plan.json --save plan.csv
     python tools/plan.py --pp 4 --groups 2 --suffix-microbatches 4 --prefix-tokens 4096 \\
         --microbatch-tokens 1024 --prefix-chunk-tokens 1024
+    python tools/plan.py --pp 4 --vpp 2 --groups 2 --suffix-microbatches 4
 
-Prints the per-rank grid, validates it, lowers it (p2p), simulates the lowered plan and prints
-makespan, bubble fraction and peak memory next to a dense 1F1B plan of the same trajectories
-(every row recomputing its prompt). Costs are unit (forward 1, backward 2) unless
---prefix-tokens is given. `--prefix-chunk-tokens N` runs each prefix as chunks of at most N
-tokens (PF/PB indices are then prefix units, listed with their group and chunk). `--load CSV`
-runs a saved plan instead of generating one (the shape arguments must describe the same step).
+Prints the per-rank grid, validates it, lowers it (p2p grouped into exchanges), simulates the
+lowered plan under NCCL semantics and prints makespan, bubble fraction and peak memory next to a
+dense plan of the same trajectories (every row recomputing its prompt): Megatron's 1F1B, or with
+`--vpp V` (V model chunks per rank, virtual stages) Megatron's interleaved 1F1B. Costs are unit
+(forward 1, backward 2) unless --prefix-tokens is given. `--prefix-chunk-tokens N` runs each
+prefix as chunks of at most N tokens (PF/PB indices are then prefix units, listed with their
+group and chunk). `--load CSV` runs a saved plan instead of generating one (the shape arguments
+must describe the same step, and --pp/--vpp its layout). Bad arguments or files end with a
+message and exit status 2 (arguments) or 1 (files, invalid plans), never a traceback.
 The PNG has one row per rank: PF blue, SF green, SB orange, PB purple, labelled with the
 group (prefix unit) / microbatch index; a legend sits below.
 """
@@ -24,16 +28,15 @@ import sys
 import zlib
 from pathlib import Path
 
-try:
-    import prefix_schedule  # noqa: F401  (installed with `pip install -e .`)
-except ImportError:  # run from a checkout without installing
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# This checkout first, even where another one is installed (`pip install -e .` of a sibling).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefix_schedule.pipeline.lowering import lower  # noqa: E402
 from prefix_schedule.pipeline import (ActionKind, Schedule, ScheduleError,  # noqa: E402
-                                      build_schedule, format_grid, validate_schedule)
-from prefix_schedule.pipeline.simulate import (SimResult, TokenCostModel, chrome_trace,  # noqa: E402
-                                               compare_with_dense)
+                                      build_schedule, format_grid, lower, simulate,
+                                      validate_schedule)
+from prefix_schedule.pipeline.baselines import (Comparison, TokenCostModel,  # noqa: E402
+                                                compare_with_dense)
+from prefix_schedule.pipeline.simulate import SimResult, chrome_trace  # noqa: E402
 from prefix_schedule.pipeline.units import chunk_spans, number_units  # noqa: E402
 
 COLOURS = {ActionKind.PREFIX_FORWARD: (66, 120, 220), ActionKind.SUFFIX_FORWARD: (70, 170, 90),
@@ -46,37 +49,77 @@ GLYPHS = {"0": "111101101101111", "1": "010110010010111", "2": "111001111100111"
           "S": "011100010001110", "B": "110101110101110", "R": "110101110101101"}
 
 
+def _count(minimum: int):
+    """argparse type: an int >= minimum (argparse turns the ValueError into a usage error)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise ValueError(text)
+        return value
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def _counts(text: str) -> list[int]:
+    """argparse type: one int >= 1 or a comma list of them."""
+    values = [int(x) for x in text.split(",")]
+    if min(values) < 1:
+        raise ValueError(text)
+    return values
+
+
+_counts.__name__ = "comma list of ints >= 1"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pp", type=int, required=True, help="pipeline stages")
-    parser.add_argument("--groups", type=int, required=True, help="groups in the step")
-    parser.add_argument("--suffix-microbatches", required=True,
+    parser.add_argument("--pp", type=_count(1), required=True, help="pipeline ranks")
+    parser.add_argument("--vpp", type=_count(1), default=1,
+                        help="model chunks per rank (virtual pipeline stages; needs --pp >= 2)")
+    parser.add_argument("--groups", type=_count(1), required=True, help="groups in the step")
+    parser.add_argument("--suffix-microbatches", type=_counts, required=True,
                         help="suffix microbatches per group: one int, or a comma list per group")
     parser.add_argument("--mix", action="store_true",
                         help="consecutive groups share their boundary microbatch")
     parser.add_argument("--no-prefix", default="",
                         help="comma list of groups without a cached prefix")
-    parser.add_argument("--prefix-tokens", type=int, help="cached prefix tokens per group "
+    parser.add_argument("--prefix-tokens", type=_count(1), help="cached prefix tokens per group "
                         "(switches to token costs)")
-    parser.add_argument("--prefix-chunk-tokens", type=int, help="run each prefix as chunks of at "
-                        "most this many tokens (needs --prefix-tokens)")
-    parser.add_argument("--microbatch-tokens", type=int, default=4096,
+    parser.add_argument("--prefix-chunk-tokens", type=_count(1), help="run each prefix as "
+                        "chunks of at most this many tokens (needs --prefix-tokens)")
+    parser.add_argument("--microbatch-tokens", type=_count(1), default=4096,
                         help="suffix tokens per microbatch (token costs)")
-    parser.add_argument("--rows", type=int, default=4, help="trajectory rows per microbatch")
+    parser.add_argument("--rows", type=_count(1), default=4,
+                        help="trajectory rows per microbatch")
     parser.add_argument("--png", type=Path, help="write a timeline PNG")
     parser.add_argument("--chrome-trace", type=Path, help="write a Chrome/Perfetto trace JSON")
     parser.add_argument("--save", type=Path, help="save the compute-only plan as CSV")
     parser.add_argument("--load", type=Path, help="run this CSV plan instead of generating one")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.vpp > 1 and args.pp < 2:
+        parser.error("--vpp > 1 needs --pp >= 2 (Megatron interleaves only pipelines of >= 2 "
+                     "ranks)")
+    if args.prefix_chunk_tokens is not None and args.prefix_tokens is None:
+        parser.error("--prefix-chunk-tokens needs --prefix-tokens (chunks are cut in tokens)")
+    counts = args.suffix_microbatches
+    if len(counts) not in (1, args.groups):
+        parser.error(f"--suffix-microbatches needs one count or {args.groups} (one per group), "
+                     f"got {len(counts)}")
+    try:
+        args.no_prefix = {int(x) for x in args.no_prefix.split(",") if x.strip()}
+    except ValueError:
+        parser.error(f"--no-prefix: expected a comma list of group ids, got {args.no_prefix!r}")
+    if not args.no_prefix <= set(range(args.groups)):
+        parser.error(f"--no-prefix names groups {sorted(args.no_prefix - set(range(args.groups)))}"
+                     f" but the step has groups 0..{args.groups - 1}")
+    return args
 
 
 def shape_from_args(args) -> tuple[list[tuple[int, ...]], list[int]]:
     """(microbatch_groups, prefix_groups) described by the command line."""
-    counts = [int(x) for x in str(args.suffix_microbatches).split(",")]
+    counts = list(args.suffix_microbatches)
     if len(counts) == 1:
         counts *= args.groups
-    if len(counts) != args.groups or min(counts) < 1 or args.groups < 1:
-        raise SystemExit(f"--suffix-microbatches needs one count >= 1 or {args.groups} of them")
     microbatches: list[tuple[int, ...]] = []
     for group, count in enumerate(counts):
         for k in range(count):
@@ -84,20 +127,14 @@ def shape_from_args(args) -> tuple[list[tuple[int, ...]], list[int]]:
                 microbatches[-1] += (group,)
             else:
                 microbatches.append((group,))
-    dense = {int(x) for x in args.no_prefix.split(",") if x.strip()}
-    return microbatches, [g for g in range(args.groups) if g not in dense]
+    return microbatches, [g for g in range(args.groups) if g not in args.no_prefix]
 
 
 def prefix_units(args, prefix_groups) -> tuple[dict | None, dict | None]:
     """(unit -> (group, chunk), unit -> tokens) with --prefix-chunk-tokens, else (None, None)."""
     if args.prefix_chunk_tokens is None:
         return None, None
-    if args.prefix_tokens is None:
-        raise SystemExit("--prefix-chunk-tokens needs --prefix-tokens (chunks are cut in tokens)")
-    try:
-        spans = chunk_spans(args.prefix_tokens, args.prefix_chunk_tokens)
-    except ValueError as error:
-        raise SystemExit(f"--prefix-chunk-tokens / --prefix-tokens: {error}")
+    spans = chunk_spans(args.prefix_tokens, args.prefix_chunk_tokens)
     units = number_units({g: len(spans) for g in prefix_groups})
     return units, {u: spans[c][1] for u, (_, c) in units.items()}
 
@@ -114,17 +151,33 @@ def cost_model(args, microbatches, prefix_groups, unit_tokens=None) -> TokenCost
                           unit_tokens=unit_tokens)
 
 
+def load_plan(args) -> Schedule:
+    """The --load CSV, refused (SystemExit, status 1) if unreadable, malformed or on another
+    layout than --pp/--vpp."""
+    try:
+        plan = Schedule.from_csv(args.load.read_text())
+    except OSError as error:
+        raise SystemExit(f"--load {args.load}: cannot read it ({error.strerror})")
+    except ValueError as error:  # ScheduleError: a malformed cell or header
+        raise SystemExit(f"--load {args.load}: not a schedule CSV: {str(error).splitlines()[0]}")
+    if (plan.num_ranks, plan.num_model_chunks) != (args.pp, args.vpp):
+        raise SystemExit(f"--load {args.load}: the plan has {plan.num_ranks} rank rows x "
+                         f"{plan.num_model_chunks} model chunk(s) but --pp {args.pp} --vpp "
+                         f"{args.vpp} were given; pass the layout the plan was made for")
+    return plan
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     microbatches, prefix_groups = shape_from_args(args)
     units, unit_tokens = prefix_units(args, prefix_groups)
     costs = cost_model(args, microbatches, prefix_groups, unit_tokens)
     if args.load:
-        plan = Schedule.from_csv(args.load.read_text())
+        plan = load_plan(args)
     else:
-        plan = build_schedule(num_stages=args.pp, microbatch_groups=microbatches,
-                              prefix_groups=prefix_groups, cost=costs.cost if costs else None,
-                              prefix_units=units)
+        plan = build_schedule(num_stages=args.pp * args.vpp, num_model_chunks=args.vpp,
+                              microbatch_groups=microbatches, prefix_groups=prefix_groups,
+                              cost=costs.cost if costs else None, prefix_units=units)
     print(f"microbatch groups: {microbatches}\nprefix groups: {prefix_groups}")
     if units is not None:
         print("prefix units: " + " ".join(f"u{u}=g{g}c{c}[{unit_tokens[u]}]"
@@ -134,29 +187,41 @@ def main(argv=None) -> int:
     try:
         validate_schedule(plan, microbatch_groups=microbatches, prefix_groups=prefix_groups,
                           prefix_units=units)
-        lowered = lower(plan)
-        comparison = compare_with_dense(plan, num_microbatches=len(microbatches), costs=costs)
+        lowered = lower(plan, cost=costs.cost if costs else None)
+        result = simulate(lowered, cost=costs.cost if costs else None,
+                          memory=costs.memory if costs else None)
     except ScheduleError as error:
         print(f"\nINVALID: {error}")
         return 1
-    print(f"\nvalid; lowered to {sum(map(len, lowered.actions))} actions; the simulator matched "
-          "every receive to its send in posting order")
-    print(report(comparison, costs))
+    num_exchanges = sum(a.kind is ActionKind.EXCHANGE for row in lowered.actions for a in row)
+    print(f"\nvalid; lowered to {sum(map(len, lowered.actions))} actions ({num_exchanges} "
+          "grouped exchanges); simulated under NCCL semantics without deadlock, every receive "
+          "matched to its send in posting order")
+    try:
+        comparison = compare_with_dense(plan, num_microbatches=len(microbatches), costs=costs)
+    except ValueError as error:  # Megatron would not interleave this many microbatches
+        print(report(Comparison(plan=result, dense=None), costs, args.vpp))
+        print(f"no dense baseline: {error}")
+    else:
+        print(report(comparison, costs, args.vpp))
     if args.save:
         args.save.write_text(plan.to_csv())
     if args.chrome_trace:
-        args.chrome_trace.write_text(chrome_trace(comparison.plan))
+        args.chrome_trace.write_text(chrome_trace(result))
     if args.png:
-        write_png(args.png, *draw_timeline(comparison.plan))
+        write_png(args.png, *draw_timeline(result))
     return 0
 
 
-def report(comparison, costs) -> str:
+def report(comparison, costs, vpp: int = 1) -> str:
     unit = ("unit costs: forward 1, backward 2; memory: live prefix 2, microbatch 1\n(dense "
             "microbatches cost as much as suffix ones here; --prefix-tokens for real sizes)"
             if costs is None else "token costs (memory in token-activation units)")
+    dense = "dense 1F1B" if vpp == 1 else "dense interl."
     lines = [f"\n{unit}:", f"{'':14}{'makespan':>12}{'bubble':>8}{'idle/rank':>12}{'peak mem':>12}"]
-    for name, result in (("prefix reuse", comparison.plan), ("dense 1F1B", comparison.dense)):
+    for name, result in (("prefix reuse", comparison.plan), (dense, comparison.dense)):
+        if result is None:
+            continue
         idle = sum(result.idle) / len(result.idle)
         lines.append(f"{name:14}{result.makespan:>12,.0f}{result.bubble_fraction:>8.3f}"
                      f"{idle:>12,.1f}{max(result.peak_memory):>12,.0f}")

@@ -24,9 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from prefix_schedule.pipeline.ir import check_count
+from prefix_schedule.pipeline.ir import ActionKind, check_count
 
 __all__ = ["StepShape", "chunk_spans", "number_units"]
+
+_PF, _SF = ActionKind.PREFIX_FORWARD, ActionKind.SUFFIX_FORWARD
+_SB, _PB = ActionKind.SUFFIX_BACKWARD, ActionKind.PREFIX_BACKWARD
 
 
 def chunk_spans(length: int, chunk_tokens: Optional[int]) -> tuple[tuple[int, int], ...]:
@@ -67,6 +70,8 @@ class StepShape:
     """The unit table actually used (derived)."""
     chunks_of: dict = field(init=False)
     """group -> its unit ids in chunk order (derived)."""
+    microbatches_of: dict = field(init=False)
+    """group -> the microbatches that touch it, in order (derived)."""
 
     def __post_init__(self) -> None:
         groups_of = tuple(tuple(groups) for groups in self.microbatch_groups)
@@ -81,7 +86,7 @@ class StepShape:
             if len(set(groups)) != len(groups):
                 raise ValueError(f"microbatch {m} lists a group twice: {groups}; list each "
                                  "group once")
-        unused = sorted(self.prefix_groups - {g for groups in groups_of for g in groups})
+        unused = sorted(self.prefix_groups.difference(*groups_of))
         if unused:
             raise ValueError(f"prefix groups {unused} are touched by no microbatch: a cached prefix "
                              "nobody reads cannot be scheduled; drop them from prefix_groups")
@@ -89,6 +94,11 @@ class StepShape:
                  else dict(self.prefix_units))
         object.__setattr__(self, "units", units)
         object.__setattr__(self, "chunks_of", self._chunks_of(units))
+        touching: dict = {}
+        for m, groups in enumerate(groups_of):
+            for g in groups:
+                touching.setdefault(g, []).append(m)
+        object.__setattr__(self, "microbatches_of", touching)
 
     def _chunks_of(self, units: dict) -> dict:
         chunks: dict = {}
@@ -121,19 +131,18 @@ class StepShape:
         group, chunk = self.units[unit]
         return self.chunks_of[group][chunk - 1] if chunk > 0 else None
 
-    def local_needs(self, kind_code: str, index: int) -> list[tuple[str, int]]:
-        """(kind code, index) of the compute that must precede `kind_code index` on its own stage
+    def local_needs(self, kind: ActionKind, index: int) -> list[tuple[ActionKind, int]]:
+        """(kind, index) of the compute that must precede `kind index` on its own stage
         ([Note: prefix-reuse dependency rules] in ir.py, [Note: prefix chunks])."""
-        if kind_code == "SF":
-            return [("PF", u) for g in self.microbatch_groups[index] if g in self.prefix_groups
+        if kind is _SF:
+            return [(_PF, u) for g in self.microbatch_groups[index] if g in self.prefix_groups
                     for u in self.chunks_of[g]]
-        if kind_code == "SB":
-            return [("SF", index)]
-        if kind_code == "PF":
+        if kind is _SB:
+            return [(_SF, index)]
+        if kind is _PF:
             previous = self.previous_chunk(index)
-            return [] if previous is None else [("PF", previous)]
-        assert kind_code == "PB", kind_code
+            return [] if previous is None else [(_PF, previous)]
+        assert kind is _PB, kind
         group, after = self.group_of(index), self.next_chunk(index)
-        return ([("PF", index)]
-                + [("SB", m) for m, groups in enumerate(self.microbatch_groups) if group in groups]
-                + ([] if after is None else [("PB", after)]))
+        return ([(_PF, index)] + [(_SB, m) for m in self.microbatches_of[group]]
+                + ([] if after is None else [(_PB, after)]))

@@ -15,7 +15,7 @@ c's backward feeds the buffers of the earlier chunks, which therefore run backwa
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -110,13 +110,16 @@ class PrefixKVCache:
 
     # ---- Phase C
     def backward(self, group: int, *, chunk: int = 0, output: Optional[torch.Tensor] = None,
-                 output_grad: Optional[torch.Tensor] = None) -> None:
+                 output_grad: Optional[torch.Tensor] = None,
+                 backward_fn: Callable = torch.autograd.backward) -> None:
         """Run the prefix backward of `group`'s chunk once with its accumulated gK/gV, then free it.
 
         On a pipeline stage before the last, the prefix's output hidden states (`output`) also
         get their gradient (`output_grad`) from the next stage's prefix backward: one
-        autograd call covers both. A later chunk of the group still live is a protocol error:
-        its backward would add to this chunk's gK/gV afterwards.
+        autograd call covers both. `backward_fn(tensors, grads)` runs it (an executor whose
+        pipeline pseudo-frees sent outputs passes one without torch's shape checks). A later
+        chunk of the group still live is a protocol error: its backward would add to this
+        chunk's gK/gV afterwards.
         """
         layers = self._live_layers(group, chunk)
         if (group, chunk + 1) in self._entries:
@@ -133,7 +136,7 @@ class PrefixKVCache:
                     tensors.append(graph)
                     grads.append(grad.to(graph.dtype).reshape(graph.shape))
         if tensors:
-            torch.autograd.backward(tensors, grads)
+            backward_fn(tensors, grads)
         self._free_chunk(group, chunk)
 
     def free(self, group: int) -> None:

@@ -34,7 +34,9 @@ class ReuseStep:
     """Data, plan, schedule and prefix cache of one step (one per rank)."""
 
     def __init__(self, batch: GroupBatch, plan: StepPlan, *, num_stages: int = 1,
-                 offload_prefix_activations: bool = False) -> None:
+                 num_model_chunks: int = 1, offload_prefix_activations: bool = False) -> None:
+        """`num_stages`: the pipeline size (ranks); `num_model_chunks`: Megatron's virtual
+        pipeline size V (each rank holds V model chunks: [Note: virtual stages] in ir.py)."""
         self.batch = batch
         self.plan = plan
         self.offload_prefix_activations = offload_prefix_activations
@@ -42,16 +44,19 @@ class ReuseStep:
         suffix phase only the prefix K/V and gK/gV stay on the device (a no-op on CPU)."""
         self._units: Dict[int, PrefixChunk] = plan.prefix_units()
         self.schedule: Schedule = build_schedule(
-            num_stages=num_stages,
+            num_stages=num_stages * num_model_chunks,
             microbatch_groups=plan.microbatch_groups(),
             prefix_groups=[work.group for work in plan.prefixes],
             prefix_units={u: (c.group, c.chunk) for u, c in self._units.items()},
+            num_model_chunks=num_model_chunks,
         )
         self.lowered: Schedule = lower(self.schedule)
-        """The schedule with p2p actions: what each pipeline rank executes."""
-        self.cache = PrefixKVCache()
+        """The schedule with p2p actions and grouped exchanges: what each pipeline rank runs."""
+        self.caches = tuple(PrefixKVCache() for _ in range(num_model_chunks))
+        """One prefix cache per model chunk: a chunk's Phase C runs exactly its own layers."""
+        self.cache = self.caches[0]
         self._pending: Optional[Dict[str, torch.Tensor]] = None
-        self._suffix_contexts: Dict[int, SuffixForwardContext] = {}
+        self._suffix_contexts: Dict[tuple, SuffixForwardContext] = {}
         self._started = False
 
     def begin(self) -> None:
@@ -135,21 +140,24 @@ class ReuseStep:
 
     # ---- contexts for the hooks
     def prefix_context(self, unit: int, *, stop_after_layer: Optional[int],
-                       recomputing: bool = False) -> PrefixForwardContext:
-        """Context of prefix unit `unit`'s forward (or of its recompute in Phase C)."""
+                       recomputing: bool = False, model_chunk: int = 0) -> PrefixForwardContext:
+        """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
+        chunk `model_chunk` of this rank."""
         chunk = self._units[unit]
         return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
-                                    position_offset=chunk.start, cache=self.cache,
+                                    position_offset=chunk.start, cache=self.caches[model_chunk],
                                     stop_after_layer=stop_after_layer, recomputing=recomputing,
                                     padding=chunk.padding)
 
-    def suffix_context(self, microbatch: int) -> SuffixForwardContext:
-        """Context of suffix microbatch `microbatch` (its forward and its backward)."""
-        if microbatch not in self._suffix_contexts:
-            self._suffix_contexts[microbatch] = self._build_suffix_context(microbatch)
-        return self._suffix_contexts[microbatch]
+    def suffix_context(self, microbatch: int, model_chunk: int = 0) -> SuffixForwardContext:
+        """Context of suffix microbatch `microbatch` (its forward and its backward) on model
+        chunk `model_chunk` of this rank."""
+        key = (microbatch, model_chunk)
+        if key not in self._suffix_contexts:
+            self._suffix_contexts[key] = self._build_suffix_context(microbatch, model_chunk)
+        return self._suffix_contexts[key]
 
-    def _build_suffix_context(self, microbatch: int) -> SuffixForwardContext:
+    def _build_suffix_context(self, microbatch: int, model_chunk: int) -> SuffixForwardContext:
         mb = self.plan.microbatches[microbatch]
         # (group, cached_len, length) of each sequence; padding is one more with no prefix
         sequences = [(s.group, s.cached_len, s.length) for s in mb.segments]
@@ -166,7 +174,7 @@ class ReuseStep:
             positions.append(torch.arange(cached_len, cached_len + length))
         return SuffixForwardContext(
             microbatch=microbatch,
-            cache=self.cache,
+            cache=self.caches[model_chunk],
             slot_groups=tuple(slot_groups),
             meta=PackedMeta.from_lengths(lengths, slots),
             position_ids=torch.cat(positions),
@@ -174,5 +182,6 @@ class ReuseStep:
         )
 
     def release_microbatch(self, microbatch: int) -> None:
-        """Forget microbatch `microbatch`'s context once its backward is done."""
-        self._suffix_contexts.pop(microbatch, None)
+        """Forget microbatch `microbatch`'s contexts once its last backward here is done."""
+        for key in [k for k in self._suffix_contexts if k[0] == microbatch]:
+            del self._suffix_contexts[key]
