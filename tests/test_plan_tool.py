@@ -101,3 +101,19 @@ def test_load_of_a_plan_for_another_step_is_invalid_not_silent(saved, tmp_path, 
     rows_only_two.write_text("\n".join(rows[:2]) + "\n")
     code, err = exit_of(tool, ["--pp", "3", "--load", str(rows_only_two)] + BASE, capsys)
     assert code and "2 rank rows" in err
+
+
+def test_the_script_runs_this_checkouts_code(tmp_path):
+    """Run as a script from elsewhere, with another checkout installed editable (the shared
+    venv's), plan.py still imports the code beside it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "plan.py"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, str(script), "--pp", "2", "--vpp", "2"] + BASE,
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "dense interl." in done.stdout and "grouped exchanges" in done.stdout

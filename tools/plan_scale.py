@@ -83,6 +83,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     global REPEAT
     REPEAT = max(1, args.repeat)
+    _, loop, _ = timed(lambda: [None for _ in range(10_000_000)])
+    print(f"machine reference: a 10M-item list comprehension took {loop:.2f} s CPU "
+          "(compare runs on different machines or loads by this)")
     for per_group in args.microbatches_per_group:
         run(args.groups, args.pp, args.vpp, per_group, args.prefix_chunks, args.mix,
             not args.no_simulate)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prefix_schedule.pipeline.ir import ActionKind, Schedule, ScheduleError, format_grid, peer_stage
+from prefix_schedule.pipeline.ir import ActionKind, Schedule, ScheduleError, format_grid
 from prefix_schedule.pipeline.sim_common import (CostFn, DeadlockError, RankState, SimResult,
                                                  TimedAction, check_compute, protocol_error,
                                                  result_of, run_compute)
@@ -180,20 +180,19 @@ def _step(r, schedule, streams, inputs, posted_at, cost, memory, blocking, excha
 
 def _post(r, schedule, streams, inputs, action) -> _Group:
     group = _Group(r.rank, r.pos)
-    for op in action.p2p_ops:
-        kind = op.kind
-        other = peer_stage(op, schedule.num_stages)
-        if other is None:
-            missing = op.stage + (1 if kind.is_forward == kind.is_send else -1)
-            protocol_error(schedule, r, f"{op} has no peer: there is no stage {missing}")
-        if kind.is_send and (kind.compute, op.index, op.stage) not in r.done:
-            protocol_error(schedule, r, f"sends {kind.compute.value}{op.index} before computing "
-                           "it")
-        if schedule.rank_of(op) != r.rank:
-            protocol_error(schedule, r, f"{op} belongs to rank {schedule.rank_of(op)}")
-        group.ops.append(_Op(op, r.rank, other % schedule.num_ranks, other, group, r.clock))
+    num, ranks = schedule.num_stages, schedule.num_ranks
+    for op in (action.ops if action.kind is _EXCHANGE else (action,)):
+        stage, kind, index, _ = op
+        other = stage + 1 if kind.is_forward == kind.is_send else stage - 1
+        if not 0 <= other < num:
+            protocol_error(schedule, r, f"{op} has no peer: there is no stage {other}")
+        if kind.is_send and (kind.compute, index, stage) not in r.done:
+            protocol_error(schedule, r, f"sends {kind.compute.value}{index} before computing it")
+        if stage % ranks != r.rank:
+            protocol_error(schedule, r, f"{op} belongs to rank {stage % ranks}")
+        group.ops.append(_Op(op, r.rank, other % ranks, other, group, r.clock))
         if kind.is_recv:
-            inputs[(kind.compute, op.index, op.stage)] = group
+            inputs[(kind.compute, index, stage)] = group
     group.left = len(group.ops)
     try:
         streams.post(group)

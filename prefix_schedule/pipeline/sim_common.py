@@ -8,7 +8,7 @@ K/V and their gradient buffer) from its start until the end of PB u; an SF alloc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from prefix_schedule.pipeline.ir import Action, ActionKind, Schedule, ScheduleError, format_grid
 from prefix_schedule.pipeline.lowering import recv_kind
@@ -30,9 +30,9 @@ def unit_memory(action: Action) -> float:
     return {ActionKind.PREFIX_FORWARD: 2.0, ActionKind.SUFFIX_FORWARD: 1.0}.get(action.kind, 0.0)
 
 
-@dataclass(frozen=True, kw_only=True)
-class TimedAction:
-    """One executed action on the simulated clock."""
+class TimedAction(NamedTuple):
+    """One executed action on the simulated clock (a named tuple: hundreds of thousands of them
+    are made per dry run)."""
 
     action: Action
     """The action."""
