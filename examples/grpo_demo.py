@@ -50,10 +50,8 @@ from pathlib import Path
 
 import torch
 
-try:
-    import prefix_schedule  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# This checkout's packages first, whatever copy of them an installed package points at.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prefix_schedule.planning.data import Group, GroupBatch, Trajectory  # noqa: E402
 from prefix_schedule.losses import PolicyLossConfig, grpo_advantages  # noqa: E402
