@@ -2,11 +2,8 @@
 process default), and each backend's dispatch against the float64 oracle -- flash-attn and
 Transformer Engine through fake kernel modules with the real signatures (fake_attention_libs),
 torch and math directly. GPU tests for the real libraries are marked `gpu`."""
-import importlib.util
-import json
 import logging
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -401,37 +398,6 @@ def test_host_metadata_is_built_once_per_layout():
     assert all(a is b for a, b in zip(first, call.cu_tensors(CPU)))
     assert first[0].dtype == torch.int32 and first[0].tolist() == list(cu)
     assert call.runs == ((0, 0, 3, 3, 1), (3, 3, 1, 1, 1), (4, 4, 4, 4, 1))
-
-
-# ---------------------------------------------------------------- tools/gpu_check.py
-
-@pytest.fixture
-def gpu_check(monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "tools" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "LAYOUTS", {"tiny": ([3, 1, 2], [0, 1, 1], [4, 0])})
-    return module
-
-
-def test_gpu_check_without_cuda_checks_torch_and_exits_0(gpu_check, tmp_path, capsys):
-    assert gpu_check.main(["--json", str(tmp_path / "r.json")]) == 0
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert "no CUDA device" in capsys.readouterr().out and report["failures"] == 0
-    assert {(r["backend"], r["mode"]) for r in report["correctness"]} == {("torch", "two_part"), ("torch", "copy")}
-
-
-def test_gpu_check_reports_a_wrong_backend(gpu_check, monkeypatch):
-    fakes.install_flash_attn(monkeypatch)
-    on_cpu(monkeypatch, "flash_attn")
-    rows = gpu_check.check_correctness(CPU, (F64,), ["flash_attn", "math"], 4, 2, 8)
-    assert all(r["ok"] for r in rows), rows
-    math_backend = get_backend("math")
-    original = math_backend.varlen_bwd
-    monkeypatch.setattr(math_backend, "varlen_bwd", lambda *a: [2 * g for g in original(*a)])
-    rows = gpu_check.check_correctness(CPU, (F64,), ["math"], 4, 2, 8)
-    assert [r["ok"] for r in rows] == [False, True] and rows[0]["out"] < 1e-12 < rows[0]["dq"]
 
 
 # ---------------------------------------------------------------- real libraries (GPU)
