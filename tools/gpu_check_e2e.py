@@ -104,7 +104,7 @@ def _phase(name, model, run, device, warmup, repeats):
         for i in range(warmup + repeats):
             zero_grads(model)
             with RegionTimer(device) as timer:
-                loss = run()
+                loss = run().loss
             if i >= warmup:
                 times.append(timer.seconds * 1e3)
     grads = param_grads(model)

@@ -8,7 +8,7 @@ a training script's get_batch does; the builders return host tensors).
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
@@ -75,13 +75,17 @@ def batched_dense_items(batch: GroupBatch, micro_batch_size: int) -> List[Dict[s
     return items
 
 
-def _summary(reports) -> float:
+def _summary(reports):
+    from megatron_patches.training import StepResult
+
     loss = sum(float(r["loss"][0]) for r in reports)
-    return loss / max(sum(float(r["loss"][1]) for r in reports), 1.0)
+    tokens = sum(int(r["loss"][1]) for r in reports)
+    return StepResult(loss=loss / max(tokens, 1), num_tokens=tokens, reports=reports)
 
 
-def dense_step(model, batch: GroupBatch, loss: PolicyLossConfig, micro_batch_size: int = 1) -> float:
-    """Stock Megatron dense step; returns the token-mean loss (last pipeline stage)."""
+def dense_step(model, batch: GroupBatch, loss: PolicyLossConfig, micro_batch_size: int = 1):
+    """Stock Megatron dense step; returns a megatron_patches.training.StepResult (token-mean loss
+    and token count as the last pipeline stage saw them)."""
     import megatron_patches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -96,14 +100,15 @@ def dense_step(model, batch: GroupBatch, loss: PolicyLossConfig, micro_batch_siz
 
 
 def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss: PolicyLossConfig,
-               offload_prefix_activations: bool = False) -> float:
-    """Prefix-reuse step through get_forward_backward_func with reuse selected."""
+               offload_prefix_activations: bool = False, step: Optional[ReuseStep] = None):
+    """Prefix-reuse step through get_forward_backward_func with reuse selected (a StepResult)."""
     import megatron_patches
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    step = ReuseStep(batch, plan, num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
-                     offload_prefix_activations=offload_prefix_activations)
+    if step is None:
+        step = ReuseStep(batch, plan, num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
+                         offload_prefix_activations=offload_prefix_activations)
     with megatron_patches.use_prefix_reuse_schedule():
         forward_backward = get_forward_backward_func()
     reports = forward_backward(forward_step_func=_forward_step(loss, _device(model)),
