@@ -82,6 +82,8 @@ def _check_result(result: dict) -> None:
     timing = result["timing"]  # every path warmed up alike (0 here), interleaved
     assert (timing["warmup_steps_per_path"], timing["interleaved"]) == (0, True)
     assert "perf_counter" in timing["basis"]  # CPU; CUDA events on a GPU
+    timed = {"dense", "stock_dense", "reuse"} | ({"dense_batched"} if result["dense_batched"] else set())
+    assert set(timing["cpu_seconds"]) == timed and min(timing["cpu_seconds"].values()) > 0
     assert timing["tokens_per_microbatch"]["dense"] == 64 + 8 - 1
     assert timing["tokens_per_microbatch"]["reuse_max"] <= result["token_budget"]
 

@@ -98,8 +98,9 @@ def _reduce_max(value: float) -> float:
 
 
 def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
-                plan: StepPlan) -> Dict[str, List[float]]:
-    """Seconds per timed step and path; with several ranks a step's time is the slowest rank's."""
+                plan: StepPlan) -> tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+    """(wall seconds, process CPU seconds) per timed step and path; with several ranks a step's
+    time is the slowest rank's."""
     rows = config.dense_rows_per_microbatch
     runs = {
         "dense": (fused, lambda: dense_step(fused, batch, LOSS)),
@@ -112,6 +113,7 @@ def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
     if config.skip_stock:
         del runs["stock_dense"]
     times: Dict[str, List[float]] = {name: [] for name in runs}
+    cpu: Dict[str, List[float]] = {name: [] for name in runs}
     device = next(local.parameters()).device
     for step in range(config.warmup + config.steps):
         for name, (model, run) in runs.items():  # interleaved: noise hits every path alike
@@ -119,11 +121,13 @@ def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
             with RegionTimer(device) as timer:
                 run()
             seconds = _reduce_max(timer.seconds)  # the MAX also lines the ranks up for the next
+            cpu_seconds = _reduce_max(timer.cpu_seconds)
             if step >= config.warmup:
                 times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
     _zero(local)
     _zero(fused)
-    return times
+    return times, cpu
 
 
 def _check_step(config: BenchConfig, local, batch: GroupBatch, plan: StepPlan) -> dict:
@@ -207,10 +211,10 @@ def measure(config: BenchConfig, distributed: bool = False) -> dict:
     plan = config_plan(config, batch)
     param = next(local.parameters())
     backend = selected_backend(config, param.device, param.dtype)
-    times = _time_paths(config, local, fused, batch, plan)
+    times, cpu_times = _time_paths(config, local, fused, batch, plan)
     check = _check_step(config, local, batch, plan)  # untimed, after every path's timing
     memory: Optional[dict] = None if distributed else _memory(local, fused, batch, plan)
     timer = RegionTimer(param.device)
-    return {"times": times, "attention_backend": backend, **check, "memory": memory,
+    return {"times": times, "cpu_times": cpu_times, "attention_backend": backend, **check, "memory": memory,
             "layout": _megatron_layout(), "timing_basis": timer.basis,
             "reuse_microbatch_tokens": [m.num_tokens for m in plan.microbatches]}

@@ -34,7 +34,7 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
 
         measured = launch(measure, world_size=config.world_size, args=(config, True),
                           timeout_s=config.timeout, threads_per_rank=threads)[0]
-    times = measured.pop("times")
+    times, cpu_times = measured.pop("times"), measured.pop("cpu_times")
     if raw_times is not None:
         raw_times.update(times)
     median = {name: statistics.median(values) for name, values in times.items()}
@@ -57,7 +57,11 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
             "efficiency": median["dense_batched"] / median["reuse"] / ideal,
             "max_grad_rel_diff_vs_stock_dense": batched_diff},
         "timing": {"basis": measured.pop("timing_basis"), "warmup_steps_per_path": config.warmup,
-                   "interleaved": True, "tokens_per_microbatch": {
+                   "interleaved": True,
+                   "cpu_seconds": {name: statistics.median(v) for name, v in cpu_times.items()},
+                   "cpu_seconds_basis": "median process CPU time per step, all threads (slowest "
+                                        "rank); steadier than wall time on a loaded machine",
+                   "tokens_per_microbatch": {
                        "dense": config.row_len, "reuse_mean": sum(reuse_tokens) / len(reuse_tokens),
                        "reuse_max": max(reuse_tokens)}},
         **measured,
@@ -82,12 +86,14 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
     w, m, lay = result["workload"], result["model"], result["layout"]
     raw_times = raw_times or {}
 
+    cpu = result["timing"]["cpu_seconds"]
+
     def row(label: str, name: str, seconds) -> str:
         if seconds is None:
             return f"{label:<34}{'skipped':>12}"
         values = raw_times.get(name)
         spread = f"{min(values):>10.4f}{max(values):>10.4f}" if values else ""
-        return f"{label:<34}{seconds:>12.4f}{spread}"
+        return f"{label:<34}{seconds:>12.4f}{spread}{cpu[name]:>10.4f}"
 
     world = lay["pp"] * lay["tp"] * lay["dp"]
     batched, tokens = result["dense_batched"], result["timing"]["tokens_per_microbatch"]
@@ -109,7 +115,7 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         + (f", dense batched {batched['tokens_per_microbatch']} ({batched['micro_batch_size']} rows)"
            if batched else ""),
         f"{'fwd+bwd seconds' + (' (slowest rank)' if world > 1 else ''):<34}"
-        f"{'median':>12}{'min':>10}{'max':>10}",
+        f"{'median':>12}{'min':>10}{'max':>10}{'cpu s':>10}",
         row("dense (fused SDPA, 1 row/mb)", "dense", result["dense_seconds"]),
         row(f"dense batched ({batched['micro_batch_size']} rows/mb)" if batched else "dense batched",
             "dense_batched", batched and batched["seconds"]),
@@ -119,6 +125,8 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         + (f" (vs batched dense {batched['speedup']:.3f}x)" if batched else "")
         + f"  ideal {result['ideal_speedup']:.3f}x (whole-batch FLOPs)  efficiency "
         f"{result['efficiency']:.3f}",
+        f"cpu-time speedup {cpu['dense'] / cpu['reuse']:.3f}x"
+        + (f" (vs batched dense {cpu['dense_batched'] / cpu['reuse']:.3f}x)" if batched else ""),
         f"loss dense {result['loss_dense']:.6f}  reuse {result['loss_reuse']:.6f}  "
         f"max grad rel diff vs stock dense {result['max_grad_rel_diff']:.2e}"
         + (f" (batched dense {batched['max_grad_rel_diff_vs_stock_dense']:.2e})" if batched else ""),

@@ -16,12 +16,15 @@ def device_of(model) -> torch.device:
 
 
 class RegionTimer:
-    """`with RegionTimer(device) as t: ...` then `t.seconds`."""
+    """`with RegionTimer(device) as t: ...` then `t.seconds` (wall) and `t.cpu_seconds` (this
+    process's CPU time over all its threads: on a shared, overloaded CPU it moves far less with
+    other jobs' load than wall time does; on a GPU it is host time only)."""
 
     def __init__(self, device) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.seconds: Optional[float] = None
+        self.cpu_seconds: Optional[float] = None
 
     def __enter__(self) -> "RegionTimer":
         if self.cuda:
@@ -31,6 +34,7 @@ class RegionTimer:
             self._start.record()
         else:
             self._t0 = time.perf_counter()
+        self._c0 = time.process_time()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -40,6 +44,7 @@ class RegionTimer:
             self.seconds = self._start.elapsed_time(self._end) / 1000.0
         else:
             self.seconds = time.perf_counter() - self._t0
+        self.cpu_seconds = time.process_time() - self._c0
 
     @property
     def basis(self) -> str:
