@@ -52,10 +52,8 @@ from typing import Dict, List
 
 import torch
 
-try:
-    import prefix_schedule  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# This checkout's packages first: an installed (editable) prefix_schedule may be another checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, memory_probe, however run
 
 from benchlib.config import BenchConfig, build_parser, config_from_args  # noqa: E402
