@@ -11,6 +11,7 @@ hung rank.
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -25,6 +26,8 @@ from prefix_schedule.attention import backends as attention_backends
 pytestmark = pytest.mark.megatron
 
 ROOT = Path(__file__).resolve().parents[1]
+# The subprocesses import this checkout, not whatever checkout an editable install points at.
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
 TINY_BENCH = ["--prefix-len", "64", "--suffix-len", "8", "--group-size", "3", "--num-groups", "2",
               "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
               "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "256",
@@ -52,7 +55,8 @@ def runs(tmp_path_factory):
                       "--prefix-chunk-tokens", "32", "--json", str(out / "bench_pp2.json")],
         "demo": [sys.executable, str(ROOT / "examples" / "grpo_demo.py"), "--quick"],
     }
-    procs = {name: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT,
                                     text=True) for name, cmd in commands.items()}
     results = {}
     for name, proc in procs.items():
@@ -209,7 +213,7 @@ def test_bench_refuses_bad_flags_before_compute():
     """Exit status 2 and the reason on stderr, from the parent, before any rank starts (the
     cases run at once: each is only an interpreter start)."""
     procs = [(flags, message, subprocess.Popen(
-        [sys.executable, str(ROOT / "tools" / "bench.py"), *flags], cwd=ROOT,
+        [sys.executable, str(ROOT / "tools" / "bench.py"), *flags], cwd=ROOT, env=ENV,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for flags, message in REFUSALS]
     for flags, message, proc in procs:
         _, stderr = proc.communicate(timeout=120)
