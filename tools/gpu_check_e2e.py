@@ -27,7 +27,7 @@ import statistics
 
 import torch
 
-from benchlib.steps import dense_step, reuse_step
+from benchlib.steps import dense_step, private_rendezvous, reuse_step
 from benchlib.timing import PhaseMemory, RegionTimer
 from benchlib.workload import make_batch
 
@@ -127,6 +127,7 @@ def run(device, *, dry_run: bool, warmup: int = 1, repeats: int = 2) -> dict:
     shape, work = (DRY_SHAPE, DRY_WORK) if dry_run else (GPU_SHAPE, GPU_WORK)
     max_seq_len = work["prefix_len"] + work["suffix_len"]
     megatron_patches.install()
+    private_rendezvous()
     initialize_single_process(seed=1234)
     backend = "torch" if dry_run else "transformer_engine"
     set_default_backend(backend)

@@ -20,7 +20,7 @@ import torch
 
 import memory_probe
 from benchlib.config import BenchConfig
-from benchlib.steps import dense_step, reuse_step
+from benchlib.steps import dense_step, private_rendezvous, reuse_step
 from benchlib.timing import RegionTimer
 from benchlib.workload import make_batch
 from prefix_schedule.attention import backends as attention_backends
@@ -69,6 +69,7 @@ def _build_models(config: BenchConfig, distributed: bool):
     if distributed:
         initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp)
     else:
+        private_rendezvous()
         initialize_single_process(seed=config.seed)
     shape = TinyLlamaConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
                             ffn_hidden_size=config.ffn_hidden_size,

@@ -17,10 +17,25 @@ from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.planner import StepPlan
 from prefix_schedule.runtime.step import ReuseStep
 
-__all__ = ["batched_dense_items", "dense_micro_batch_size", "dense_step", "reuse_step"]
+__all__ = ["batched_dense_items", "dense_micro_batch_size", "dense_step", "private_rendezvous",
+           "reuse_step"]
 
 _PAD = {"tokens": 0, "labels": 0, "loss_mask": 0, "advantages": 0.0, "old_logprobs": 0.0,
         "ref_logprobs": 0.0}
+
+
+def private_rendezvous() -> None:
+    """Before a one-process gloo group: a free local port, not one inherited from a parent
+    process (a test runner or launcher whose own store may still listen on it)."""
+    import os
+    import socket
+
+    if torch.distributed.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
 class _OnDevice:
