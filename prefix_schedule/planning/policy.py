@@ -3,8 +3,9 @@
 Reuse saves the (G-1) repeated prompt computations of a group but adds work a FLOP count does
 not see: a prefix pass of its own (a pipeline job, a kernel launch per layer), the two-part
 attention merge, the cache's K/V copies and fp32 gK/gV. When the prompt is a small share of a
-group's tokens or the group is small, the saving is smaller than that overhead and reuse is
-slower than dense (measured: prefix 256 / suffix 1280 / G=2 runs below dense). And packing a
+group's tokens or the group is small, the saving is about that overhead and reuse is no faster
+than dense (prefix 256 / suffix 1280 / G=2, ideal 1.09x: 1.06x in CPU time but 0.72x in wall
+time under load, docs/BENCHMARKS.md "Sweep"). And packing a
 whole group's suffixes into one long row (G x n tokens) runs slower per token than dense's rows
 of P + n tokens on the same kernels (measured on CPU: prefix 256 / suffix 1280 / G=16 at 0.90x
 dense, ideal 1.13x, with one 20,480-token row).
@@ -32,8 +33,9 @@ from prefix_schedule.planning.planner import StepPlan, plan_microbatches
 __all__ = ["ReusePolicy", "GroupDecision", "PolicyPlan", "group_gain", "plan_with_policy"]
 
 DEFAULT_MIN_GAIN = 1.10
-"""Below this FLOP gain a group runs dense. Calibrated on CPU by tools/sweep.py (docs/sweep):
-points with an ideal speedup of 1.09 ran at 0.93-0.99x dense with reuse, at ~1.0x dense without."""
+"""Below this FLOP gain a group runs dense: a margin for the overhead the FLOP model does not
+count. On this machine's sweep (docs/sweep) the smallest gain, 1.09 (prefix 256 / suffix 1280 /
+G=2), was break-even with reuse; every point at >= 1.11 ran faster than dense."""
 
 
 @dataclass(frozen=True, kw_only=True)

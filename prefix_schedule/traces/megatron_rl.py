@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from prefix_schedule.traces.format import TraceHeader, group_from_record
 from prefix_schedule.traces.io import PathLike, TraceWriter

@@ -40,6 +40,8 @@ class TraceStats:
     """Shared-prompt tokens, counted once per group."""
     dense_tokens: int = 0
     """sum over trajectories of P + n (what a dense trainer processes)."""
+    prompt_copies: int = 0
+    """sum over trajectories of P (the prompt tokens a dense trainer processes)."""
     loss_tokens: int = 0
     max_seq_len: int = 0
     """Longest P + n."""
@@ -56,9 +58,7 @@ class TraceStats:
     @property
     def reuse_tokens(self) -> int:
         """Tokens a prefix-reuse step processes: each prompt once plus every response."""
-        return self.prefix_tokens + self.dense_tokens - self._prompt_copies
-
-    _prompt_copies: int = 0
+        return self.prefix_tokens + self.dense_tokens - self.prompt_copies
 
     def ideal_speedup(self, model: str) -> float:
         dense, reuse = self.flops[model]
@@ -72,7 +72,7 @@ class TraceStats:
             self.num_trajectories += len(lengths)
             self.group_sizes[len(lengths)] += 1
             self.prefix_tokens += p
-            self._prompt_copies += p * len(lengths)
+            self.prompt_copies += p * len(lengths)
             self.dense_tokens += sum(p + n for n in lengths)
             self.loss_tokens += sum(t.num_loss_tokens for t in group.trajectories)
             self.max_seq_len = max(self.max_seq_len, p + max(lengths))
@@ -114,7 +114,7 @@ class TraceStats:
             "group_sizes": dict(sorted(self.group_sizes.items())),
             "prefix_share": {"min": shares[0], "p10": q(0.1), "median": q(0.5), "p90": q(0.9),
                              "max": shares[-1],
-                             "token_weighted": self._prompt_copies / max(self.dense_tokens, 1)},
+                             "token_weighted": self.prompt_copies / max(self.dense_tokens, 1)},
             "dense_tokens": self.dense_tokens, "reuse_tokens": self.reuse_tokens,
             "token_ratio": self.dense_tokens / max(self.reuse_tokens, 1),
             "loss_tokens": self.loss_tokens, "max_seq_len": self.max_seq_len,
