@@ -1,17 +1,22 @@
-"""Fake flash-attn and Transformer Engine modules for CPU tests of the kernel backends.
+"""Fake flash-attn (and, via fake_transformer_engine, Transformer Engine) modules for CPU tests of
+the kernel backends, version by version.
 
-They have the real libraries' module paths, function signatures, argument layouts and return
-conventions (flash-attn 2.6 and 2.7+ private varlen pair and flash_attn_varlen_func; TE 2.x and
-latest cpp_extensions.fused_attn_fwd/bwd and DotProductAttention; see the backends' docstrings
-for the upstream files), computed with float64 torch math. Each call checks what the real
-kernel relies on (dtypes, int32 cu_seqlens on the device, python-int max lengths, THD shapes,
-LSE layout) and is recorded in `calls`. Deliberate behaviours: flash-attn gives an entry without
-keys out 0 and LSE +inf; the TE fake gives it NaN (unspecified for cuDNN); both backwards WRITE
-dq/dk/dv. float64 inputs are accepted (the real kernels take fp16/bf16 only) so tests can
-compare at 1e-12; the LSE is float32 otherwise.
+Each fake has the real library's module paths, and for the version asked for, its functions'
+exact parameter lists (names, order, which have defaults), return conventions and argument
+checks, as read in the library's source at that version's git tag (the rows of
+docs/KERNEL_VERSIONS.md; flash-attn below, TE in fake_transformer_engine.py). A call with a
+keyword the version does not have, or without an argument the version requires, raises
+TypeError as Python raises it for the real `def` (the signature is bound with inspect); pybind
+functions take positional arguments only. Values are computed with float64 torch math. Each
+call checks what the real kernel relies on (dtypes, int32 cu_seqlens on the device, python-int
+max lengths, THD shapes, LSE layout, window/mask agreement) and is recorded in `calls`.
+Deliberate behaviours: flash-attn gives an entry without keys out 0 and LSE +inf; TE gives it
+NaN (unspecified for cuDNN); both backwards WRITE dq/dk/dv. float64 inputs are accepted (the
+real kernels take fp16/bf16 only) so tests can compare at 1e-12; the LSE is float32 otherwise.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from types import ModuleType
@@ -86,91 +91,146 @@ def _install(monkeypatch, modules: dict) -> None:
     for name, module in modules.items():
         monkeypatch.setitem(sys.modules, name, module)
         parent, _, child = name.rpartition(".")
-        if parent:
+        if parent in modules:
             setattr(modules[parent], child, module)
 
 
-def install_flash_attn(monkeypatch, version: str = "2.7.4"):
-    """flash_attn + flash_attn.flash_attn_interface; returns the interface module (with `calls`)."""
+REQUIRED = inspect.Parameter.empty
+
+
+def versioned(params, impl, name):
+    """A function with exactly `params` ([(name, default or REQUIRED)], in order) that binds its
+    arguments as Python would (TypeError on an unknown keyword or a missing argument) and calls
+    impl(**all arguments with defaults applied)."""
+    sig = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=d)
+                             for n, d in params])
+
+    def fn(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return impl(**bound.arguments)
+
+    fn.__signature__, fn.__name__ = sig, name
+    return fn
+
+
+def vt(version: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in version.replace(".post", ".").split(".")[:3])
+
+
+# ---------------------------------------------------------------- flash-attn
+# flash_attn/flash_attn_interface.py at tags v2.6.0 ... v2.8.3.post1 (parameter lists as printed
+# by ast from each tag; "R" = no default).
+R = REQUIRED
+_FA_HEAD = [(n, R) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                             "max_seqlen_k", "dropout_p", "softmax_scale", "causal")]
+_FA_BWD_HEAD = [(n, R) for n in ("dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv",
+                                 "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                                 "dropout_p", "softmax_scale", "causal")]
+FLASH_VERSIONS = ("2.6.0.post1", "2.6.1", "2.6.3", "2.7.0", "2.7.4.post1", "2.8.3")
+
+
+def flash_signatures(version: str):
+    """(forward params, backward params) of _flash_attn_varlen_forward/_backward."""
+    v = vt(version)
+    if v < (2, 6, 1):  # 2.6.0, 2.6.0.post1: nothing after `causal` has a default
+        fwd = _FA_HEAD + [(n, R) for n in ("window_size", "softcap", "alibi_slopes",
+                                           "return_softmax", "block_table")]
+    elif v < (2, 6, 2):
+        fwd = _FA_HEAD + [(n, R) for n in ("window_size", "softcap", "alibi_slopes", "return_softmax")] \
+            + [("block_table", None), ("leftpad_k", None)]
+    elif v < (2, 7):
+        fwd = _FA_HEAD + [("window_size", (-1, -1)), ("softcap", 0.0), ("alibi_slopes", None),
+                          ("return_softmax", False), ("block_table", None), ("leftpad_k", None),
+                          ("seqused_k", None)]
+    else:
+        fwd = _FA_HEAD + [("window_size_left", -1), ("window_size_right", -1), ("softcap", 0.0),
+                          ("alibi_slopes", None), ("return_softmax", False), ("block_table", None),
+                          ("leftpad_k", None), ("seqused_k", None)]
+    window = ["window_size"] if v < (2, 7) else ["window_size_left", "window_size_right"]
+    bwd = _FA_BWD_HEAD + [(n, R) for n in window + ["softcap", "alibi_slopes", "deterministic"]] \
+        + [("rng_state", None)]
+    if v >= (2, 7, 3):
+        fwd, bwd = fwd + [("zero_tensors", False)], bwd + [("zero_tensors", False)]
+    return fwd, bwd
+
+
+def _flash_window(causal, left, right):
+    """flash_api.cpp mha_varlen_fwd/bwd: `if (is_causal) window_size_right = 0;` -- anything
+    else than no window would be a sliding window, which the backends never ask for."""
+    assert left == -1 and (right in (-1, 0) if causal else right == -1), ("sliding window", left, right)
+
+
+def _custom_op_types(kw):
+    """2.7+: torch custom ops check their schema (python ints / floats / bools)."""
+    for name in ("max_seqlen_q", "max_seqlen_k", "window_size_left", "window_size_right"):
+        assert type(kw[name]) is int, (name, kw[name])
+    for name in ("dropout_p", "softmax_scale", "softcap"):
+        assert type(kw[name]) is float, (name, kw[name])
+    assert type(kw["causal"]) is bool
+
+
+def install_flash_attn(monkeypatch, version: str = "2.7.4.post1"):
+    """flash_attn + flash_attn.flash_attn_interface of `version`; returns the interface module
+    (with `calls`)."""
     pkg, iface = ModuleType("flash_attn"), ModuleType("flash_attn.flash_attn_interface")
     pkg.__version__ = version
     iface.calls = []
-    split_window = tuple(int(x) for x in version.split(".")[:2]) >= (2, 7)
+    split = vt(version) >= (2, 7)
+    fwd_params, bwd_params = flash_signatures(version)
 
-    def forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window, softcap, alibi_slopes, return_softmax):
-        assert q.dtype in HALF and k.dtype == v.dtype == q.dtype and dropout_p == 0.0
-        assert window == (-1, -1) and softcap == 0.0 and alibi_slopes is None and not return_softmax
+    def window_of(kw):
+        return (kw["window_size_left"], kw["window_size_right"]) if split else tuple(kw["window_size"])
+
+    def forward(**kw):
+        q, k, v = kw["q"], kw["k"], kw["v"]
+        if split:
+            _custom_op_types(kw)
+        assert q.dtype in HALF and k.dtype == v.dtype == q.dtype and kw["dropout_p"] == 0.0
+        assert kw["softcap"] == 0.0 and kw["alibi_slopes"] is None and not kw["return_softmax"]
+        assert kw["block_table"] is None, "paged KV has no backward"
+        assert q.shape[-1] % 8 == 0 and q.shape[-1] <= 256, "head_size"
+        _flash_window(kw["causal"], *window_of(kw))
         assert all(x.stride(-1) == 1 for x in (q, k, v)) and q.shape[1] % k.shape[1] == 0
-        cu_q = _check_cu(cu_seqlens_q, q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
-        cu_k = _check_cu(cu_seqlens_k, q, k.shape[0], max_seqlen_k, "cu_seqlens_k")
-        iface.calls.append(dict(fn="fwd", cu_q=cu_q, cu_k=cu_k, max_q=max_seqlen_q, max_k=max_seqlen_k,
-                                causal=causal, empty=sum(c == d for c, d in zip(cu_k, cu_k[1:]))))
+        cu_q = _check_cu(kw["cu_seqlens_q"], q, q.shape[0], kw["max_seqlen_q"], "cu_seqlens_q")
+        cu_k = _check_cu(kw["cu_seqlens_k"], q, k.shape[0], kw["max_seqlen_k"], "cu_seqlens_k")
+        iface.calls.append(dict(fn="fwd", cu_q=cu_q, cu_k=cu_k, max_q=kw["max_seqlen_q"],
+                                max_k=kw["max_seqlen_k"], causal=kw["causal"], window=window_of(kw),
+                                empty=sum(c == d for c, d in zip(cu_k, cu_k[1:]))))
         # causal with seqlen_q != seqlen_k is bottom-right aligned since flash-attn 2.1
-        out, lse = dense_varlen(q, k, v, cu_q, cu_k, softmax_scale, "bottom_right" if causal else "none",
-                                math.inf)
-        return out, lse.to(torch.float32 if q.dtype != torch.float64 else lse.dtype), torch.empty(0), \
-            torch.zeros(2, dtype=torch.int64)
+        out, lse = dense_varlen(q, k, v, cu_q, cu_k, kw["softmax_scale"],
+                                "bottom_right" if kw["causal"] else "none", math.inf)
+        rng = torch.tensor([11, 0], dtype=torch.int64)
+        if split:
+            return out, lse, torch.empty(0), rng
+        # out == out_padded when head_dim % 8 == 0; NaN here pins the index TE's CP code reads
+        return torch.full_like(out, math.nan), q, k, v, out, lse, torch.empty(0), rng
 
-    def backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-                 deterministic, rng_state):
-        assert all(x.dtype == q.dtype for x in (dout, out, dq, dk, dv)) and dropout_p == 0.0
+    def backward(**kw):
+        dout, q, k, v, out, lse = (kw[n] for n in ("dout", "q", "k", "v", "out", "softmax_lse"))
+        dq, dk, dv = kw["dq"], kw["dk"], kw["dv"]
+        if split:
+            _custom_op_types(kw)
+        assert all(x.dtype == q.dtype for x in (dout, out, dq, dk, dv)) and kw["dropout_p"] == 0.0
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-        assert softmax_lse.shape == (q.shape[1], q.shape[0]) and softmax_lse.is_contiguous()
-        assert softmax_lse.dtype == _lse_dtype(q.dtype) and window == (-1, -1)
-        cu_q = _check_cu(cu_seqlens_q, q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
-        cu_k = _check_cu(cu_seqlens_k, q, k.shape[0], max_seqlen_k, "cu_seqlens_k")
-        iface.calls.append(dict(fn="bwd", cu_q=cu_q, cu_k=cu_k, max_q=max_seqlen_q, max_k=max_seqlen_k,
-                                causal=causal))
-        grads = dense_varlen_bwd(dout, q, k, v, out, softmax_lse, cu_q, cu_k, softmax_scale,
-                                 "bottom_right" if causal else "none")
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous()
+        assert lse.dtype == _lse_dtype(q.dtype) and kw["softcap"] == 0.0 and kw["alibi_slopes"] is None
+        assert kw["rng_state"] is None or kw["rng_state"].tolist() == [11, 0]
+        _flash_window(kw["causal"], *window_of(kw))
+        cu_q = _check_cu(kw["cu_seqlens_q"], q, q.shape[0], kw["max_seqlen_q"], "cu_seqlens_q")
+        cu_k = _check_cu(kw["cu_seqlens_k"], q, k.shape[0], kw["max_seqlen_k"], "cu_seqlens_k")
+        iface.calls.append(dict(fn="bwd", cu_q=cu_q, cu_k=cu_k, max_q=kw["max_seqlen_q"],
+                                max_k=kw["max_seqlen_k"], causal=kw["causal"], window=window_of(kw)))
+        grads = dense_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, kw["softmax_scale"],
+                                 "bottom_right" if kw["causal"] else "none")
         for buf, grad in zip((dq, dk, dv), grads):
             buf.copy_(grad)  # written, not accumulated (flash_api.cpp mha_varlen_bwd)
-        return torch.empty(0)
+        softmax_d = torch.empty(0)
+        return softmax_d if split else (dq, dk, dv, softmax_d)
 
-    if split_window:
-        def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                       dropout_p, softmax_scale, causal, window_size_left=-1,
-                                       window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                                       return_softmax=False, block_table=None, leftpad_k=None,
-                                       seqused_k=None):
-            return forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                           softmax_scale, causal, (window_size_left, window_size_right), softcap,
-                           alibi_slopes, return_softmax)
-
-        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
-                                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                        softmax_scale, causal, window_size_left, window_size_right,
-                                        softcap, alibi_slopes, deterministic, rng_state=None):
-            return backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                            max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                            (window_size_left, window_size_right), softcap, alibi_slopes,
-                            deterministic, rng_state)
-    else:  # 2.6: window_size tuple, 8 outputs (out, q, k, v, out_padded, lse, S_dmask, rng_state)
-        def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                       dropout_p, softmax_scale, causal, window_size=(-1, -1),
-                                       softcap=0.0, alibi_slopes=None, return_softmax=False,
-                                       block_table=None, leftpad_k=None, seqused_k=None):
-            out, lse, s_dmask, rng = forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                             max_seqlen_k, dropout_p, softmax_scale, causal,
-                                             tuple(window_size), softcap, alibi_slopes, return_softmax)
-            # out == out_padded when head_dim % 8 == 0; NaN here pins the index TE's CP code reads
-            return torch.full_like(out, math.nan), q, k, v, out, lse, s_dmask, rng
-
-        def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
-                                        cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                        softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                        deterministic, rng_state=None):
-            backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, tuple(window_size),
-                     softcap, alibi_slopes, deterministic, rng_state)
-            return dq, dk, dv, torch.empty(0)
-
-    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                               dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                               softcap=0.0, alibi_slopes=None, deterministic=False,
-                               return_attn_probs=False, block_table=None):
+    def varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, block_table=None):
         cu_q = _check_cu(cu_seqlens_q, q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
         cu_k = _check_cu(cu_seqlens_k, q, k.shape[0], max_seqlen_k, "cu_seqlens_k")
         iface.calls.append(dict(fn="func", cu_q=cu_q, cu_k=cu_k, max_q=max_seqlen_q, max_k=max_seqlen_k,
@@ -178,137 +238,15 @@ def install_flash_attn(monkeypatch, version: str = "2.7.4"):
         return dense_varlen(q, k, v, cu_q, cu_k, softmax_scale, "bottom_right" if causal else "none",
                             math.inf)[0]
 
-    iface._flash_attn_varlen_forward = _flash_attn_varlen_forward
-    iface._flash_attn_varlen_backward = _flash_attn_varlen_backward
-    iface.flash_attn_varlen_func = flash_attn_varlen_func
+    iface._flash_attn_varlen_forward = versioned(fwd_params, forward, "_flash_attn_varlen_forward")
+    iface._flash_attn_varlen_backward = versioned(bwd_params, backward, "_flash_attn_varlen_backward")
+    iface.flash_attn_varlen_func = varlen_func  # unchanged 2.6.0 - 2.8.3.post1
     _install(monkeypatch, {"flash_attn": pkg, "flash_attn.flash_attn_interface": iface})
     return iface
 
 
-_TE_MASKS = {"padding": "none", "padding_causal": "top_left", "padding_causal_bottom_right": "bottom_right"}
+def install_transformer_engine(monkeypatch, version: str = "2.12.0", **kwargs):
+    """See fake_transformer_engine.install."""
+    import fake_transformer_engine
 
-
-def install_transformer_engine(monkeypatch, flavor: str = "2.x", cudnn=(9, 8, 0), packed_stats=True):
-    """transformer_engine(.pytorch(.cpp_extensions.fused_attn, .constants, .utils)); flavor "2.x"
-    (bwd takes dqkv_dtype) or "latest" (o_format/do_format/dqkv_layout, no dqkv_dtype); softmax
-    stats packed [t, h, 1] (cuDNN >= 9.6) or per sequence [b, h, max_seqlen_q, 1].
-    Returns the fused_attn module (with `calls`)."""
-    names = ["transformer_engine", "transformer_engine.pytorch", "transformer_engine.pytorch.cpp_extensions",
-             "transformer_engine.pytorch.cpp_extensions.fused_attn", "transformer_engine.pytorch.constants",
-             "transformer_engine.pytorch.utils"]
-    mods = {name: ModuleType(name) for name in names}
-    te, fa = mods["transformer_engine"], mods["transformer_engine.pytorch.cpp_extensions.fused_attn"]
-    te.__version__ = "2.4.0" if flavor == "2.x" else "2.12.0"
-    te_dtype = {torch.float16: "kFloat16", torch.bfloat16: "kBFloat16", torch.float64: "kFloat64(fake)"}
-    mods["transformer_engine.pytorch.constants"].TE_DType = te_dtype
-    mods["transformer_engine.pytorch.utils"].get_cudnn_version = lambda: cudnn
-    fa.FusedAttnBackend = {"F16_max512_seqlen": 0, "F16_arbitrary_seqlen": 1, "FP8": 2, "No_Backend": 3}
-    fa.calls = []
-
-    def check(kw, q, k, v):
-        assert kw["qkv_layout"] == "thd_thd_thd" and kw["fused_attention_backend"] == 1
-        assert kw["fake_dtype"] == q.dtype and q.dtype in HALF and k.dtype == v.dtype == q.dtype
-        assert kw["attn_bias_type"] == "no_bias" and kw["dropout"] == 0.0
-        assert all(x.is_contiguous() for x in (q, k, v)) and q.shape[1] % k.shape[1] == 0
-        cu_q = _check_cu(kw["cu_seqlens_q"], q, q.shape[0], kw["max_seqlen_q"], "cu_seqlens_q")
-        cu_k = _check_cu(kw["cu_seqlens_kv"], q, k.shape[0], kw["max_seqlen_kv"], "cu_seqlens_kv")
-        assert kw["cu_seqlens_q_padded"].tolist() == cu_q and kw["cu_seqlens_kv_padded"].tolist() == cu_k
-        return cu_q, cu_k, _TE_MASKS[kw["attn_mask_type"]]
-
-    def fwd(**kw):
-        q, k, v = kw["q"], kw["k"], kw["v"]
-        cu_q, cu_k, mask = check(kw, q, k, v)
-        fa.calls.append(dict(fn="fwd", cu_q=cu_q, cu_k=cu_k, max_q=kw["max_seqlen_q"],
-                             max_k=kw["max_seqlen_kv"], mask=kw["attn_mask_type"]))
-        out, lse = dense_varlen(q, k, v, cu_q, cu_k, kw["attn_scale"], mask, math.nan)
-        out[lse.isnan().T] = math.nan  # no keys: unspecified for cuDNN
-        if packed_stats:
-            stats = lse.T.unsqueeze(-1).contiguous()  # [t, h, 1]
-        else:  # [b, h, max_seqlen_q, 1]; rows past a sequence's end hold garbage
-            stats = lse.new_full((len(cu_q) - 1, q.shape[1], kw["max_seqlen_q"], 1), math.nan)
-            for i, (a, b) in enumerate(zip(cu_q, cu_q[1:])):
-                stats[i, :, :b - a, 0] = lse[:, a:b]
-        return out, [stats, torch.tensor([7, 0], dtype=torch.int64)]
-
-    def bwd(**kw):
-        q, k, v, o, d_o = kw["q"], kw["k"], kw["v"], kw["o"], kw["d_o"]
-        cu_q, cu_k, mask = check(kw, q, k, v)
-        stats, rng_state = kw["aux_ctx_tensors"]
-        assert stats.dtype == _lse_dtype(q.dtype) and stats.is_contiguous()
-        assert rng_state.tolist() == [7, 0] and o.is_contiguous() and d_o.is_contiguous()
-        if packed_stats:
-            assert stats.shape == (q.shape[0], q.shape[1], 1)
-            lse = stats.squeeze(-1).T
-        else:
-            assert stats.shape == (len(cu_q) - 1, q.shape[1], kw["max_seqlen_q"], 1)
-            lse = torch.cat([stats[i, :, :b - a, 0] for i, (a, b) in enumerate(zip(cu_q, cu_q[1:]))], 1)
-        fa.calls.append(dict(fn="bwd", cu_q=cu_q, cu_k=cu_k, mask=kw["attn_mask_type"]))
-        grads = dense_varlen_bwd(d_o, q, k, v, o, lse, cu_q, cu_k, kw["attn_scale"], mask)
-        return [*grads, None]
-
-    if flavor == "2.x":
-        def fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
-                           fake_dtype, fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None,
-                           cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
-                           s_quantizer=None, o_quantizer=None, attn_scale=None, dropout=0.0,
-                           fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
-                           attn_mask_type="padding", window_size=(-1, -1), rng_gen=None):
-            return fwd(**locals())
-
-        def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o,
-                           fake_dtype, dqkv_dtype, aux_ctx_tensors, fused_attention_backend,
-                           cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, s_quantizer=None,
-                           dp_quantizer=None, dqkv_quantizer=None, attn_scale=None, dropout=0.0,
-                           fast_zero_fill=True, qkv_layout="sbh3d", attn_bias_type="no_bias",
-                           attn_mask_type="padding", window_size=(-1, -1), deterministic=False):
-            assert dqkv_dtype == te_dtype[q.dtype]
-            return bwd(**locals())
-    else:
-        def fused_attn_fwd(is_training, max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v,
-                           fake_dtype, fused_attention_backend, attn_bias=None, cu_seqlens_q_padded=None,
-                           cu_seqlens_kv_padded=None, page_table_k=None, page_table_v=None,
-                           s_quantizer=None, o_quantizer=None, attn_scale=None, dropout=0.0,
-                           fast_zero_fill=True, qkv_layout="sbh3d", o_format="sbhd",
-                           qkv_scale_inv_format=None, attn_bias_type="no_bias", attn_mask_type="padding",
-                           softmax_type="vanilla", window_size=(-1, -1), bottom_right_diagonal=None,
-                           rng_gen=None, softmax_offset=None, return_max_logit=False, cuda_graph=False):
-            assert o_format == "thd"
-            return fwd(**locals())
-
-        def fused_attn_bwd(max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv, q, k, v, o, d_o,
-                           fake_dtype, aux_ctx_tensors, fused_attention_backend, cu_seqlens_q_padded=None,
-                           cu_seqlens_kv_padded=None, s_quantizer=None, dp_quantizer=None,
-                           dqkv_quantizer=None, attn_scale=None, dropout=0.0, fast_zero_fill=True,
-                           qkv_layout="sbh3d", o_format="sbhd", do_format="sbhd", dqkv_layout="sbh3d",
-                           qkv_scale_inv_format=None, do_scale_inv_format=None, attn_bias_type="no_bias",
-                           attn_mask_type="padding", softmax_type="vanilla", window_size=(-1, -1),
-                           bottom_right_diagonal=None, deterministic=False, cuda_graph=False):
-            assert o_format == do_format == "thd" and dqkv_layout == "thd_thd_thd"
-            return bwd(**locals())
-
-    class DotProductAttention(torch.nn.Module):
-        def __init__(self, num_attention_heads, kv_channels, num_gqa_groups=None, attention_dropout=0.0,
-                     qkv_format="sbhd", attn_mask_type="causal", window_size=None, sequence_parallel=False,
-                     tp_size=1, get_rng_state_tracker=None, tp_group=None, layer_number=None,
-                     attention_type="self", cp_group=None, cp_global_ranks=None, cp_stream=None,
-                     cp_comm_type="p2p", softmax_scale=None):
-            super().__init__()
-            self.heads, self.kv_heads, self.scale = num_attention_heads, num_gqa_groups, softmax_scale
-            assert attention_dropout == 0.0 and qkv_format == "thd"
-
-        def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
-                    cu_seqlens_q=None, cu_seqlens_kv=None, cu_seqlens_q_padded=None,
-                    cu_seqlens_kv_padded=None, max_seqlen_q=None, max_seqlen_kv=None, attn_mask_type=None,
-                    window_size=None):
-            q, k, v = query_layer, key_layer, value_layer
-            assert (q.shape[1], k.shape[1]) == (self.heads, self.kv_heads) and qkv_format == "thd"
-            cu_q = _check_cu(cu_seqlens_q, q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
-            cu_k = _check_cu(cu_seqlens_kv, q, k.shape[0], max_seqlen_kv, "cu_seqlens_kv")
-            fa.calls.append(dict(fn="dpa", cu_q=cu_q, cu_k=cu_k, mask=attn_mask_type))
-            out = dense_varlen(q, k, v, cu_q, cu_k, self.scale, _TE_MASKS[attn_mask_type], math.nan)[0]
-            return out.flatten(1)  # THD output is [t, h * d]
-
-    fa.fused_attn_fwd, fa.fused_attn_bwd = fused_attn_fwd, fused_attn_bwd
-    mods["transformer_engine.pytorch"].DotProductAttention = DotProductAttention
-    _install(monkeypatch, mods)
-    return fa
+    return fake_transformer_engine.install(monkeypatch, version, **kwargs)

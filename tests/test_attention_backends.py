@@ -2,20 +2,19 @@
 process default), and each backend's dispatch against the float64 oracle -- flash-attn and
 Transformer Engine through fake kernel modules with the real signatures (fake_attention_libs),
 torch and math directly. GPU tests for the real libraries are marked `gpu`."""
-import importlib.util
-import json
 import logging
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 import fake_attention_libs as fakes
+import fake_transformer_engine as fake_te
 import prefix_schedule.attention.backends as backends
 from prefix_schedule.attention import causal_attention, reference_attention, shared_prefix_attention
-from prefix_schedule.attention.backends import (ENV_VAR, Availability, get_backend, select_backend,
-                                                set_default_backend)
+from prefix_schedule.attention.backends import (ENV_VAR, Availability, MathFallbackWarning, get_backend,
+                                                select_backend, set_default_backend)
+from prefix_schedule.attention.backends import versions
 from prefix_schedule.attention.backends.two_part import suffix_call
 from test_attention import CASES, PACKED, TOL, as_f64, assert_rel_close, make_problem, out_and_grads
 
@@ -56,12 +55,32 @@ def fake_availability(monkeypatch, **ok):
     (True, True, "cpu", "transformer_engine"),
     (False, True, "cpu", "flash_attn"),
     (False, False, "cpu", "torch"),
-    (False, False, "cuda", "math"),  # torch's CPU kernel refuses a CUDA device
 ])
 def test_auto_order(monkeypatch, te, fa, device, want):
     fake_availability(monkeypatch, transformer_engine=te, flash_attn=fa)
     assert select_backend(device=torch.device(device), dtype=torch.bfloat16).name == want
     assert select_backend("auto", device=device, dtype=torch.bfloat16).name == want
+
+
+def test_auto_on_cuda_never_falls_back_to_math_silently(monkeypatch, recwarn):
+    """No TE / flash-attn (or an fp32 model) on a GPU: "auto" lands on the score-materialising
+    math kernel; that warns once per combination, with every skipped backend's reason."""
+    for name in ("transformer_engine", "flash_attn", "transformer_engine_torch"):
+        monkeypatch.setitem(sys.modules, name, None)  # not installed (no CUDA query needed)
+    cuda = torch.device("cuda")  # a CUDA device as far as selection can tell
+    with pytest.warns(MathFallbackWarning) as caught:
+        assert select_backend(device=cuda, dtype=torch.float32, head_dim=64).name == "math"
+    (warning,) = caught
+    text = str(warning.message)
+    assert "O(L_q x L_k)" in text and "skipped transformer_engine: not installed" in text
+    assert "skipped torch: the torch backend runs PyTorch's CPU flash kernel" in text
+    recwarn.clear()
+    select_backend(device=cuda, dtype=torch.float32, head_dim=64)  # the same combination: silent
+    select_backend("math", device=cuda, dtype=torch.bfloat16, head_dim=64)  # asked for by name
+    select_backend(device=CPU, dtype=torch.float32, head_dim=64)  # CPU: the torch kernel
+    assert not [w for w in recwarn if issubclass(w.category, MathFallbackWarning)]
+    with pytest.warns(MathFallbackWarning):  # another combination warns again
+        select_backend(device=cuda, dtype=torch.bfloat16, head_dim=64)
 
 
 def test_auto_here_is_torch_and_logs_skipped_reasons_once(caplog):
@@ -88,7 +107,7 @@ def test_env_overrides_auto_but_not_an_explicit_name(monkeypatch):
 
 
 @pytest.mark.parametrize("name, expect", [
-    ("flash_attn", ["not installed", "pip install 'flash-attn>=2.6'"]),
+    ("flash_attn", ["not installed", "pip install 'flash-attn>=2.6,<2.9'"]),
     ("transformer_engine", ["not installed", "transformer_engine[pytorch]"]),
 ])
 def test_explicit_unavailable_raises_with_reason_and_install_hint(monkeypatch, name, expect):
@@ -105,13 +124,41 @@ def test_device_and_version_reasons(monkeypatch):
     fakes.install_flash_attn(monkeypatch, "2.7.4")
     why = get_backend("flash_attn").available(CPU, torch.bfloat16, 64)
     assert not why and "CUDA" in why.reason
-    backends._reset()
-    fakes.install_flash_attn(monkeypatch, "2.5.9")
-    assert "older than 2.6" in get_backend("flash_attn").available(CPU, torch.bfloat16).reason
-    fakes.install_transformer_engine(monkeypatch, cudnn=(9, 5, 1))
+    fake_te.install(monkeypatch, cudnn=(9, 5, 1))
     assert "cuDNN >= (9, 6, 0)" in get_backend("transformer_engine").available(CPU, torch.bfloat16).reason
     assert "got a cuda device" in get_backend("torch").available("cuda", torch.float32).reason
     assert get_backend("math").available("cuda", torch.float32)
+
+
+@pytest.mark.parametrize("name, install, version", [
+    ("flash_attn", fakes.install_flash_attn, "2.5.9.post1"),  # LSE [B, H, max_seqlen_q]
+    ("flash_attn", fakes.install_flash_attn, "2.9.0"),        # not checked
+    ("transformer_engine", fake_te.install, "2.1.0"),
+    ("transformer_engine", fake_te.install, "2.19.0.dev0+abc"),
+])
+def test_versions_outside_the_checked_range_are_refused(monkeypatch, name, install, version):
+    install(monkeypatch, "2.8.3" if name == "flash_attn" else "2.18.0")  # signatures: any
+    sys.modules["flash_attn" if name == "flash_attn" else "transformer_engine"].__version__ = version
+    why = get_backend(name).available(CPU, torch.bfloat16, 64).reason
+    assert f"{version} is outside the versions whose call signatures were checked" in why, why
+    assert ("2.6 - 2.8" if name == "flash_attn" else "2.2 - 2.18") in why and "install with" in why
+
+
+def test_version_tables_match_the_fakes():
+    """versions.py (what the backends call) and the fakes (what each version accepts) were
+    written from the same reading; they must agree on every version tested."""
+    for version in fake_te.TE_VERSIONS:
+        api = versions.te_api(version)
+        fwd, bwd = (dict(p) for p in fake_te.fused_attn_signatures(version))
+        assert list(api.backend_args) == fake_te.backend_args(version), version
+        assert api.fwd_kwargs <= set(fwd) and api.bwd_kwargs <= set(bwd), version
+        required = {n for n, d in bwd.items() if d is fakes.REQUIRED}
+        assert required <= api.bwd_kwargs, (version, required - api.bwd_kwargs)
+        required = {n for n, d in fwd.items() if d is fakes.REQUIRED}
+        assert required <= api.fwd_kwargs, (version, required - api.fwd_kwargs)
+        assert api.bucketed_stats == (fakes.vt(version)[:2] < (2, 11)), version
+    assert [versions.get_max_tokens(n) for n in (1, 1024, 1025, 2048, 40000)] == \
+        [fake_te.get_max_tokens(n) for n in (1, 1024, 1025, 2048, 40000)] == [1024, 1024, 2048, 2048, 65536]
 
 
 def test_unknown_names_raise():
@@ -146,7 +193,7 @@ def test_math_backend_matches_oracle(mode, case):
     check_against_oracle(args, grad_out, TOL[F64], mode=mode, backend="math")
 
 
-@pytest.mark.parametrize("version", ["2.6.3", "2.7.4", "2.8.3"])
+@pytest.mark.parametrize("version", fakes.FLASH_VERSIONS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_flash_two_part_matches_oracle(monkeypatch, version, case):
     iface = fakes.install_flash_attn(monkeypatch, version)
@@ -154,6 +201,38 @@ def test_flash_two_part_matches_oracle(monkeypatch, version, case):
     args, grad_out = make_problem(3, *CASES[case], 8, 2, F64)
     check_against_oracle(args, grad_out, TOL[F64], backend="flash_attn")
     assert [c["fn"] for c in iface.calls] == ["fwd", "fwd", "bwd", "bwd"]
+    assert [c["window"] for c in iface.calls] == [(-1, 0), (-1, -1)] * 2  # S causal, P not
+
+
+@pytest.mark.parametrize("version, wrong, error", [
+    ("2.6.0.post1", dict(block_table=...), "missing a required argument: 'block_table'"),
+    ("2.6.0.post1", dict(softcap=...), "missing a required argument: 'softcap'"),
+    ("2.6.3", dict(window_size_left=-1), "unexpected keyword argument 'window_size_left'"),
+    ("2.7.4.post1", dict(window_size=(-1, -1)), "unexpected keyword argument 'window_size'"),
+    ("2.6.3", dict(zero_tensors=False), "unexpected keyword argument 'zero_tensors'"),
+])
+def test_flash_fakes_refuse_what_the_version_refuses(monkeypatch, version, wrong, error):
+    """The fake binds arguments like the real `def` of that version (... = argument left out)."""
+    iface = fakes.install_flash_attn(monkeypatch, version)
+    q = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    kw = dict(dropout_p=0.0, softmax_scale=0.5, causal=True, softcap=0.0, alibi_slopes=None,
+              return_softmax=False, block_table=None,
+              **({"window_size": (-1, 0)} if fakes.vt(version) < (2, 7) else {
+                  "window_size_left": -1, "window_size_right": 0}))
+    for key, value in wrong.items():
+        kw.pop(key) if value is ... else kw.update({key: value})
+    with pytest.raises(TypeError, match=error):
+        iface._flash_attn_varlen_forward(q, q, q, cu, cu, 4, 4, **kw)
+
+
+def test_flash_2_6_0_needs_block_table_and_gets_it(monkeypatch):
+    """flash-attn 2.6.0 / 2.6.0.post1 give block_table no default: the backend passes None."""
+    iface = fakes.install_flash_attn(monkeypatch, "2.6.0.post1")
+    on_cpu(monkeypatch, "flash_attn")
+    args, grad_out = make_problem(3, *PACKED, 8, 2, torch.bfloat16, head_dim=16)
+    check_against_oracle(args, grad_out, TOL[torch.bfloat16], backend="flash_attn")
+    assert len(iface.calls) == 4
 
 
 def test_flash_varlen_metadata_and_empty_prefix_entry(monkeypatch):
@@ -195,32 +274,114 @@ def test_flash_bf16_close_to_oracle(monkeypatch):
     check_against_oracle(args, grad_out, TOL[torch.bfloat16], backend="flash_attn")
 
 
-@pytest.mark.parametrize("flavor, packed", [("2.x", True), ("latest", True), ("2.x", False)],
-                         ids=["2.x", "latest", "padded_stats"])
+TE_CASES = [(v, True) for v in fake_te.TE_VERSIONS] + [("2.18.0", False)]  # + per-sequence stats
+
+
+@pytest.mark.parametrize("version, packed", TE_CASES,
+                         ids=[v + ("" if p else "-per_sequence_stats") for v, p in TE_CASES])
 @pytest.mark.parametrize("case", list(CASES))
-def test_te_two_part_matches_oracle(monkeypatch, flavor, packed, case):
-    fa = fakes.install_transformer_engine(monkeypatch, flavor, packed_stats=packed)
+def test_te_two_part_matches_oracle(monkeypatch, version, packed, case):
+    fa = fake_te.install(monkeypatch, version, packed_stats=packed)
     on_cpu(monkeypatch, "transformer_engine")
     args, grad_out = make_problem(8, *CASES[case], 8, 2, F64)
     check_against_oracle(args, grad_out, TOL[F64], backend="transformer_engine")
-    assert [(c["fn"], c["mask"]) for c in fa.calls] == [
+    kernels = [c for c in fa.calls if c["fn"] != "get_backend"]
+    assert [(c["fn"], c["mask"]) for c in kernels] == [
         ("fwd", "padding_causal"), ("fwd", "padding"), ("bwd", "padding_causal"), ("bwd", "padding")]
+    # TE's own backend choice, once per call shape (cached), with this version's arguments
+    chosen = [c for c in fa.calls if c["fn"] == "get_backend"]
+    assert len(chosen) == 2 and {c["mask_type"] for c in chosen} == {"NVTE_PADDING_CAUSAL", "NVTE_PADDING"}
+
+
+@pytest.mark.parametrize("version, rows", [("2.2.0", 1024), ("2.10.0", 1024), ("2.11.0", None),
+                                           ("2.18.0", None)])
+def test_te_bucketed_softmax_stats(monkeypatch, version, rows):
+    """TE 2.2-2.10 return THD stats of get_max_tokens(total_q) rows (>= 1024): the forward slices
+    them, the backward gets a buffer of the same rows; from 2.11 exactly total_q."""
+    fa = fake_te.install(monkeypatch, version)
+    on_cpu(monkeypatch, "transformer_engine")
+    args, grad_out = make_problem(12, *PACKED, 8, 2, F64)
+    check_against_oracle(args, grad_out, TOL[F64], backend="transformer_engine")
+    fwd_s, fwd_p, bwd_s, bwd_p = [c for c in fa.calls if c["fn"] in ("fwd", "bwd")]
+    total_s, total_p = fwd_s["cu_q"][-1], fwd_p["cu_q"][-1]  # 15 rows; 6 without the empty slot
+    assert (fwd_s["stats_rows"], fwd_p["stats_rows"]) == (rows or total_s, rows or total_p)
+    assert (bwd_s["stats_rows"], bwd_p["stats_rows"]) == (fwd_s["stats_rows"], fwd_p["stats_rows"])
+
+
+@pytest.mark.parametrize("version, wrong, error", [
+    ("2.14.0", dict(dqkv_dtype=...), "missing a required argument: 'dqkv_dtype'"),
+    ("2.15.0", dict(dqkv_dtype="kBFloat16"), "unexpected keyword argument 'dqkv_dtype'"),
+    ("2.14.0", dict(o_format="thd"), "unexpected keyword argument 'o_format'"),
+    ("2.5.0", dict(softmax_type="vanilla"), "unexpected keyword argument 'softmax_type'"),
+    ("2.11.0", dict(bottom_right_diagonal=False), "unexpected keyword argument 'bottom_right_diagonal'"),
+])
+def test_te_fakes_refuse_what_the_version_refuses(monkeypatch, version, wrong, error):
+    fa = fake_te.install(monkeypatch, version)
+    x = torch.zeros(4, 2, 8, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    kw = dict(max_seqlen_q=4, max_seqlen_kv=4, cu_seqlens_q=cu, cu_seqlens_kv=cu, q=x, k=x, v=x, o=x,
+              d_o=x, fake_dtype=x.dtype, aux_ctx_tensors=[], fused_attention_backend=1)
+    if fakes.vt(version)[:2] < (2, 15):
+        kw["dqkv_dtype"] = "kBFloat16"
+    for key, value in wrong.items():
+        kw.pop(key) if value is ... else kw.update({key: value})
+    with pytest.raises(TypeError, match=error):
+        fa.fused_attn_bwd(**kw)
+
+
+@pytest.mark.parametrize("version", ["2.4.0", "2.5.0", "2.8.0", "2.12.0"])
+def test_te_get_fused_attn_backend_is_positional_with_the_versions_arguments(monkeypatch, version):
+    fake_te.install(monkeypatch, version)
+    import transformer_engine_torch as tex
+
+    n = len(fake_te.backend_args(version))
+    with pytest.raises(TypeError, match="incompatible function arguments"):
+        tex.get_fused_attn_backend(*([0] * (n - 1)))  # the previous version's count
+    backend = get_backend("transformer_engine")
+    assert backend.kernel(torch.bfloat16, 8, 2, 64, 300, 300, causal=True) == 1  # F16_arbitrary
+
+
+def test_te_refuses_a_shape_its_backend_choice_refuses(monkeypatch):
+    """TE's get_fused_attn_backend decides; No_Backend is a clear error before the kernel."""
+    fa = fake_te.install(monkeypatch, "2.10.0")
+    on_cpu(monkeypatch, "transformer_engine")
+    fa.refuse = lambda a: a["max_seqlen_kv"] > 4  # part P has 5 prefix keys
+    args, grad_out = make_problem(13, *PACKED, 8, 2, F64)
+    with pytest.raises(ValueError, match="get_fused_attn_backend chose 3 .*max_seqlen 4/5"):
+        shared_prefix_attention(*args, backend="transformer_engine")
+    assert not [c for c in fa.calls if c["fn"] == "fwd" and c["mask"] == "padding"]
+
+
+def test_te_availability_asks_te(monkeypatch):
+    fa = fake_te.install(monkeypatch, "2.12.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    backend = get_backend("transformer_engine")
+    assert backend.available("cuda", torch.bfloat16, 64)
+    backends._reset()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    why = get_backend("transformer_engine").available("cuda", torch.bfloat16, 64).reason
+    assert "compute capability >= (9, 0)" in why
+    backends._reset()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    fa.refuse = lambda a: True  # e.g. a cuDNN without this head_dim
+    why = get_backend("transformer_engine").available("cuda", torch.bfloat16, 64).reason
+    assert "get_fused_attn_backend chose 3" in why
 
 
 def test_te_leaves_empty_prefix_slots_out_of_part_p(monkeypatch):
     """cuDNN rows without keys are unspecified (NaN in the fake): the middle slot, which has no
     prefix, is gathered out of part P and its rows keep part S's result."""
-    fa = fakes.install_transformer_engine(monkeypatch)
+    fa = fake_te.install(monkeypatch)
     on_cpu(monkeypatch, "transformer_engine")
     args, grad_out = make_problem(9, *PACKED, 8, 2, F64)
     check_against_oracle(args, grad_out, TOL[F64], backend="transformer_engine")
-    part_p = [c for c in fa.calls if c["mask"] == "padding"]
+    part_p = [c for c in fa.calls if c.get("mask") == "padding"]
     assert all(c["cu_q"] == [0, 4, 6] and c["cu_k"] == [0, 5, 8] for c in part_p) and len(part_p) == 2
 
 
-@pytest.mark.parametrize("flavor", ["2.x", "latest"])
-def test_te_copy_mode_uses_dot_product_attention(monkeypatch, flavor):
-    fa = fakes.install_transformer_engine(monkeypatch, flavor)
+@pytest.mark.parametrize("version", ["2.2.0", "2.18.0"])
+def test_te_copy_mode_uses_dot_product_attention(monkeypatch, version):
+    fa = fake_te.install(monkeypatch, version)
     on_cpu(monkeypatch, "transformer_engine")
     args, grad_out = make_problem(10, *PACKED, 8, 2, F64)
     check_against_oracle(args, grad_out, TOL[F64], mode="copy", backend="transformer_engine")
@@ -237,37 +398,6 @@ def test_host_metadata_is_built_once_per_layout():
     assert all(a is b for a, b in zip(first, call.cu_tensors(CPU)))
     assert first[0].dtype == torch.int32 and first[0].tolist() == list(cu)
     assert call.runs == ((0, 0, 3, 3, 1), (3, 3, 1, 1, 1), (4, 4, 4, 4, 1))
-
-
-# ---------------------------------------------------------------- tools/gpu_check.py
-
-@pytest.fixture
-def gpu_check(monkeypatch):
-    path = Path(__file__).resolve().parents[1] / "tools" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(module, "LAYOUTS", {"tiny": ([3, 1, 2], [0, 1, 1], [4, 0])})
-    return module
-
-
-def test_gpu_check_without_cuda_checks_torch_and_exits_0(gpu_check, tmp_path, capsys):
-    assert gpu_check.main(["--json", str(tmp_path / "r.json")]) == 0
-    report = json.loads((tmp_path / "r.json").read_text())
-    assert "no CUDA device" in capsys.readouterr().out and report["failures"] == 0
-    assert {(r["backend"], r["mode"]) for r in report["correctness"]} == {("torch", "two_part"), ("torch", "copy")}
-
-
-def test_gpu_check_reports_a_wrong_backend(gpu_check, monkeypatch):
-    fakes.install_flash_attn(monkeypatch)
-    on_cpu(monkeypatch, "flash_attn")
-    rows = gpu_check.check_correctness(CPU, (F64,), ["flash_attn", "math"], 4, 2, 8)
-    assert all(r["ok"] for r in rows), rows
-    math_backend = get_backend("math")
-    original = math_backend.varlen_bwd
-    monkeypatch.setattr(math_backend, "varlen_bwd", lambda *a: [2 * g for g in original(*a)])
-    rows = gpu_check.check_correctness(CPU, (F64,), ["math"], 4, 2, 8)
-    assert [r["ok"] for r in rows] == [False, True] and rows[0]["out"] < 1e-12 < rows[0]["dq"]
 
 
 # ---------------------------------------------------------------- real libraries (GPU)

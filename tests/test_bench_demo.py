@@ -37,7 +37,8 @@ TIMEOUT = 240
 FIELDS = {"dense_seconds", "stock_dense_seconds", "reuse_seconds", "speedup", "ideal_speedup",
           "ideal_speedup_basis", "efficiency", "attention_backend", "max_grad_rel_diff",
           "loss_dense", "loss_reuse", "layout", "model", "workload", "token_budget",
-          "prefix_chunk_tokens", "threads", "threads_per_rank", "steps", "memory"}
+          "prefix_chunk_tokens", "threads", "threads_per_rank", "steps", "memory", "dense_batched",
+          "timing"}
 MEMORY_FIELDS = {"dense_peak_saved_bytes", "reuse_peak_saved_bytes",
                  "reuse_suffix_phase_peak_bytes", "reuse_cache_bytes", "suffix_phase_reduction",
                  "basis"}
@@ -50,7 +51,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     bench = [sys.executable, str(ROOT / "tools" / "bench.py"), *TINY_BENCH]
     commands = {
-        "bench": [*bench, "--json", str(out / "bench.json")],
+        "bench": [*bench, "--dense-micro-batch-size", "2", "--json", str(out / "bench.json")],
         "bench_pp2": [*bench, "--pp", "2", "--attention-backend", "math", "--timeout", "200",
                       "--prefix-chunk-tokens", "32", "--json", str(out / "bench_pp2.json")],
         "demo": [sys.executable, str(ROOT / "examples" / "grpo_demo.py"), "--quick"],
@@ -82,6 +83,13 @@ def _check_result(result: dict) -> None:
     assert result["workload"] == {"prefix_len": 64, "suffix_len": 8, "group_size": 3,
                                   "num_groups": 2}
     assert (result["token_budget"], result["threads"], result["steps"]) == (3 * 8, 2, 1)
+    timing = result["timing"]  # every path warmed up alike (0 here), interleaved
+    assert (timing["warmup_steps_per_path"], timing["interleaved"]) == (0, True)
+    assert "perf_counter" in timing["basis"]  # CPU; CUDA events on a GPU
+    timed = {"dense", "stock_dense", "reuse"} | ({"dense_batched"} if result["dense_batched"] else set())
+    assert set(timing["cpu_seconds"]) == timed and min(timing["cpu_seconds"].values()) > 0
+    assert timing["tokens_per_microbatch"]["dense"] == 64 + 8 - 1
+    assert timing["tokens_per_microbatch"]["reuse_max"] <= result["token_budget"]
 
 
 def test_bench_json_fields_are_consistent(runs):
@@ -107,6 +115,11 @@ def test_bench_json_fields_are_consistent(runs):
     assert math.isclose(memory["suffix_phase_reduction"], 1 - memory[
         "reuse_suffix_phase_peak_bytes"] / memory["dense_peak_saved_bytes"])
     assert "held-for-backward MiB: dense peak" in stdout
+    batched = result["dense_batched"]  # --dense-micro-batch-size 2: two 71-token rows per microbatch
+    assert (batched["micro_batch_size"], batched["tokens_per_microbatch"]) == (2, 2 * 71)
+    assert batched["seconds"] > 0 and batched["max_grad_rel_diff_vs_stock_dense"] <= 1e-5
+    assert math.isclose(batched["speedup"], batched["seconds"] / result["reuse_seconds"])
+    assert "dense batched (2 rows/mb)" in stdout
 
 
 def test_bench_pp2_runs_two_stage_processes(runs):
@@ -120,6 +133,7 @@ def test_bench_pp2_runs_two_stage_processes(runs):
     assert result["attention_backend"] == "math"
     assert result["prefix_chunk_tokens"] == 32  # 63 cached tokens: 2 chunks per group
     assert result["memory"] is None  # measured in the single-process path only
+    assert result["dense_batched"] is None  # a 71-token row exceeds the 24-token budget
     # the ideal is the whole batch's FLOP ratio, the same as without the pipeline
     single = json.loads((out / "bench.json").read_text())
     assert result["ideal_speedup"] == single["ideal_speedup"]

@@ -18,11 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-try:
-    from prefix_schedule.attention import PackedMeta, shared_prefix_attention
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from prefix_schedule.attention import PackedMeta, shared_prefix_attention
+# This checkout's package first: an installed (editable) prefix_schedule may be another checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from prefix_schedule.attention import PackedMeta, shared_prefix_attention  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MiB = 2.0 ** 20

@@ -1,47 +1,92 @@
-"""GPU check of the shared-prefix attention backends.
+"""Everything that can only be checked on a GPU, in one run (< 8 minutes on an H100/H200), one JSON.
 
-Every available backend x mode (two_part, copy) against the float64 oracle -- output, dq, dk, dv
-and the prefix dK/dV -- in bf16 and fp16, on packed rows of 3 groups with length-1 suffixes and
-GQA (two layouts have a slot without a prefix, one has only 1-token suffixes), then fwd+bwd time and peak memory at prefix 4096,
-16 suffixes x 512, H=32/8, D=128, bf16. Prints both tables; exit status 1 on any failure.
+1. Attention: each GPU backend (transformer_engine, flash_attn) x mode (two_part, copy) against
+   the float64 oracle in bf16 and fp16 -- output, dq, dk, dv, prefix gK/gV -- on packed rows of
+   3 groups with GQA (H=32/8, D=128): with a slot without a prefix, with only 1-token suffixes,
+   and one over 1024 query rows (TE's bucketed softmax stats: 1300 rows -> 2048).
+2. Attention timings (CUDA events, warm-up first) and peak memory (torch.cuda.max_memory_allocated,
+   reset per phase) for every backend x mode: prefix 4096, 16 suffixes x 512, bf16.
+3. End to end (tools/gpu_check_e2e.py): one training step, dense vs prefix reuse, bf16, with
+   Megatron's TE layer spec (get_gpt_layer_with_transformer_engine_spec), dense on the same
+   cuDNN kernels (attention_backend=fused), reuse through the hooks on the
+   transformer_engine backend; both against an fp32 dense reference of the same weights;
+   time and peak memory per phase (reference, dense, reuse, reuse with offloaded prefix
+   activations).
+The JSON's `claims` says what the run proved, what failed and what did not run (and why).
 
-    python tools/gpu_check.py [--json results.json] [--repeats 5]
+    python tools/gpu_check.py --json gpu_check.json
+    python tools/gpu_check.py --dry-run --json dry.json   # CPU: torch/math backends, local spec
 
-Without CUDA it says so, checks the torch backend on CPU at a small size and exits 0 (1 if that
-check fails).
+`--dry-run` runs the same code on CPU at small sizes (CPU backends stand in for the GPU ones,
+Megatron's local spec for the TE spec, perf_counter for events, no allocator peaks) and writes
+the same JSON schema; tests/test_gpu_check.py runs it so the script cannot rot. Exit status 1 on
+any failure.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import os
 import statistics
 import sys
+import time
+import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, gpu_check_e2e
+from benchlib.timing import PhaseMemory, RegionTimer  # noqa: E402
 from prefix_schedule.attention import PackedMeta, reference_attention, shared_prefix_attention  # noqa: E402
-from prefix_schedule.attention.backends import BACKEND_NAMES, availability  # noqa: E402
+from prefix_schedule.attention.backends import availability  # noqa: E402
 
-# max |error| / max |oracle| per tensor; fp32 (the CPU run) allows 1e-4 because a length-1
-# suffix's dK is a small difference of large terms (fp32 SDPA in copy mode is as far off).
-TOL = {torch.bfloat16: 3e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-10}
+SCHEMA = 1
 GRADS = ("out", "dq", "dk", "dv", "dprefix_k", "dprefix_v")
-# lengths, group slot per suffix, prefix length per slot
-LAYOUTS = {
-    "3groups": ([37, 1, 64, 1, 129, 90, 1], [0, 0, 1, 1, 1, 2, 2], [300, 129, 257]),
-    "empty_slot": ([37, 1, 64, 1, 129, 90, 1], [0, 0, 1, 1, 1, 2, 2], [300, 0, 257]),
-    # every query entry has one token: flash-attn's max_seqlen_q == 1 GQA path in both parts
-    "len1_only": ([1, 1, 1], [0, 1, 2], [300, 0, 257]),
-}
+# max |error| / max |oracle| per tensor; fp32 (dry run) allows 1e-4: a length-1 suffix's dK is a
+# small difference of large terms (fp32 SDPA in copy mode is as far off).
+TOL = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-10}
+GPU_BACKENDS = ("transformer_engine", "flash_attn")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """Shapes of one run (GPU or dry run)."""
+
+    heads: tuple[int, int]
+    head_dim: int
+    layouts: dict  # name -> (suffix lengths, group slot per suffix, prefix length per slot)
+    timing: tuple  # (prefix, suffixes, suffix length)
+    dtypes: tuple[str, ...]
+    backends: tuple[str, ...]
+
+
+GPU = Sizes(heads=(32, 8), head_dim=128, timing=(4096, 16, 512), dtypes=("bfloat16", "float16"),
+            backends=GPU_BACKENDS, layouts={
+                "3groups": ([37, 1, 64, 1, 129, 90, 1], [0, 0, 1, 1, 1, 2, 2], [300, 129, 257]),
+                "empty_slot": ([37, 1, 64, 1, 129, 90, 1], [0, 0, 1, 1, 1, 2, 2], [300, 0, 257]),
+                # every query entry has one token: flash-attn's max_seqlen_q == 1 GQA path
+                "len1_only": ([1, 1, 1], [0, 1, 2], [300, 0, 257]),
+                # > 1024 query rows, not a power of two: TE 2.2-2.10 return 2048 stats rows
+                "over_1024_rows": ([700, 1, 599], [0, 0, 1], [1100, 77]),
+            })
+DRY = Sizes(heads=(4, 2), head_dim=16, timing=(256, 4, 32), dtypes=("float32", "bfloat16"),
+            backends=("torch", "math"), layouts={
+                "3groups": ([5, 1, 7, 1, 3], [0, 0, 1, 1, 2], [9, 4, 6]),
+                "empty_slot": ([5, 1, 7, 1, 3], [0, 0, 1, 1, 2], [9, 0, 6]),
+            })
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", type=Path, default=None, help="write all results here")
-    p.add_argument("--repeats", type=int, default=5, help="timed fwd+bwd repetitions (median)")
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", type=Path, default=None, help="write the report here")
+    p.add_argument("--dry-run", action="store_true", help="CPU stand-ins at small sizes, same JSON")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per path (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions per path first")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="skip the remaining phases once this many seconds have passed")
+    p.add_argument("--skip-e2e", action="store_true", help="attention only")
     return p.parse_args(argv)
 
 
@@ -79,101 +124,159 @@ def rel_err(actual, expected) -> float:
     return (actual.double() - expected).abs().max().item() / max(ref, 1e-30)
 
 
-def check_correctness(device, dtypes, names, heads, kv_heads, head_dim):
+def check_correctness(device, sizes: Sizes, names):
     rows = []
-    for layout_name, layout in LAYOUTS.items():
-        base, meta, grad_out = make_case(layout, heads, kv_heads, head_dim, device)
-        for dtype in dtypes:
+    for layout_name, layout in sizes.layouts.items():
+        base, meta, grad_out = make_case(layout, *sizes.heads, sizes.head_dim, device)
+        for dtype_name in sizes.dtypes:
+            dtype = getattr(torch, dtype_name)
             rounded = leaves(base, dtype)  # the oracle sees exactly the rounded inputs
             want = out_and_grads(reference_attention, leaves(rounded, torch.float64), meta,
                                  grad_out.to(dtype).double())
             for name in names:
                 for mode in ("two_part", "copy"):
-                    row = dict(backend=name, mode=mode, dtype=str(dtype).replace("torch.", ""),
-                               layout=layout_name)
+                    row = dict(backend=name, mode=mode, dtype=dtype_name, layout=layout_name,
+                               tol=TOL[dtype_name])
                     try:
                         got = out_and_grads(shared_prefix_attention, leaves(rounded, dtype), meta,
                                             grad_out, mode=mode, backend=name)
                         row.update({g: rel_err(a, b) for g, a, b in zip(GRADS, got, want)})
-                        row["ok"] = all(row[g] <= TOL[dtype] for g in GRADS)
+                        row["ok"] = all(row[g] <= TOL[dtype_name] for g in GRADS)
                     except Exception as e:  # noqa: BLE001 -- report and go on to the next backend
                         row.update(ok=False, error=f"{type(e).__name__}: {e}")
                     rows.append(row)
+            del rounded, want
     return rows
 
 
-def time_fwd_bwd(name, mode, device, repeats, warmup):
-    layout = ([512] * 16, [0] * 16, [4096])
-    base, meta, grad_out = make_case(layout, 32, 8, 128, device, seed=1)
-    tensors = leaves(base, torch.bfloat16)
-    g = grad_out.to(torch.bfloat16)
+def time_attention(name, mode, device, sizes: Sizes, repeats, warmup):
+    prefix, count, length = sizes.timing
+    base, meta, grad_out = make_case(([length] * count, [0] * count, [prefix]), *sizes.heads,
+                                     sizes.head_dim, device, seed=1)
+    dtype = torch.bfloat16
+    tensors, g = leaves(base, dtype), grad_out.to(dtype)
     del base, grad_out
+    inputs = [tensors[0], tensors[1], tensors[2], *tensors[3], *tensors[4]]
     times = []
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    for i in range(warmup + repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = shared_prefix_attention(*tensors, meta, mode=mode, backend=name)
-        torch.autograd.grad(out, [tensors[0], tensors[1], tensors[2], *tensors[3], *tensors[4]], g)
-        end.record()
-        torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-        del out
-    peak = (torch.cuda.max_memory_allocated(device) - before) / 2**20
-    return dict(backend=name, mode=mode, ms=statistics.median(times), peak_extra_mib=peak)
+    with PhaseMemory(device) as memory:
+        for i in range(warmup + repeats):
+            with RegionTimer(device) as timer:
+                out = shared_prefix_attention(*tensors, meta, mode=mode, backend=name)
+                torch.autograd.grad(out, inputs, g)
+                del out
+            if i >= warmup:
+                times.append(timer.seconds * 1e3)
+    return dict(backend=name, mode=mode, dtype="bfloat16", ms=statistics.median(times),
+                peak_extra_mib=_mib(memory.peak_extra_bytes), timing_basis=timer.basis,
+                warmup=warmup, repeats=repeats, ok=True)
 
 
-def print_table(rows, columns):
-    def cell(row, c):
-        value = row.get(c, "")
-        return f"{value:.2e}" if isinstance(value, float) and c in GRADS else (
-            f"{value:.2f}" if isinstance(value, float) else str(value))
-    widths = [max(len(c), *(len(cell(r, c)) for r in rows)) for c in columns]
-    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-    for row in rows:
-        print("  ".join(cell(row, c).ljust(w) for c, w in zip(columns, widths)))
-        if "error" in row:
-            print(f"    error: {row['error']}")
+def _mib(value):
+    return None if value is None else value / 2**20
+
+
+def library_versions() -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    for module, attr in (("transformer_engine", "__version__"), ("flash_attn", "__version__"),
+                         ("megatron.core", "__version__")):
+        try:
+            out[module] = str(getattr(__import__(module, fromlist=["_"]), attr))
+        except Exception as e:  # noqa: BLE001 -- absent or broken: say which
+            out[module] = f"unavailable ({type(e).__name__})"
+    if torch.backends.cudnn.is_available():
+        out["cudnn"] = torch.backends.cudnn.version()
+    return out
+
+
+def claims(report, checked_backends, dry_run) -> list[dict]:
+    """What this run proves, per claim: proved / failed / not run (reason)."""
+    rows = report["correctness"]
+    out = []
+    for name in (DRY.backends if dry_run else GPU_BACKENDS):
+        mine = [r for r in rows if r["backend"] == name]
+        what = (f"{name}: two_part and copy match the float64 oracle (out, dq, dk, dv, prefix gK/gV) "
+                f"in {', '.join(report['sizes']['dtypes'])} on {len(report['sizes']['layouts'])} "
+                "layouts (GQA, empty prefix slot, 1-token suffixes"
+                + ("" if dry_run else ", > 1024 query rows") + "), with the installed version's "
+                "call signatures")
+        status = ("not run: " + report["availability"][name] if name not in checked_backends
+                  else "proved" if all(r["ok"] for r in mine) else "failed")
+        out.append(dict(claim=what, status=status))
+    timing = report["timing"]
+    out.append(dict(claim="attention fwd+bwd time (synchronized) and peak memory per backend x mode",
+                    status="proved" if timing and all(t["ok"] for t in timing)
+                    else "failed" if timing else "not run"))
+    e2e = report.get("e2e")
+    if e2e is None or "skipped" in (e2e or {}):
+        out.append(dict(claim="end-to-end step", status=f"not run: {(e2e or {}).get('skipped')}"))
+    else:
+        out.append(dict(claim=e2e["claim"], status="proved" if e2e["ok"] else "failed"))
+    return out
+
+
+def _save(path, report) -> None:
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    cuda = torch.cuda.is_available()
+    started = time.monotonic()
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        print("gpu_check.py: no CUDA device; run on a GPU, or use --dry-run", file=sys.stderr)
+        return 2
     device = torch.device("cuda" if cuda else "cpu")
-    report = dict(device=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    avail = availability(device, dtype, 128 if cuda else 64)
+    sizes = GPU if cuda else DRY
+    report = dict(schema=SCHEMA, mode="gpu" if cuda else "dry-run",
+                  device=torch.cuda.get_device_name(device) if cuda else "cpu",
+                  capability=list(torch.cuda.get_device_capability(device)) if cuda else None,
+                  libraries=library_versions(),
+                  sizes=dict(heads=list(sizes.heads), head_dim=sizes.head_dim,
+                             layouts={k: [list(x) for x in v] for k, v in sizes.layouts.items()},
+                             timing=list(sizes.timing), dtypes=list(sizes.dtypes)))
+    avail = availability(device, getattr(torch, sizes.dtypes[0]), sizes.head_dim)
     report["availability"] = {n: a.reason or "available" for n, a in avail.items()}
-    for name, why in report["availability"].items():
-        print(f"{name:20s} {why}")
-    if cuda:
-        names = [n for n in BACKEND_NAMES if avail[n]]
-        rows = check_correctness(device, (torch.bfloat16, torch.float16), names, 32, 8, 128)
+    names = [n for n in sizes.backends if avail[n]]
+    report["correctness"] = check_correctness(device, sizes, names)
+    _save(args.json, report)
+    report["timing"] = []
+    for name in names:
+        for mode in ("two_part", "copy"):
+            if time.monotonic() - started > args.budget_s:
+                break
+            try:
+                report["timing"].append(time_attention(name, mode, device, sizes, args.repeats,
+                                                       args.warmup))
+            except Exception as e:  # noqa: BLE001
+                report["timing"].append(dict(backend=name, mode=mode, ok=False,
+                                             error=f"{type(e).__name__}: {e}"))
+    if args.skip_e2e:
+        report["e2e"] = {"skipped": "--skip-e2e"}
+    elif time.monotonic() - started > args.budget_s:
+        report["e2e"] = {"skipped": f"time budget of {args.budget_s:.0f} s used up"}
     else:
-        print("no CUDA device: GPU backends not checked; checking the torch backend on CPU")
-        rows = check_correctness(device, (torch.float32, torch.bfloat16), ["torch"], 8, 2, 64)
-    print()
-    print_table(rows, ["backend", "mode", "dtype", "layout", *GRADS, "ok"])
-    report["correctness"] = rows
-    timing = []
-    if cuda:
-        for name in (n for n in BACKEND_NAMES if avail[n]):
-            for mode in ("two_part", "copy"):
-                try:
-                    timing.append(time_fwd_bwd(name, mode, device, args.repeats, args.warmup))
-                except Exception as e:  # noqa: BLE001
-                    timing.append(dict(backend=name, mode=mode, ok=False, error=f"{type(e).__name__}: {e}"))
-        print("\nfwd+bwd, prefix 4096, 16 suffixes x 512, H=32/8, D=128, bf16")
-        print_table(timing, ["backend", "mode", "ms", "peak_extra_mib"])
-    report["timing"] = timing
-    failures = sum(not r.get("ok", True) for r in rows + timing)
-    report["failures"] = failures
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\n{failures} failure(s)")
+        _save(args.json, report)  # what is known so far, should the end-to-end step crash the process
+        try:
+            import gpu_check_e2e
+
+            report["e2e"] = gpu_check_e2e.run(device, dry_run=not cuda, warmup=1,
+                                              repeats=max(1, args.repeats // 2))
+        except Exception:  # noqa: BLE001 -- the attention results still count
+            report["e2e"] = dict(ok=False, claim="end-to-end step", error=traceback.format_exc())
+    report["env"] = {k: os.environ.get(k) for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN",
+                                                     "NVTE_UNFUSED_ATTN")}  # as the run left them
+    report["claims"] = claims(report, names, dry_run=not cuda)
+    failures = sum(not r.get("ok", True) for r in report["correctness"] + report["timing"])
+    failures += int(bool(report["e2e"]) and report["e2e"].get("ok") is False)
+    report["failures"], report["elapsed_s"] = failures, time.monotonic() - started
+    _save(args.json, report)
+    for claim in report["claims"]:
+        print(f"[{claim['status']}] {claim['claim']}")
+    for row in report["correctness"] + report["timing"]:
+        if not row.get("ok", True):
+            print(f"FAILED {row}")
+    print(f"{failures} failure(s) in {report['elapsed_s']:.0f} s")
     return 1 if failures else 0
 
 

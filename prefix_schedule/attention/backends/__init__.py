@@ -8,12 +8,16 @@ Selection (`select_backend`): an explicit name must be available, else ValueErro
 and what to install. "auto" -- the default, changed with `set_default_backend` (the
 `--attention-backend` flag) -- is overridden by the environment variable
 PREFIX_REUSE_ATTENTION_BACKEND when that is set, and otherwise takes the first available backend.
-Each distinct choice is logged once per process on logger "prefix_schedule.attention".
+Each distinct choice is logged once per process on logger "prefix_schedule.attention". On a GPU,
+"auto" never lands on "math" silently: that kernel materialises the scores (O(L_q x L_k) memory per
+layer, ~8 GB for an 8k prefix), so the fallback raises a `MathFallbackWarning` once per
+combination with every skipped backend's reason; request "math" by name to accept it quietly.
 """
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -28,6 +32,7 @@ from prefix_schedule.attention.backends.two_part import two_part_attention
 __all__ = [
     "AUTO",
     "Availability",
+    "MathFallbackWarning",
     "BACKEND_NAMES",
     "Backend",
     "ENV_VAR",
@@ -50,6 +55,10 @@ _log = logging.getLogger("prefix_schedule.attention")
 _default = [AUTO]
 _selected: dict[tuple, Backend] = {}  # (requested, device, dtype, head_dim) -> backend
 _logged: set[str] = set()
+
+
+class MathFallbackWarning(RuntimeWarning):
+    """"auto" chose the score-materialising math kernel on a GPU."""
 
 
 def _log_once(message: str) -> None:
@@ -113,8 +122,15 @@ def _choose(requested, source, device, dtype, head_dim) -> Backend:
     for backend in _BACKENDS.values():
         status = backend.available(device, dtype, head_dim)
         if status:
-            _log_once(f"prefix_schedule attention backend: {backend.name} (auto) for {what}"
-                      + "".join(f"; skipped {n}: {r}" for n, r in skipped))
+            skips = "".join(f"; skipped {n}: {r}" for n, r in skipped)
+            _log_once(f"prefix_schedule attention backend: {backend.name} (auto) for {what}{skips}")
+            if backend.name == "math" and device.type != "cpu":
+                warnings.warn(
+                    f"prefix_schedule attention: 'auto' fell back to the math kernel for {what}: it "
+                    "materialises the attention scores, O(L_q x L_k) memory per layer (an 8k prefix "
+                    f"is ~8 GB per layer){skips}. Use bf16/fp16 with transformer_engine or "
+                    f"flash_attn, or request 'math' explicitly (--attention-backend / {ENV_VAR}) "
+                    "to accept it", MathFallbackWarning, stacklevel=4)
             return backend
         skipped.append((backend.name, status.reason))
     raise AssertionError(f"the math backend runs everywhere, yet none was available: {skipped}")

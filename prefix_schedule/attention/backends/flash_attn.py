@@ -1,52 +1,45 @@
-"""The "flash_attn" backend: flash-attn 2 (>= 2.6) varlen kernels.
+"""The "flash_attn" backend: flash-attn 2 varlen kernels (versions: see versions.py, 2.6 - 2.8).
 
 Two-part mode calls the private `flash_attn.flash_attn_interface._flash_attn_varlen_forward` /
 `_flash_attn_varlen_backward` pair (what ring attention calls for the merged-out backward), as
-read in Dao-AILab/flash-attention flash_attn/flash_attn_interface.py (2.7/2.8 line) and
-csrc/flash_attn/flash_api.cpp (mha_varlen_fwd/bwd):
+read in flash_attn/flash_attn_interface.py and csrc/flash_attn/flash_api.cpp (mha_varlen_fwd/bwd)
+at every tag v2.6.0 ... v2.8.3.post1 (table: docs/KERNEL_VERSIONS.md):
 - forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-  softmax_scale, causal, <window>, softcap, alibi_slopes, return_softmax, ...) returns
-  (out_padded, softmax_lse, S_dmask, rng_state) since 2.7 and
-  (out, q, k, v, out_padded, softmax_lse, S_dmask, rng_state) in 2.6 (TE's context-parallel
-  code indexes [0]/[1]/[3] resp. [4]/[5]/[7] on `v2_7_0_plus`);
+  softmax_scale, causal, <window>, softcap, alibi_slopes, return_softmax, block_table, ...):
+  2.6.0/2.6.0.post1 give `window_size`, `softcap`, `alibi_slopes`, `return_softmax` and
+  `block_table` no default, so every one of them is passed (block_table=None, as TE's
+  context-parallel code does); returns 8 values in 2.6, 4 from 2.7 (FlashApi.unpack_forward);
 - backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
   max_seqlen_k, dropout_p, softmax_scale, causal, <window>, softcap, alibi_slopes, deterministic,
   rng_state=None) WRITES dq/dk/dv (GQA: at::sum_out into dk/dv), dtype = q's;
-- <window> is `window_size=(-1, -1)` up to 2.6 and `window_size_left=-1, window_size_right=-1`
-  from 2.7 (where the functions are torch custom ops, so inspect.signature tells nothing: the
-  version decides). The first 13 backward / 7 forward arguments are positional in both lines,
-  the rest are passed by keyword;
-- softmax_lse is [H, total_q] float32 since 2.6; an entry without keys gives out 0, LSE +inf;
+- <window> is `window_size=(-1, r)` in 2.6 and `window_size_left=-1, window_size_right=r` from
+  2.7 (torch custom ops there: inspect.signature tells nothing, the version decides), r = 0 when
+  causal else -1 (TE's convention; the C++ forces r = 0 for causal itself);
+- softmax_lse is [H, total_q] float32 since 2.6; an entry without keys gives out 0, LSE +inf
+  (flash_fwd_kernel.h early exit);
 - head_dim must be a multiple of 8 (only the public wrappers pad), <= 256.
 Copy mode calls the public `flash_attn_varlen_func(..., causal=True)`, bottom-right aligned per
 sequence since 2.1.
 """
 from __future__ import annotations
 
-import re
 from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
-from prefix_schedule.attention.backends._base import (Backend, LibraryUnsupported, check_cuda,
-                                                      check_head_dim, copy_call, gather_copy_kv)
+from prefix_schedule.attention.backends._base import (Backend, check_cuda, check_head_dim, copy_call,
+                                                      gather_copy_kv)
+from prefix_schedule.attention.backends.versions import flash_api
 
 __all__ = ["FlashAttnBackend"]
-
-MIN_VERSION = (2, 6)
-
-
-def version_tuple(text: str) -> tuple[int, ...]:
-    """'2.7.4.post1' -> (2, 7, 4)."""
-    return tuple(int(x) for x in re.findall(r"\d+", text.split("+")[0])[:3])
 
 
 class FlashAttnBackend(Backend):
     """flash-attn 2 varlen kernels (CUDA sm80+, fp16/bf16)."""
 
     name = "flash_attn"
-    install_hint = "pip install 'flash-attn>=2.6' --no-build-isolation"
+    install_hint = "pip install 'flash-attn>=2.6,<2.9' --no-build-isolation"
     empty_kv_ok = True  # out 0, LSE +inf (see flash_fwd_kernel.h early exit)
     DTYPES = (torch.float16, torch.bfloat16)
 
@@ -54,15 +47,8 @@ class FlashAttnBackend(Backend):
         import flash_attn
         from flash_attn import flash_attn_interface as fai
 
-        text = str(getattr(flash_attn, "__version__", "0"))
-        version = version_tuple(text)
-        if version < MIN_VERSION:
-            raise LibraryUnsupported(f"flash-attn {text} is older than 2.6 (the [H, total_q] LSE layout)")
-        if version >= (2, 7):
-            window = {"window_size_left": -1, "window_size_right": -1}
-        else:
-            window = {"window_size": (-1, -1)}
-        return SimpleNamespace(version=version, window=window, fwd=fai._flash_attn_varlen_forward,
+        api = flash_api(str(getattr(flash_attn, "__version__", "0")))  # LibraryUnsupported outside
+        return SimpleNamespace(api=api, fwd=fai._flash_attn_varlen_forward,
                                bwd=fai._flash_attn_varlen_backward, func=fai.flash_attn_varlen_func)
 
     def device_reason(self, device: torch.device, dtype: torch.dtype, head_dim: Optional[int]) -> str:
@@ -74,10 +60,10 @@ class FlashAttnBackend(Backend):
         cu_q, cu_k = call.cu_tensors(q.device)
         res = lib.fwd(q, k, v, cu_q, cu_k, call.max_q, call.max_k, dropout_p=0.0, softmax_scale=scale,
                       causal=call.causal, softcap=0.0, alibi_slopes=None, return_softmax=False,
-                      **lib.window)
-        out, lse, rng_state = (res[4], res[5], res[7]) if len(res) == 8 else (res[0], res[1], res[3])
+                      block_table=None, **lib.api.window(call.causal))
+        out, lse, rng_state = lib.api.unpack_forward(res)
         if tuple(lse.shape) != (q.shape[1], q.shape[0]):
-            raise RuntimeError(f"flash-attn {lib.version} returned an LSE of shape {tuple(lse.shape)}; "
+            raise RuntimeError(f"flash-attn {lib.api.version} returned an LSE of shape {tuple(lse.shape)}; "
                                f"expected [heads, total_q] = {[q.shape[1], q.shape[0]]} (flash-attn >= 2.6)")
         return out, lse, rng_state
 
@@ -87,7 +73,7 @@ class FlashAttnBackend(Backend):
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         lib.bwd(grad_out, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, call.max_q, call.max_k,
                 dropout_p=0.0, softmax_scale=scale, causal=call.causal, softcap=0.0,
-                alibi_slopes=None, deterministic=False, rng_state=None, **lib.window)
+                alibi_slopes=None, deterministic=False, rng_state=state, **lib.api.window(call.causal))
         return dq, dk, dv
 
     def copy_attention(self, q, k, v, prefix_k, prefix_v, meta, scale):

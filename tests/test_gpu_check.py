@@ -1,0 +1,80 @@
+"""tools/gpu_check.py: the `--dry-run` runs the whole script on CPU (CPU backends for the GPU ones,
+Megatron's local spec for the TE spec) and must write the GPU run's JSON schema with every claim
+proved, so the script cannot rot; and a wrong backend is reported, not hidden."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fake_attention_libs as fakes
+from prefix_schedule.attention.backends import _reset, get_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU, F64 = torch.device("cpu"), torch.float64
+TOP = {"schema", "mode", "device", "capability", "libraries", "sizes", "availability", "correctness",
+       "timing", "e2e", "env", "claims", "failures", "elapsed_s"}
+E2E = {"claim", "ok", "settings", "model", "workload", "grad_rel_err_vs_fp32",
+       "grad_rel_diff_reuse_vs_dense", "losses", "phases"}
+PHASES = ["reference_fp32_dense", "dense_bf16", "reuse_bf16", "reuse_bf16_offload_prefix_activations"]
+
+
+@pytest.fixture
+def gpu_check(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "tools" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", module)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    _reset()
+    yield module
+    _reset()
+
+
+@pytest.mark.megatron
+def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
+    out = tmp_path / "dry.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run",
+                           "--repeats", "2", "--warmup", "1", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report) == TOP and report["mode"] == "dry-run" and report["failures"] == 0
+    rows = report["correctness"]
+    assert {(r["backend"], r["mode"], r["dtype"]) for r in rows} == {
+        (b, m, d) for b in ("torch", "math") for m in ("two_part", "copy") for d in ("float32", "bfloat16")}
+    assert all(r["ok"] and max(r[g] for g in ("out", "dq", "dk", "dv", "dprefix_k", "dprefix_v"))
+               <= r["tol"] for r in rows)
+    assert {(t["backend"], t["mode"]) for t in report["timing"]} == {
+        (b, m) for b in ("torch", "math") for m in ("two_part", "copy")}
+    assert all(t["ms"] > 0 and t["peak_extra_mib"] is None for t in report["timing"])  # CPU: no allocator
+    e2e = report["e2e"]
+    assert set(e2e) == E2E and e2e["ok"] and [p["phase"] for p in e2e["phases"]] == PHASES
+    errors = e2e["grad_rel_err_vs_fp32"]
+    assert 0 < errors["dense_bf16"] < 0.2 and errors["reuse_bf16"] <= 1.5 * errors["dense_bf16"]
+    assert [c["status"] for c in report["claims"]] == ["proved"] * 4
+    assert "[proved]" in proc.stdout and "0 failure(s)" in proc.stdout
+
+
+def test_without_cuda_and_without_dry_run_it_refuses(gpu_check, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    assert gpu_check.main([]) == 2
+    assert "--dry-run" in capsys.readouterr().err
+
+
+def test_a_wrong_backend_is_reported(gpu_check, monkeypatch):
+    fakes.install_flash_attn(monkeypatch)
+    monkeypatch.setattr(get_backend("flash_attn"), "device_reason", lambda device, dtype, head_dim: "")
+    sizes = gpu_check.Sizes(heads=(4, 2), head_dim=8, timing=(8, 2, 4), dtypes=("float64",),
+                            backends=("flash_attn", "math"), layouts={"tiny": ([3, 1, 2], [0, 1, 1], [4, 0])})
+    rows = gpu_check.check_correctness(CPU, sizes, ["flash_attn", "math"])
+    assert all(r["ok"] for r in rows), rows
+    math_backend = get_backend("math")
+    original = math_backend.varlen_bwd
+    monkeypatch.setattr(math_backend, "varlen_bwd", lambda *a: [2 * g for g in original(*a)])
+    rows = gpu_check.check_correctness(CPU, sizes, ["math"])
+    assert [r["ok"] for r in rows] == [False, True] and rows[0]["out"] < 1e-12 < rows[0]["dq"]

@@ -1,0 +1,180 @@
+"""tools/bench.py's configuration: one dataclass field per command-line flag.
+
+To add a flag, add a field with a default and a docstring (the --help text) to BenchConfig, and
+its check to `__post_init__` if it needs one: `build_parser` derives `--the-name` from the field
+(int, Optional[int] -> default None, bool -> store_true, str with metadata["choices"]).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+from pathlib import Path
+from typing import Dict, Optional
+
+from prefix_schedule.attention import backends as attention_backends
+from prefix_schedule.planning.data import GroupBatch
+from prefix_schedule.planning.flops import ModelDims
+from prefix_schedule.planning.placement import Placement, place_groups
+
+__all__ = ["BenchConfig", "build_parser", "config_from_args"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """Workload, model shape, parallel layout and measurement settings of one benchmark run."""
+
+    prefix_len: int = 1024
+    """Shared prompt tokens per group (P >= 2, so that something is cached)."""
+    suffix_len: int = 64
+    """Response tokens per trajectory (n >= 1)."""
+    group_size: int = 8
+    """Trajectories per group (G >= 1)."""
+    num_groups: int = 2
+    """Groups in the step."""
+    num_layers: int = 4
+    """Transformer layers."""
+    hidden_size: int = 256
+    """Model width."""
+    ffn_hidden_size: int = 688
+    """SwiGLU inner width."""
+    num_attention_heads: int = 8
+    """Query heads."""
+    num_query_groups: int = 2
+    """K/V heads (GQA)."""
+    vocab_size: int = 2048
+    """Vocabulary size."""
+    token_budget: Optional[int] = None
+    """Tokens per suffix microbatch; None = group_size * suffix_len (one group's suffixes)."""
+    dense_micro_batch_size: Optional[int] = None
+    """Rows per microbatch of the batched dense path (same model and kernels as dense, rows of
+    equal length, micro_batch_size > 1); None = as many [prefix; suffix] rows as fit the token
+    budget, so dense and reuse microbatches hold up to the same number of tokens; it is not
+    timed when that is 1 row (it would be the dense path)."""
+    prefix_chunk_tokens: Optional[int] = None
+    """Run each cached prefix as chunks of at most this many tokens (one pipeline job each);
+    None = one chunk per group."""
+    steps: int = 3
+    """Timed steps per path (the median is reported)."""
+    warmup: int = 1
+    """Untimed steps per path before timing (every path gets the same number)."""
+    threads: int = 2
+    """torch.set_num_threads (split evenly over the processes of a parallel layout)."""
+    seed: int = 0
+    """Seed of the weights and the data."""
+    pp: int = 1
+    """Pipeline-parallel stages (world size = pp * tp * dp processes on this machine)."""
+    tp: int = 1
+    """Tensor-parallel ranks."""
+    dp: int = 1
+    """Data-parallel ranks (groups placed by prefix_schedule.planning.placement.place_groups)."""
+    attention_backend: str = dataclasses.field(default="auto", metadata={
+        "choices": (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES})
+    """Shared-prefix attention kernel of the reuse path: auto or a name of
+    prefix_schedule.attention.backends.BACKEND_NAMES."""
+    timeout: int = 900
+    """Seconds the multi-process run may take, start-up included, before it is killed as hung."""
+    skip_stock: bool = False
+    """Do not time the stock (unfused) dense path; it still gives the one-step gradient reference."""
+
+    def __post_init__(self) -> None:
+        minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
+                        hidden_size=1, ffn_hidden_size=1, num_attention_heads=1,
+                        num_query_groups=1, vocab_size=2, steps=1, warmup=0, threads=1, seed=0,
+                        pp=1, tp=1, dp=1, timeout=1)
+        for name, minimum in minimums.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"--{name.replace('_', '-')}={value!r}; give an int >= {minimum}")
+        if self.token_budget is None:
+            object.__setattr__(self, "token_budget", self.group_size * self.suffix_len)
+        elif self.token_budget < self.suffix_len:
+            raise ValueError(f"--token-budget={self.token_budget} is smaller than a suffix row "
+                             f"({self.suffix_len} tokens); use --token-budget >= {self.suffix_len}")
+        for name in ("prefix_chunk_tokens", "dense_micro_batch_size"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}; give an int >= 1")
+        choices = (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES
+        if self.attention_backend not in choices:
+            raise ValueError(f"--attention-backend={self.attention_backend!r}; choose one of {choices}")
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """What Megatron needs of the shape for this layout, said before any process starts."""
+        if self.num_layers % self.pp:
+            raise ValueError(f"--num-layers={self.num_layers} does not split over --pp={self.pp} "
+                             "stages; give a multiple of --pp")
+        for name in ("num_attention_heads", "ffn_hidden_size", "vocab_size"):
+            if getattr(self, name) % self.tp:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} is not a multiple "
+                                 f"of --tp={self.tp}")
+        if self.num_query_groups % self.tp and self.tp % self.num_query_groups:
+            raise ValueError(f"--num-query-groups={self.num_query_groups} must be a multiple or a "
+                             f"divisor of --tp={self.tp}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def row_len(self) -> int:
+        """Tokens of one dense [prefix; suffix] row (the last token only predicts)."""
+        return self.prefix_len + self.suffix_len - 1
+
+    @property
+    def dense_rows_per_microbatch(self) -> int:
+        """Rows per microbatch of the batched dense path (1: the path is not timed)."""
+        if self.dense_micro_batch_size is not None:
+            return self.dense_micro_batch_size
+        return max(1, self.token_budget // self.row_len)
+
+    def model_dims(self) -> ModelDims:
+        """The FLOP-model view of the model (validates the head arithmetic too)."""
+        return ModelDims(num_layers=self.num_layers, hidden_size=self.hidden_size,
+                         ffn_hidden_size=self.ffn_hidden_size,
+                         num_attention_heads=self.num_attention_heads,
+                         num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
+                         gated_linear_unit=True)
+
+    def placement(self, batch: GroupBatch) -> Optional[Placement]:
+        """The DP placement of `batch` (None without DP); every rank computes the same one."""
+        if self.dp == 1:
+            return None
+        return place_groups(batch, dp_size=self.dp, dims=self.model_dims(),
+                            token_budget=self.token_budget,
+                            max_seq_len=self.prefix_len + self.suffix_len)
+
+
+def _field_docs() -> Dict[str, str]:
+    """BenchConfig's attribute docstrings (the --help text of each flag)."""
+    tree = ast.parse(Path(__file__).read_text())
+    body = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BenchConfig").body
+    return {a.target.id: " ".join(d.value.value.split()) for a, d in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(d, ast.Expr)
+            and isinstance(d.value, ast.Constant)}
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """One flag per BenchConfig field, plus --json."""
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults, docs = BenchConfig(), _field_docs()
+    for field in dataclasses.fields(BenchConfig):
+        flag, default, help_ = "--" + field.name.replace("_", "-"), getattr(defaults, field.name), docs.get(field.name)
+        if field.type == "bool":
+            p.add_argument(flag, action="store_true", help=help_)
+        elif field.type == "Optional[int]":
+            p.add_argument(flag, type=int, default=None, help=help_)
+        elif field.type == "str":
+            p.add_argument(flag, default=default, choices=field.metadata.get("choices"), help=help_)
+        else:
+            p.add_argument(flag, type=int, default=default, help=help_)
+    p.add_argument("--json", type=Path, default=None, help="write the result dict here")
+    return p
+
+
+def config_from_args(parser: argparse.ArgumentParser, argv=None) -> tuple[BenchConfig, Optional[Path]]:
+    """Command line -> (BenchConfig, JSON output path or None); ValueError on bad values."""
+    args = vars(parser.parse_args(argv))
+    out = args.pop("json")
+    return BenchConfig(**args), out

@@ -1,0 +1,220 @@
+"""Inside the process (or each rank of a layout) that runs the models: build, time, check, measure.
+
+Timed paths, all on the same weights and data, one forward+backward step each (gradients
+cleared before, no optimizer), interleaved step by step (dense, dense_batched, stock_dense,
+reuse, dense, ...) after the same number of untimed warm-up steps per path:
+- dense: stock Megatron dense schedule, one [prefix; suffix] row per microbatch, fused-SDPA core
+  attention (the kernel family the reuse path uses);
+- dense_batched: the same with `micro_batch_size` rows per microbatch (up to the reuse path's
+  token budget, or --dense-micro-batch-size); not timed at 1 row (it would be `dense`);
+- stock_dense: Megatron's local spec as shipped (unfused attention; --skip-stock drops it);
+- reuse: the prefix-reuse schedule (its hooks replace the local spec's core attention).
+Each step is timed with benchlib.timing.RegionTimer (CUDA events and synchronisation on a GPU);
+with several ranks a step's time is the slowest rank's. The gradient check runs after timing.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+import memory_probe
+from benchlib.config import BenchConfig
+from benchlib.steps import dense_step, reuse_step
+from benchlib.timing import RegionTimer
+from benchlib.workload import make_batch
+from prefix_schedule.attention import backends as attention_backends
+from prefix_schedule.losses import PolicyLossConfig
+from prefix_schedule.planning.data import GroupBatch
+from prefix_schedule.planning.planner import StepPlan, plan_microbatches
+
+__all__ = ["LOSS", "MEMORY_BASIS", "PATHS", "config_batch", "config_plan", "measure", "selected_backend"]
+
+LOSS = PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.05)
+PATHS = ("dense", "dense_batched", "stock_dense", "reuse")
+MEMORY_BASIS = ("bytes autograd holds for backward (saved-tensor storages, each once; "
+                "parameters excluded) plus, for reuse, the prefix cache's K/V copies and gK/gV; "
+                "one untimed step per path; not the allocator's peak (tools/memory_probe.py)")
+
+
+def config_batch(config: BenchConfig) -> GroupBatch:
+    return make_batch(prefix_len=config.prefix_len, suffix_len=config.suffix_len,
+                      group_size=config.group_size, num_groups=config.num_groups,
+                      vocab_size=config.vocab_size, seed=config.seed)
+
+
+def config_plan(config: BenchConfig, batch: GroupBatch) -> StepPlan:
+    return plan_microbatches(batch, token_budget=config.token_budget,
+                             max_seq_len=config.prefix_len + config.suffix_len,
+                             prefix_chunk_tokens=config.prefix_chunk_tokens)
+
+
+def selected_backend(config: BenchConfig, device="cpu", dtype=torch.float32) -> str:
+    """Set the process default to the requested backend; the one the reuse hook will run.
+    ValueError (with the reason) if the requested one cannot run here."""
+    attention_backends.set_default_backend(config.attention_backend)
+    head_dim = config.hidden_size // config.num_attention_heads
+    return attention_backends.select_backend(device=device, dtype=dtype, head_dim=head_dim).name
+
+
+def _build_models(config: BenchConfig, distributed: bool):
+    """(local-spec model, fused-SDPA model with the same weights), Megatron initialised; one
+    pipeline stage's part of each; DDP-wrapped with data parallelism."""
+    import megatron_patches
+    from megatron_patches.models import (TinyLlamaConfig, build_model, initialize_distributed,
+                                         initialize_single_process)
+    from megatron_patches.training import prepare_for_training
+
+    megatron_patches.install()
+    if distributed:
+        initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp)
+    else:
+        initialize_single_process(seed=config.seed)
+    shape = TinyLlamaConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                            ffn_hidden_size=config.ffn_hidden_size,
+                            num_attention_heads=config.num_attention_heads,
+                            num_query_groups=config.num_query_groups, vocab_size=config.vocab_size,
+                            max_seq_len=config.prefix_len + config.suffix_len)
+    local = build_model(shape, seed=config.seed)  # this pipeline stage's part
+    # Another init seed, so that equal weights can only come from load_state_dict.
+    fused = build_model(shape, fused_attention=True, seed=config.seed + 1)
+    fused.load_state_dict(local.state_dict())
+    return (prepare_for_training(local, ddp=config.dp > 1),
+            prepare_for_training(fused, ddp=config.dp > 1))
+
+
+def _zero(model) -> None:
+    from megatron_patches.training import zero_grads
+
+    zero_grads(model)
+
+
+def _reduce_max(value: float) -> float:
+    if torch.distributed.get_world_size() == 1:
+        return float(value)
+    t = torch.tensor([value], dtype=torch.float64)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return float(t)
+
+
+def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
+                plan: StepPlan) -> tuple[Dict[str, List[float]], Dict[str, List[float]]]:
+    """(wall seconds, process CPU seconds) per timed step and path; with several ranks a step's
+    time is the slowest rank's."""
+    rows = config.dense_rows_per_microbatch
+    runs = {
+        "dense": (fused, lambda: dense_step(fused, batch, LOSS)),
+        "dense_batched": (fused, lambda: dense_step(fused, batch, LOSS, micro_batch_size=rows)),
+        "stock_dense": (local, lambda: dense_step(local, batch, LOSS)),
+        "reuse": (local, lambda: reuse_step(local, batch, plan, LOSS)),
+    }
+    if rows == 1:
+        del runs["dense_batched"]
+    if config.skip_stock:
+        del runs["stock_dense"]
+    times: Dict[str, List[float]] = {name: [] for name in runs}
+    cpu: Dict[str, List[float]] = {name: [] for name in runs}
+    device = next(local.parameters()).device
+    for step in range(config.warmup + config.steps):
+        for name, (model, run) in runs.items():  # interleaved: noise hits every path alike
+            _zero(model)
+            with RegionTimer(device) as timer:
+                run()
+            seconds = _reduce_max(timer.seconds)  # the MAX also lines the ranks up for the next
+            cpu_seconds = _reduce_max(timer.cpu_seconds)
+            if step >= config.warmup:
+                times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
+    _zero(local)
+    _zero(fused)
+    return times, cpu
+
+
+def _check_step(config: BenchConfig, local, batch: GroupBatch, plan: StepPlan) -> dict:
+    """Untimed, after timing, on the local model: stock dense (the reference), reuse, and the
+    batched dense layout -- losses and max relative gradient differences."""
+    from megatron_patches.training import max_relative_diff, param_grads
+
+    def grads_of(run):
+        _zero(local)
+        result = run()
+        grads = param_grads(local)
+        _zero(local)
+        return result, grads
+
+    dense, reference = grads_of(lambda: dense_step(local, batch, LOSS))
+    reuse, reuse_grads = grads_of(lambda: reuse_step(local, batch, plan, LOSS))
+    check = {"loss_dense": _global_loss(dense), "loss_reuse": _global_loss(reuse),
+             "max_grad_rel_diff": _reduce_max(max_relative_diff(reference, reuse_grads))}
+    rows = config.dense_rows_per_microbatch
+    if rows > 1:
+        _, batched = grads_of(lambda: dense_step(local, batch, LOSS, micro_batch_size=rows))
+        check["dense_batched_grad_rel_diff"] = _reduce_max(max_relative_diff(reference, batched))
+    return check
+
+
+def _global_loss(result) -> float:
+    """Token mean over the whole batch: the last stage of each DP replica reports (one TP rank)."""
+    if torch.distributed.get_world_size() == 1:
+        return result.loss
+    from megatron.core import parallel_state
+
+    totals = torch.zeros(2, dtype=torch.float64)
+    if (parallel_state.is_pipeline_last_stage()
+            and parallel_state.get_tensor_model_parallel_rank() == 0):
+        totals += torch.tensor([result.loss * result.num_tokens, float(result.num_tokens)],
+                               dtype=torch.float64)
+    torch.distributed.all_reduce(totals)
+    return float(totals[0] / totals[1])
+
+
+def _memory(local, fused, batch: GroupBatch, plan: StepPlan) -> Dict[str, float]:
+    """One extra step per path under tools/memory_probe.py: bytes held for backward (saved
+    activations, plus the prefix cache for reuse; not the allocator's peak)."""
+    from prefix_schedule.runtime.step import ReuseStep
+
+    _zero(fused)
+    dense = memory_probe.measure_dense(fused, lambda: dense_step(fused, batch, LOSS))
+    _zero(local)
+    reuse = memory_probe.measure_reuse(
+        local, ReuseStep(batch, plan), lambda step: reuse_step(local, batch, plan, LOSS, step=step))
+    _zero(local)
+    _zero(fused)
+    return {"dense_peak_saved_bytes": dense.peak_saved_bytes,
+            "reuse_peak_saved_bytes": reuse.peak_saved_bytes,
+            "reuse_suffix_phase_peak_bytes": reuse.suffix_phase_peak_bytes,
+            "reuse_cache_bytes": reuse.cache_peak_bytes,
+            "suffix_phase_reduction": 1 - reuse.suffix_phase_peak_bytes / dense.peak_saved_bytes,
+            "basis": MEMORY_BASIS}
+
+
+def _megatron_layout() -> Dict[str, int]:
+    """The parallel sizes Megatron actually ran with (the JSON's `layout`)."""
+    from megatron.core import parallel_state as ps
+
+    return {"pp": ps.get_pipeline_model_parallel_world_size(),
+            "tp": ps.get_tensor_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def measure(config: BenchConfig, distributed: bool = False) -> dict:
+    """Build, time, check and measure in this process, or in each rank of a layout
+    (`distributed`, run by megatron_patches.launch: its pipeline stage / TP shard / DP share);
+    every rank returns the same reduced numbers."""
+    local, fused = _build_models(config, distributed)
+    batch = config_batch(config)
+    placement = config.placement(batch)
+    if placement is not None:
+        from megatron.core import parallel_state
+
+        batch = placement.ranks[parallel_state.get_data_parallel_rank()].batch
+    plan = config_plan(config, batch)
+    param = next(local.parameters())
+    backend = selected_backend(config, param.device, param.dtype)
+    times, cpu_times = _time_paths(config, local, fused, batch, plan)
+    check = _check_step(config, local, batch, plan)  # untimed, after every path's timing
+    memory: Optional[dict] = None if distributed else _memory(local, fused, batch, plan)
+    timer = RegionTimer(param.device)
+    return {"times": times, "cpu_times": cpu_times, "attention_backend": backend, **check, "memory": memory,
+            "layout": _megatron_layout(), "timing_basis": timer.basis,
+            "reuse_microbatch_tokens": [m.num_tokens for m in plan.microbatches]}

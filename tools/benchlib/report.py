@@ -1,0 +1,147 @@
+"""tools/bench.py's result dict (the JSON) and its human-readable table."""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+import torch
+
+from benchlib.config import BenchConfig
+from benchlib.measure import config_batch, config_plan, measure
+from prefix_schedule.planning.flops import ideal_speedup
+
+__all__ = ["IDEAL_BASIS", "format_table", "run_bench"]
+
+IDEAL_BASIS = ("FLOP ratio dense/reuse of the whole (global) batch planned as one step "
+               "(prefix_schedule/planning/flops.py); ignores pipeline bubbles and DP imbalance")
+
+
+def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] = None) -> dict:
+    """Run the benchmark; return the result dict that `--json` writes.
+
+    `raw_times`, if given, receives every timed step's seconds per path (for the table's spread).
+    """
+    dims = config.model_dims()
+    threads = max(1, config.threads // config.world_size)
+    batch = config_batch(config)
+    ideal = ideal_speedup(dims, batch, config_plan(config, batch))
+    placement = config.placement(batch)
+    if config.world_size == 1:
+        torch.set_num_threads(config.threads)
+        measured = measure(config)
+    else:
+        from megatron_patches.launch import launch
+
+        measured = launch(measure, world_size=config.world_size, args=(config, True),
+                          timeout_s=config.timeout, threads_per_rank=threads)[0]
+    times, cpu_times = measured.pop("times"), measured.pop("cpu_times")
+    if raw_times is not None:
+        raw_times.update(times)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    speedup = median["dense"] / median["reuse"]
+    reuse_tokens = measured.pop("reuse_microbatch_tokens")
+    batched_diff = measured.pop("dense_batched_grad_rel_diff", None)
+    result = {
+        "dense_seconds": median["dense"],
+        "stock_dense_seconds": median.get("stock_dense"),
+        "reuse_seconds": median["reuse"],
+        "speedup": speedup,
+        "ideal_speedup": ideal,
+        "ideal_speedup_basis": IDEAL_BASIS,
+        "efficiency": speedup / ideal,
+        "dense_batched": None if "dense_batched" not in median else {
+            "seconds": median["dense_batched"],
+            "micro_batch_size": config.dense_rows_per_microbatch,
+            "tokens_per_microbatch": config.dense_rows_per_microbatch * config.row_len,
+            "speedup": median["dense_batched"] / median["reuse"],
+            "efficiency": median["dense_batched"] / median["reuse"] / ideal,
+            "max_grad_rel_diff_vs_stock_dense": batched_diff},
+        "timing": {"basis": measured.pop("timing_basis"), "warmup_steps_per_path": config.warmup,
+                   "interleaved": True,
+                   "cpu_seconds": {name: statistics.median(v) for name, v in cpu_times.items()},
+                   "cpu_seconds_basis": "median process CPU time per step, all threads (slowest "
+                                        "rank); steadier than wall time on a loaded machine",
+                   "tokens_per_microbatch": {
+                       "dense": config.row_len, "reuse_mean": sum(reuse_tokens) / len(reuse_tokens),
+                       "reuse_max": max(reuse_tokens)}},
+        **measured,
+        "model": {name: getattr(dims, name) for name in (
+            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+            "num_query_groups", "vocab_size", "gated_linear_unit")},
+        "workload": {name: getattr(config, name) for name in (
+            "prefix_len", "suffix_len", "group_size", "num_groups")},
+        "token_budget": config.token_budget,
+        "prefix_chunk_tokens": config.prefix_chunk_tokens,
+        "threads": config.threads,
+        "threads_per_rank": threads,
+        "steps": config.steps,
+    }
+    if placement is not None:
+        result["placement"] = placement.describe()
+    return result
+
+
+def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = None) -> str:
+    """A short human-readable summary of a result dict (with min/max per path if given times)."""
+    w, m, lay = result["workload"], result["model"], result["layout"]
+    raw_times = raw_times or {}
+
+    cpu = result["timing"]["cpu_seconds"]
+
+    def row(label: str, name: str, seconds) -> str:
+        if seconds is None:
+            return f"{label:<34}{'skipped':>12}"
+        values = raw_times.get(name)
+        spread = f"{min(values):>10.4f}{max(values):>10.4f}" if values else ""
+        return f"{label:<34}{seconds:>12.4f}{spread}{cpu[name]:>10.4f}"
+
+    world = lay["pp"] * lay["tp"] * lay["dp"]
+    batched, tokens = result["dense_batched"], result["timing"]["tokens_per_microbatch"]
+    lines = [
+        f"workload: {w['num_groups']} groups x {w['group_size']} trajectories, prefix "
+        f"{w['prefix_len']}, suffix {w['suffix_len']}, token budget {result['token_budget']}"
+        + (f", prefix chunks of <= {result['prefix_chunk_tokens']} tokens"
+           if result["prefix_chunk_tokens"] else ""),
+        f"model: {m['num_layers']} layers, hidden {m['hidden_size']}, ffn {m['ffn_hidden_size']}, "
+        f"heads {m['num_attention_heads']}/{m['num_query_groups']} kv, vocab {m['vocab_size']}; "
+        f"{result['threads']} threads, median of {result['steps']} steps after "
+        f"{result['timing']['warmup_steps_per_path']} warm-up step(s) per path",
+        f"layout: pp {lay['pp']} x tp {lay['tp']} x dp {lay['dp']} = {world} process(es), "
+        f"{result['threads_per_rank']} thread(s) each; attention backend "
+        f"{result['attention_backend']}",
+        *([result["placement"]] if "placement" in result else []),
+        f"tokens per microbatch: dense {tokens['dense']} (one row), reuse mean "
+        f"{tokens['reuse_mean']:.0f} / max {tokens['reuse_max']}"
+        + (f", dense batched {batched['tokens_per_microbatch']} ({batched['micro_batch_size']} rows)"
+           if batched else ""),
+        f"{'fwd+bwd seconds' + (' (slowest rank)' if world > 1 else ''):<34}"
+        f"{'median':>12}{'min':>10}{'max':>10}{'cpu s':>10}",
+        row("dense (fused SDPA, 1 row/mb)", "dense", result["dense_seconds"]),
+        row(f"dense batched ({batched['micro_batch_size']} rows/mb)" if batched else "dense batched",
+            "dense_batched", batched and batched["seconds"]),
+        row("stock dense (local, unfused)", "stock_dense", result["stock_dense_seconds"]),
+        row("reuse", "reuse", result["reuse_seconds"]),
+        f"speedup {result['speedup']:.3f}x"
+        + (f" (vs batched dense {batched['speedup']:.3f}x)" if batched else "")
+        + f"  ideal {result['ideal_speedup']:.3f}x (whole-batch FLOPs)  efficiency "
+        f"{result['efficiency']:.3f}",
+        f"cpu-time speedup {cpu['dense'] / cpu['reuse']:.3f}x"
+        + (f" (vs batched dense {cpu['dense_batched'] / cpu['reuse']:.3f}x)" if batched else ""),
+        f"loss dense {result['loss_dense']:.6f}  reuse {result['loss_reuse']:.6f}  "
+        f"max grad rel diff vs stock dense {result['max_grad_rel_diff']:.2e}"
+        + (f" (batched dense {batched['max_grad_rel_diff_vs_stock_dense']:.2e})" if batched else ""),
+        f"timing: {result['timing']['basis']}",
+        _memory_line(result["memory"]),
+    ]
+    return "\n".join(lines)
+
+
+def _memory_line(memory: Optional[dict]) -> str:
+    if memory is None:
+        return "held-for-backward memory: not measured with several processes"
+    mib = 2.0 ** 20
+    return (f"held-for-backward MiB: dense peak {memory['dense_peak_saved_bytes'] / mib:.1f}, "
+            f"reuse peak {memory['reuse_peak_saved_bytes'] / mib:.1f}, reuse suffix phase "
+            f"{memory['reuse_suffix_phase_peak_bytes'] / mib:.1f} "
+            f"({-100 * memory['suffix_phase_reduction']:+.0f}% vs dense), cache "
+            f"{memory['reuse_cache_bytes'] / mib:.1f}")
