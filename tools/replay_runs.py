@@ -72,7 +72,7 @@ class Run:
 
     def train_step(self, batch, plan, loss_config) -> dict:
         """One optimizer step on `batch`: {loss, grad_norm, seconds}."""
-        from megatron_patches.training import dense_step, reuse_step
+        from benchlib.steps import dense_step, reuse_step  # items moved to the model's device
 
         self.model.zero_grad_buffer()
         start = time.perf_counter()
@@ -108,11 +108,11 @@ class Run:
     def state_tensors(self) -> dict:
         out = {}
         for name, master in self.master.items():
-            out[f"w.{name}"] = master.detach().contiguous()
+            out[f"w.{name}"] = master.detach().cpu().contiguous()
             state = self.optimizer.state.get(master, {})
             if state:
-                out[f"m.{name}"] = state["exp_avg"].contiguous()
-                out[f"v.{name}"] = state["exp_avg_sq"].contiguous()
+                out[f"m.{name}"] = state["exp_avg"].cpu().contiguous()
+                out[f"v.{name}"] = state["exp_avg_sq"].cpu().contiguous()
                 out[f"step.{name}"] = torch.as_tensor(state["step"], dtype=torch.float32).reshape(1)
         return out
 
@@ -124,8 +124,8 @@ class Run:
                 if f"m.{name}" in tensors:
                     self.optimizer.state[master] = {
                         "step": tensors[f"step.{name}"].reshape(()).clone(),
-                        "exp_avg": tensors[f"m.{name}"].clone(),
-                        "exp_avg_sq": tensors[f"v.{name}"].clone()}
+                        "exp_avg": tensors[f"m.{name}"].to(master.device),
+                        "exp_avg_sq": tensors[f"v.{name}"].to(master.device)}
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file

@@ -6,8 +6,9 @@ row per microbatch, fused-SDPA core attention (`build_model(fused_attention=True
 baseline: reuse's attention is fused too); reuse = the prefix-reuse schedule planned by
 prefix_schedule.planning.policy (or, with policy off, a group's suffixes in one microbatch, the
 bench's default). After `warmup` untimed steps per path, `reps` steps are interleaved (dense,
-reuse, dense, ...); per path the median of wall time and of process CPU time is kept (on CUDA:
-CUDA events between synchronisations). On a shared CPU, CPU time moves far less with other jobs'
+reuse, dense, ...); per path the median of wall time and of process CPU time is kept
+(tools/benchlib: CUDA events between synchronisations on a GPU; the steps move each item to the
+model's device, as a training script's get_batch does). On a shared CPU, CPU time moves far less with other jobs'
 load than wall time: run with one thread so it is not inflated by spinning OpenMP workers.
 Memory: one more untimed step per path under tools/memory_probe.py (bytes held for backward;
 `suffix_phase_reduction` = 1 - reuse's suffix-phase peak / dense's step peak). The gradients
@@ -16,22 +17,23 @@ an exactness check of its plan too.
 """
 from __future__ import annotations
 
-import math
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 import memory_probe
+from benchlib.steps import dense_step, reuse_step
+from benchlib.timing import RegionTimer
+from benchlib.workload import make_batch
 from prefix_schedule.losses import PolicyLossConfig
-from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
+from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.flops import ModelDims, ideal_speedup
 from prefix_schedule.planning.planner import plan_microbatches
 from prefix_schedule.planning.policy import ReusePolicy, plan_with_policy
 
-__all__ = ["ModelSpec", "Models", "make_batch", "measure_point", "LOSS"]
+__all__ = ["ModelSpec", "Models", "measure_point", "LOSS"]
 
 LOSS = PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.05)
 
@@ -47,19 +49,6 @@ class ModelSpec:
 
     def dims(self) -> ModelDims:
         return ModelDims(gated_linear_unit=True, **self.__dict__)
-
-
-def make_batch(*, prefix_len: int, suffix_len: int, group_size: int, num_groups: int,
-               vocab_size: int, seed: int) -> GroupBatch:
-    """Random prompts and responses; log-probs near log(1/V) (an untrained model's)."""
-    gen = torch.Generator().manual_seed(seed)
-    near = lambda: -math.log(vocab_size) + 0.1 * torch.randn(suffix_len, generator=gen)  # noqa: E731
-    return GroupBatch(groups=[Group(
-        prefix=torch.randint(0, vocab_size, (prefix_len,), generator=gen),
-        trajectories=[Trajectory(suffix=torch.randint(0, vocab_size, (suffix_len,), generator=gen),
-                                 advantages=torch.randn(suffix_len, generator=gen),
-                                 old_logprobs=near().clamp(max=0), ref_logprobs=near().clamp(max=0))
-                      for _ in range(group_size)]) for _ in range(num_groups)])
 
 
 class Models:
@@ -91,22 +80,6 @@ class Models:
         return next(self.local.parameters()).device
 
 
-def _timed(device: torch.device, run) -> tuple[float, float]:
-    """(wall seconds, process CPU seconds) of run()."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        c0 = time.process_time()
-        start.record()
-        run()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1000.0, time.process_time() - c0
-    t0, c0 = time.perf_counter(), time.process_time()
-    run()
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
 def _plan(batch: GroupBatch, dims: ModelDims, max_seq_len: int, policy: Optional[ReusePolicy]):
     """(plan, policy note): the policy's, or a group's suffixes per microbatch (bench default)."""
     if policy is None:
@@ -125,8 +98,7 @@ def measure_point(models: Models, dims: ModelDims, *, prefix_len: int, suffix_le
                   group_size: int, num_groups: int, policy: Optional[ReusePolicy], reps: int,
                   warmup: int, memory: bool, seed: int) -> dict:
     """Time, check and measure one point; returns the CSV row's measured fields."""
-    from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
-                                           reuse_step, zero_grads)
+    from megatron_patches.training import max_relative_diff, param_grads, zero_grads
 
     batch = make_batch(prefix_len=prefix_len, suffix_len=suffix_len, group_size=group_size,
                        num_groups=num_groups, vocab_size=dims.vocab_size, seed=seed)
@@ -140,10 +112,11 @@ def measure_point(models: Models, dims: ModelDims, *, prefix_len: int, suffix_le
     for rep in range(warmup + reps):
         for name, (model, run) in runs.items():
             zero_grads(model)
-            w, c = _timed(models.device, run)
+            with RegionTimer(models.device) as timer:
+                run()
             if rep >= warmup:
-                wall[name].append(w)
-                cpu[name].append(c)
+                wall[name].append(timer.seconds)
+                cpu[name].append(timer.cpu_seconds)
     grad_diff = max_relative_diff(param_grads(models.fused), param_grads(models.local))
     row = {"dense_s": statistics.median(wall["dense"]), "reuse_s": statistics.median(wall["reuse"]),
            "dense_cpu_s": statistics.median(cpu["dense"]),
@@ -159,7 +132,7 @@ def measure_point(models: Models, dims: ModelDims, *, prefix_len: int, suffix_le
 
 
 def _memory(models: Models, batch: GroupBatch, plan) -> dict:
-    from megatron_patches.training import dense_step, reuse_step, zero_grads
+    from megatron_patches.training import zero_grads
     from prefix_schedule.runtime.step import ReuseStep
 
     zero_grads(models.fused)
