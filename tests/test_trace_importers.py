@@ -136,3 +136,22 @@ def test_megatron_non_chain_turns_become_rows(tmp_path):
     assert group.prefix.tolist() == [1, 2]
     assert [t.suffix.tolist() for t in group.trajectories] == [[5, 6], [7]]
     assert all(torch.all(t.loss_mask == 1) for t in group.trajectories)
+
+
+def test_importers_from_the_command_line(tmp_path, capsys):
+    from tools_import import tool
+
+    main = tool("trace").main
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"step": 0, "prompt": [1, 2], "response": [3], "advantage": 1.0},
+        {"step": 0, "prompt": [1, 2], "response": [4, 5], "advantage": -1.0}])
+    assert main(["import-generic", str(src), "--out", str(tmp_path / "g.jsonl")]) == 0
+    assert main(["validate", str(tmp_path / "g.jsonl")]) == 0
+    dump(tmp_path, 0, 3, [[rollout([1, 2, 3], 2, 1.0), rollout([1, 2, 4], 2, 0.0)]])
+    assert main(["import-megatron", str(tmp_path), "--out", str(tmp_path / "m.jsonl.gz"),
+                 "--vocab-size", "8"]) == 0
+    assert "1 steps, 1 groups" in capsys.readouterr().out
+    assert main(["stats", str(tmp_path / "m.jsonl.gz")]) == 0
+    assert main(["import-megatron", str(tmp_path), "--out", str(tmp_path / "x.jsonl"),
+                 "--vocab-size", "4"]) == 1
+    assert "outside [0, 4)" in capsys.readouterr().err
