@@ -64,9 +64,13 @@ class Figure:
             start = (y * self.width + x0) * 3
             self.pixels[start:start + len(row)] = row
 
-    def _line(self, x0: float, y0: float, x1: float, y1: float, colour, width: int = 2) -> None:
+    def _line(self, x0: float, y0: float, x1: float, y1: float, colour, width: int = 2,
+              dash: int = 0) -> None:
+        """A line; with `dash` > 0, `dash` pixels on, `dash` off along its length."""
         steps = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
         for i in range(steps + 1):
+            if dash and (i // dash) % 2:
+                continue
             t = i / steps
             x, y = int(round(x0 + t * (x1 - x0))), int(round(y0 + t * (y1 - y0)))
             self._rect(x, y, x + width, y + width, colour)
@@ -107,13 +111,12 @@ class Figure:
         for k, (name, pts) in enumerate(points.items()):
             colour = COLOURS[(colours or {}).get(name, k) % len(COLOURS)]
             dashed = (styles or {}).get(name) == "dashed"
-            for j, ((xa, ya), (xb, yb)) in enumerate(zip(pts, pts[1:])):
-                if not dashed or j % 2 == 0:
-                    self._line(sx(xa), sy(ya), sx(xb), sy(yb), colour)
+            for (xa, ya), (xb, yb) in zip(pts, pts[1:]):
+                self._line(sx(xa), sy(ya), sx(xb), sy(yb), colour, dash=6 if dashed else 0)
             for x, y in pts if markers or len(pts) == 1 else ():
                 self._rect(int(sx(x)) - 3, int(sy(y)) - 3, int(sx(x)) + 4, int(sy(y)) + 4, colour)
-            lx, ly = left + 80 + (k % 2) * 220, box[3] + 44 + (k // 2) * 14
-            self._rect(lx, ly + 3, lx + 18, ly + 6, colour)
+            lx, ly = left + 8 + (k % 3) * 170, box[3] + 44 + (k // 3) * 14
+            self._line(lx, ly + 4, lx + 18, ly + 4, colour, dash=4 if dashed else 0)
             self.text(lx + 24, ly, name)
 
     def _axes(self, box, xr, yr, log_y, sx, sy) -> None:

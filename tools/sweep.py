@@ -16,11 +16,14 @@ note, the gradient check. The CSV is appended point by point; a rerun skips the 
 (same settings), so an interrupted sweep resumes. PNGs: speedup.png (measured and ideal speedup
 vs prefix share, one line per group size), memory.png, efficiency.png.
 
-`--compile` wraps both models' forward in torch.compile (dynamic shapes). Where it cannot help:
-the reuse attention hook (thread-local reuse context, the cache's autograd Function, Python-side
-plan lookups) breaks the graph at every attention layer, so reuse compiles only the pieces
-between them (projections, MLP, norms); the schedules, p2p and the cache stay eager in both
-paths. On CPU inductor needs a C++ compiler.
+`--compile` wraps both models' forward in torch.compile (dynamic shapes). Where it cannot be
+used: the reuse attention hook -- dynamo (torch 2.13) fails inside its custom autograd Functions
+(two-part attention, cache reads: InternalTorchDynamoError), so the hook runs eager under
+torch.compiler.disable, a graph break at every attention layer in both paths (the hook is
+process-wide); projections, MLP, norms, RoPE and the loss compile. The schedules, p2p and the
+prefix cache are Python and stay eager in both paths. Memory is not measured when compiled
+(tools/memory_probe.py's saved-tensor hooks break dynamo's guards). On CPU inductor needs a C++
+compiler.
 """
 from __future__ import annotations
 
@@ -72,6 +75,8 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-policy", action="store_true", help="bench packing, never dense")
     p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN)
+    p.add_argument("--token-budget", type=int, default=None,
+                   help="the policy's suffix microbatch tokens (default: the longest dense row)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--csv", type=Path, default=None)
@@ -137,7 +142,8 @@ def run(args) -> list[dict]:
         raise ValueError("--paper runs 12,288-token trajectories in groups of up to 128 on an "
                          "8-layer 2k-wide model: it needs a GPU (use --list to see the grid)")
     torch.set_num_threads(args.threads)
-    policy = None if args.no_policy else ReusePolicy(dims=spec.dims(), min_gain=args.min_gain)
+    policy = None if args.no_policy else ReusePolicy(dims=spec.dims(), min_gain=args.min_gain,
+                                                     token_budget=args.token_budget)
     done = {_key(r) for r in _load(args.csv)}
     models, rows, started = None, [], time.perf_counter()
     for i, (prefix, suffix, g) in enumerate(points):
@@ -152,7 +158,8 @@ def run(args) -> list[dict]:
                             compile=args.compile)
         row.update(measure_point(models, spec.dims(), prefix_len=prefix, suffix_len=suffix,
                                  group_size=g, num_groups=args.num_groups, policy=policy,
-                                 reps=args.reps, warmup=args.warmup, memory=not args.no_memory,
+                                 reps=args.reps, warmup=args.warmup,
+                                 memory=not (args.no_memory or args.compile),
                                  seed=args.seed))
         row.update(prefix_share=prefix / (prefix + suffix), speedup=row["dense_s"] / row["reuse_s"],
                    cpu_speedup=row["dense_cpu_s"] / row["reuse_cpu_s"], load_avg=os.getloadavg()[0])

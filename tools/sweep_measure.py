@@ -71,13 +71,29 @@ class Models:
         fused.load_state_dict(self.local.state_dict())
         self.fused = prepare_for_training(fused, ddp=False)
         self.compiled = compile
-        if compile:  # both paths alike; see docs/BENCHMARKS.md "Sweep" for where it cannot help
-            self.local.forward = torch.compile(self.local.forward, dynamic=True)
-            self.fused.forward = torch.compile(self.fused.forward, dynamic=True)
+        if compile:
+            _compile_models(self.local, self.fused)
 
     @property
     def device(self) -> torch.device:
         return next(self.local.parameters()).device
+
+
+def _compile_models(*models) -> None:
+    """torch.compile both models' forward (dynamic shapes). The reuse attention hook runs eager:
+    dynamo (torch 2.13) fails inside its custom autograd Functions (InternalTorchDynamoError in
+    handle_saved_tensors_wiring), so it is wrapped in torch.compiler.disable -- a graph break at
+    every attention layer, in both paths (the hook is installed process-wide; dense calls it too
+    and falls through to its own fused SDPA). Everything between the breaks compiles."""
+    from megatron.core.transformer import attention
+
+    hook = attention._core_attention_hook
+    if hook is not None and not getattr(hook, "_sweep_eager", False):
+        eager = torch.compiler.disable(hook)
+        eager._sweep_eager = True
+        attention._core_attention_hook = eager
+    for model in models:
+        model.forward = torch.compile(model.forward, dynamic=True)
 
 
 def _plan(batch: GroupBatch, dims: ModelDims, max_seq_len: int, policy: Optional[ReusePolicy]):
