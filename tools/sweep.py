@@ -7,8 +7,8 @@
 Total length per trajectory fixed (`--total`, default 1536; the paper: 12,288), prefix:suffix
 splits 1:5, 1:2, 1:1, 2:1, 5:1 (the paper's 2k/10k .. 10k/2k), group sizes 2..16 (paper: 2..128).
 Each point times dense and reuse side by side (tools/sweep_measure.py), planned by the FLOP-model
-policy (prefix_schedule/planning/policy.py: small-gain groups run dense, microbatches no larger
-than a dense row; `--no-policy`: a group's suffixes in one microbatch, the bench's default).
+policy (prefix_schedule/planning/policy.py: small-gain groups run dense, microbatches of at most
+four dense rows' tokens; `--no-policy`: a group's suffixes in one microbatch, the bench's default).
 Columns: speedup (wall) and cpu_speedup (process CPU time, the figure plotted: steadier on a
 shared machine), ideal (FLOP ratio of the plan run) and ideal_full_reuse (of plain reuse),
 efficiency = cpu_speedup / ideal, suffix_phase_reduction (held-for-backward bytes), the plan's
@@ -76,7 +76,7 @@ def _args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-policy", action="store_true", help="bench packing, never dense")
     p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN)
     p.add_argument("--token-budget", type=int, default=None,
-                   help="the policy's suffix microbatch tokens (default: the longest dense row)")
+                   help="the policy's suffix microbatch tokens (default: 4 x the longest dense row)")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--compile", action="store_true")
     p.add_argument("--csv", type=Path, default=None)

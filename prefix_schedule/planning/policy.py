@@ -6,17 +6,19 @@ attention merge, the cache's K/V copies and fp32 gK/gV. When the prompt is a sma
 group's tokens or the group is small, the saving is about that overhead and reuse is no faster
 than dense (prefix 256 / suffix 1280 / G=2, ideal 1.09x: 1.06x in CPU time but 0.72x in wall
 time under load, docs/BENCHMARKS.md "Sweep"). And packing a
-whole group's suffixes into one long row (G x n tokens) runs slower per token than dense's rows
-of P + n tokens on the same kernels (measured on CPU: prefix 256 / suffix 1280 / G=16 at 0.90x
-dense, ideal 1.13x, with one 20,480-token row).
+whole group's suffixes into one long row (G x n tokens) runs slower per token than rows of a few
+thousand tokens (measured on CPU: prefix 256 / suffix 1280 / G=16 at 0.90-1.01x dense, ideal
+1.13x, with one 20,480-token row; 1.18x with rows of <= 6,140).
 
 `plan_with_policy` therefore decides per group and says why (`PolicyPlan.describe()`):
 - a group whose FLOP gain dense / reuse (flops.py, the group alone) is below `min_gain` runs
-  dense (a group of one included: it uses the cache when that pays, e.g. a long prompt): its trajectories' whole rows go into the microbatches, no cache (exact either way:
-  DESIGN.md "[Note: the split of a trajectory]");
-- the suffix microbatches hold at most `token_budget` tokens, by default the longest dense row
-  of the batch: reuse's microbatches are then no larger than dense's, so each suffix row runs at
-  dense's per-token speed and the memory of a microbatch does not grow with G.
+  dense: its trajectories' whole rows go into the microbatches, no cache (exact either way:
+  DESIGN.md "[Note: the split of a trajectory]"); a group of one is judged the same way (it
+  uses the cache when that pays, e.g. a long prompt);
+- the suffix microbatches hold at most `token_budget` tokens, by default four times the longest
+  dense row of the batch: large enough that a big group's short suffixes share microbatches
+  (one dense row's worth ran G=16 groups up to 22% slower), small enough that a microbatch's
+  memory does not grow with G (a whole group's suffixes in one row did).
 Both choices only change which rows run where; gradients are those of stock dense training
 (tests/test_policy.py checks it against Megatron like any plan).
 """
@@ -30,7 +32,14 @@ from prefix_schedule.planning.data import Group, GroupBatch
 from prefix_schedule.planning.flops import ModelDims, dense_flops, reuse_flops
 from prefix_schedule.planning.planner import StepPlan, plan_microbatches
 
-__all__ = ["ReusePolicy", "GroupDecision", "PolicyPlan", "group_gain", "plan_with_policy"]
+__all__ = ["ReusePolicy", "GroupDecision", "PolicyPlan", "group_gain", "plan_with_policy",
+           "DENSE_ROWS_PER_MICROBATCH", "DEFAULT_MIN_GAIN"]
+
+DENSE_ROWS_PER_MICROBATCH = 4
+"""Default suffix microbatch size, in dense rows. Measured on CPU (docs/BENCHMARKS.md "Sweep"):
+a cap of one dense row ran G=16 groups slower (768/768: 1.41x vs 1.80x at 4 rows' worth, 1.82x
+at 8,192 tokens), one row per whole group (20,480 tokens at 256/1280, G=16) slower still (0.96x
+vs 1.18x at 4 rows' worth)."""
 
 DEFAULT_MIN_GAIN = 1.10
 """Below this FLOP gain a group runs dense: a margin for the overhead the FLOP model does not
@@ -48,7 +57,8 @@ class ReusePolicy:
     """A group runs dense when dense_flops / reuse_flops of the group alone is below this
     (1.0: reuse whenever it saves FLOPs at all)."""
     token_budget: Optional[int] = None
-    """Tokens per suffix microbatch; None = the longest dense row (P + n - 1) of the batch."""
+    """Tokens per suffix microbatch; None = `DENSE_ROWS_PER_MICROBATCH` x the longest dense row
+    (P + n - 1) of the batch."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dims, ModelDims):
@@ -124,7 +134,7 @@ def plan_with_policy(batch: GroupBatch, *, policy: ReusePolicy, max_seq_len: int
     batch.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
     longest_dense = max(g.prefix_len - 1 + t.num_tokens for g in batch.groups for t in g.trajectories)
     longest_suffix = max(t.num_tokens for g in batch.groups for t in g.trajectories)
-    budget = policy.token_budget or max(longest_dense, longest_suffix)
+    budget = policy.token_budget or DENSE_ROWS_PER_MICROBATCH * max(longest_dense, longest_suffix)
     budget += -budget % row_multiple
     decisions = tuple(_decide(g, group, policy, budget, row_multiple)
                       for g, group in enumerate(batch.groups))
