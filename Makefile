@@ -20,6 +20,7 @@ $(STAMP): setup.py Makefile megatron_patches/declarations.py
 	$(PIP) install -q torch==2.13.0 numpy==2.4.6 'packaging>=24.2' 'pytest>=8' 'hypothesis>=6'
 	$(PIP) install -q --no-deps --ignore-requires-python megatron-core==0.19.2
 	$(PIP) install -q transformers==5.23.0  # test-only: cross-checks tests/reference_impl.py
+	$(PIP) install -q safetensors==0.8.0  # tools/replay.py checkpoints (also a transformers dep)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PY) -m megatron_patches apply
 	touch $(STAMP)

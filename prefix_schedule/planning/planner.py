@@ -280,7 +280,7 @@ def _padding(length: int, multiple: int) -> int:
 
 
 def _segment_lengths(batch: GroupBatch, *, capacity: int, multiple: int,
-                     run_singletons_dense: bool):
+                     run_singletons_dense: bool, dense_groups: frozenset = frozenset()):
     """Yield (group, trajectory, length, cached_len) in packing order."""
     for g, group in enumerate(batch.groups):
         p = group.prefix_len
@@ -288,9 +288,24 @@ def _segment_lengths(batch: GroupBatch, *, capacity: int, multiple: int,
         for t, trajectory in enumerate(group.trajectories):
             n = trajectory.num_tokens
             full = p - 1 + n
-            dense = p == 1 or (run_singletons_dense and singleton
-                               and full + _padding(full, multiple) <= capacity)
+            dense = p == 1 or g in dense_groups or (run_singletons_dense and singleton
+                                                    and full + _padding(full, multiple) <= capacity)
             yield (g, t, full, 0) if dense else (g, t, n, p - 1)
+
+
+def _check_dense_groups(batch: GroupBatch, dense_groups, capacity: int, multiple: int) -> frozenset:
+    groups = frozenset(dense_groups)
+    for g in sorted(groups):
+        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < len(batch.groups):
+            raise ValueError(f"dense_groups names group {g!r}; the batch has groups 0.."
+                             f"{len(batch.groups) - 1}")
+        group = batch.groups[g]
+        longest = group.prefix_len - 1 + max(t.num_tokens for t in group.trajectories)
+        if longest + _padding(longest, multiple) > capacity:
+            raise ValueError(f"group {g} is to run dense but its longest row has {longest} tokens, "
+                             f"over the token budget; use token_budget >= "
+                             f"{longest + _padding(longest, multiple)} or let it use the cache")
+    return groups
 
 
 def _check_budget(batch: GroupBatch, token_budget: int, multiple: int) -> None:
@@ -311,8 +326,11 @@ def _check_budget(batch: GroupBatch, token_budget: int, multiple: int) -> None:
 def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
                       run_singletons_dense: bool = True,
                       prefix_chunk_tokens: Optional[int] = None,
-                      row_multiple: int = 1, vocab_size: Optional[int] = None) -> StepPlan:
+                      row_multiple: int = 1, vocab_size: Optional[int] = None,
+                      dense_groups=()) -> StepPlan:
     """Greedy, order-preserving packing of every trajectory's row; see the module docstring.
+    `dense_groups`: indices of groups whose rows run whole, without the cache (as a dense
+    trainer would; exact either way). prefix_schedule.planning.policy decides which, by FLOPs.
     `prefix_chunk_tokens`: see StepPlan (None: each cached prefix runs as one chunk).
     `row_multiple`: pad every row to a multiple of it ([Note: row padding]); pass the TP size
     when Megatron runs with sequence_parallel=True. The padded row fits the token budget.
@@ -324,11 +342,13 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
     batch.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
     _check_budget(batch, token_budget, row_multiple)
     capacity = token_budget - token_budget % row_multiple  # the longest row that pads within budget
+    dense = _check_dense_groups(batch, dense_groups, capacity, row_multiple)
     rows: list[list[Segment]] = []
     used = capacity  # forces a new microbatch for the first segment
     for g, t, length, cached_len in _segment_lengths(batch, capacity=capacity,
                                                      multiple=row_multiple,
-                                                     run_singletons_dense=run_singletons_dense):
+                                                     run_singletons_dense=run_singletons_dense,
+                                                     dense_groups=dense):
         if used + length > capacity:
             rows.append([])
             used = 0

@@ -1,0 +1,71 @@
+"""PNG plots of a tools/sweep.py CSV (no matplotlib: tools/pngplot.py).
+
+Per setting (policy on/off, eager/compiled): speedup{tag}.png (measured CPU-time speedup, solid,
+and the FLOP model's ideal speedup of plain reuse, dashed, vs prefix share, one colour per
+group size), memory{tag}.png (suffix-phase reduction of held-for-backward bytes, %),
+efficiency{tag}.png (measured / ideal of the plan run, with the 0.9 target).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+from pngplot import Figure
+
+__all__ = ["write_plots"]
+
+
+def _tag(policy_on: str, compiled: str) -> str:
+    return ("" if policy_on == "True" else "-nopolicy") + ("-compile" if compiled == "True" else "")
+
+
+def _series(rows: list, column: str, scale: float = 1.0) -> dict:
+    by_g = defaultdict(list)
+    for r in rows:
+        if r.get(column) not in (None, ""):
+            by_g[int(r["group_size"])].append((float(r["prefix_share"]), float(r[column]) * scale))
+    return {g: sorted(points) for g, points in sorted(by_g.items())}
+
+
+def _xy(points: list) -> tuple:
+    return [x for x, _ in points], [y for _, y in points]
+
+
+def write_plots(rows: list, directory: Path) -> list[Path]:
+    """Write the PNGs of every setting present in `rows` (CSV dicts); returns their paths."""
+    directory.mkdir(parents=True, exist_ok=True)
+    settings = defaultdict(list)
+    for r in rows:
+        settings[_tag(r["policy_on"], r["compile"])].append(r)
+    written = []
+    for tag, group in settings.items():
+        speed, ideal = _series(group, "cpu_speedup"), _series(group, "ideal_full_reuse")
+        fig = Figure(1)
+        series, styles, colours = {}, {}, {}
+        for k, g in enumerate(speed):
+            series[f"G={g}"] = _xy(speed[g])
+            series[f"G={g} ideal"] = _xy(ideal[g])
+            styles[f"G={g} ideal"] = "dashed"
+            colours[f"G={g}"] = colours[f"G={g} ideal"] = k
+        fig.chart(0, title="speedup vs dense (cpu time); dashed: ideal", series=series,
+                  styles=styles, colours=colours, xlabel="prefix share", markers=True)
+        written.append(_save(fig, directory / f"speedup{tag}.png"))
+        memory = _series(group, "suffix_phase_reduction", 100.0)
+        if memory:
+            fig = Figure(1)
+            fig.chart(0, title="suffix-phase memory reduction (%)", xlabel="prefix share",
+                      series={f"G={g}": _xy(p) for g, p in memory.items()}, markers=True)
+            written.append(_save(fig, directory / f"memory{tag}.png"))
+        eff = _series(group, "efficiency")
+        fig = Figure(1)
+        xs = sorted({x for p in eff.values() for x, _ in p})
+        fig.chart(0, title="efficiency = speedup / ideal", xlabel="prefix share", markers=True,
+                  series={**{f"G={g}": _xy(p) for g, p in eff.items()},
+                          "target 0.9": (xs, [0.9] * len(xs))}, styles={"target 0.9": "dashed"})
+        written.append(_save(fig, directory / f"efficiency{tag}.png"))
+    return written
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    fig.save(path)
+    return path
