@@ -202,7 +202,9 @@ def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
     family = config.get("model_type")
     if family not in _ARCH:
         raise ValueError(f"model_type {family!r} is not supported; supported: {sorted(_ARCH)}")
-    scaling = config.get("rope_scaling") or None
+    rope = _rope_parameters(config)
+    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                             else None)
     if scaling is not None:
         _check_llama3_scaling(scaling)
     if config.get("attention_bias") or config.get("mlp_bias"):
@@ -217,7 +219,7 @@ def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
         head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
         vocab_size=int(config["vocab_size"]),
         max_position_embeddings=int(config["max_position_embeddings"]),
-        rope_theta=float(config.get("rope_theta", _rope_parameters(config).get("rope_theta"))),
+        rope_theta=float(config.get("rope_theta") or rope["rope_theta"]),
         rope_scaling_factor=None if scaling is None else float(scaling["factor"]),
         rms_norm_eps=float(config["rms_norm_eps"]),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -228,6 +230,7 @@ def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
 
 
 def _rope_parameters(config) -> Dict[str, object]:
+    """transformers >= 5 writes RoPE settings as `rope_parameters` (theta and scaling)."""
     return dict(config.get("rope_parameters") or {})
 
 

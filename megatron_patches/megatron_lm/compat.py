@@ -15,8 +15,9 @@ Two independent, opt-in pieces (the entry point calls both; nothing else does):
     `device="cuda"` tensors on the CPU and whose `torch.cuda` reports one device with no-op
     streams / cache / memory queries (Megatron initialises model parallelism and its RNG tracker
     only when `torch.cuda.device_count() > 0`);
-  - `nn.Module.cuda()` returns the module unchanged (Megatron's `get_model` moves every model
-    chunk to the current CUDA device).
+  - `nn.Module.cuda()` and `Tensor.cuda()` return their object unchanged (Megatron's `get_model`
+    moves every model chunk to the current CUDA device; `LanguageModule` moves the tied output
+    weight of the last pipeline stage there).
   Each replaces only something that would raise on a machine without CUDA, so nothing that ran
   changes. Measured on megatron-core 0.19.1 (Megatron-LM core_r0.19.0) and 0.20.0 (main).
 """
@@ -72,15 +73,19 @@ def enable_megatron_lm_cpu_support() -> bool:
     if importlib.util.find_spec("triton") is None:
         sys.meta_path.insert(0, _TritonKernelStubFinder())
     enable_cpu_support()
-    torch.nn.Module.cuda = _module_stays_on_cpu
+    enable_python311_support()  # the modules patched below import typing.override
+    torch.nn.Module.cuda = _stays_on_cpu
+    torch.Tensor.cuda = _stays_on_cpu
     stand_in = _CpuTrainingTorch()
     for name in TRAINING_MODULES:
+        if name.startswith("megatron.training") and importlib.util.find_spec("megatron.training") is None:
+            continue  # megatron-core alone (a PyPI install): nothing of megatron.training to patch
         importlib.import_module(name).torch = stand_in
     _ENABLED = True
     return True
 
 
-def _module_stays_on_cpu(self, device=None):
+def _stays_on_cpu(self, *_args, **_kwargs):
     return self
 
 
