@@ -23,7 +23,7 @@ import torch
 from megatron_patches.checkpoints import RankLayout, hf_names, stage_layers, to_hf, to_megatron
 from megatron_patches.model_configs import ModelSpec, from_hf_config
 
-__all__ = ["read_hf_config", "read_hf_tensors", "rank_layout", "load_hf_weights",
+__all__ = ["read_hf_config", "hf_tensor_names", "read_hf_tensors", "rank_layout", "load_hf_weights",
            "export_hf_weights", "write_hf_checkpoint"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,6 +52,11 @@ def _shards(directory: Path) -> Dict[str, Path]:
 
     with safe_open(str(single), framework="pt") as f:
         return {name: single for name in f.keys()}
+
+
+def hf_tensor_names(directory) -> List[str]:
+    """Every tensor name of a HF checkpoint directory."""
+    return sorted(_shards(Path(directory)))
 
 
 def read_hf_tensors(directory, names: Iterable[str]) -> Dict[str, torch.Tensor]:

@@ -58,6 +58,11 @@ def add_prefix_reuse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def check_prefix_reuse_args(args) -> None:
     """Refuse what this trainer cannot honour, before any compute (ValueError says the fix)."""
+    if args.num_experts:
+        raise ValueError("MoE models (--num-experts) are not supported by prefix reuse yet: the "
+                         "router's auxiliary losses need logical prefix-token accounting (a "
+                         "prefix token counts once per trajectory that shares it); train a "
+                         "dense model until MoE support lands")
     if args.grpo_entropy_term_weight:
         raise ValueError("--grpo-entropy-term-weight weighs Megatron's sampled-token entropy term; "
                          "this trainer's entropy bonus is the full-vocabulary entropy: use "

@@ -71,10 +71,6 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                    pg_collection=None):
     """`get_model`'s model_provider_func: a GPTModel from Megatron-LM's gpt_builder."""
     args = get_args()
-    if args.num_experts:
-        raise ValueError("MoE models (--num-experts) are not supported by prefix reuse yet: the "
-                         "logical prefix-token accounting of the router's auxiliary losses is "
-                         "not implemented (docs/DESIGN.md); train a dense model")
     provider = _checkout_module("model_provider").model_provider
     builder = _checkout_module("gpt_builders").gpt_builder
     return provider(builder, pre_process, post_process, vp_stage,
