@@ -224,7 +224,9 @@ def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
         rms_norm_eps=float(config["rms_norm_eps"]),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_norm=family != "llama",
-        num_experts=config.get("num_experts") if family == "qwen3_moe" else None,
+        # transformers >= 5 writes num_local_experts
+        num_experts=(config.get("num_experts") or config.get("num_local_experts")
+                     if family == "qwen3_moe" else None),
         moe_ffn_hidden_size=config.get("moe_intermediate_size") if family == "qwen3_moe" else None,
         moe_router_topk=config.get("num_experts_per_tok") if family == "qwen3_moe" else None)
 
