@@ -7,6 +7,7 @@ Megatron-LM core_r0.19.0 checkout (CPU, gloo), as a user runs it:
 * Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1, examples/megatron_lm/
   torchrun_multinode.sh) run PP=2: prefix reuse == stock dense (loss, grad norm) step by step.
 * (slow) TP=2 x PP=2 on 4 processes: reuse == dense, and save/resume bitwise.
+* (slow, versions) Megatron-LM main (0.20.0): PP=2 reuse == dense, checkpoint saved.
 """
 
 import os
@@ -134,3 +135,17 @@ def test_tp2_pp2_four_processes_reuse_equals_dense_and_resumes(tree, tmp_path):
                                      "--prefix-reuse-dump-params", str(tmp_path / "b")]))
     assert resumed[3] == reuse[3]
     _assert_same_params(rank_params(tmp_path / "a", 3), rank_params(tmp_path / "b", 3))
+
+
+@pytest.mark.slow
+@pytest.mark.versions
+def test_megatron_lm_main_pp2_reuse_equals_dense(tmp_path_factory, tmp_path):
+    """The same entry point on Megatron-LM main (0.20.0): PP=2, reuse == dense, checkpoint saved."""
+    main_tree = entry_tree("0.20.0", tmp_path_factory)
+    common = [*model_args("llama3.1-8b-tiny"), *small_args(2), "--pipeline-model-parallel-size", "2"]
+    dense = _ok(torchrun(main_tree, 2, common))
+    reuse = _ok(torchrun(main_tree, 2, [*common, "--prefix-reuse", "--save", str(tmp_path / "c"),
+                                        "--save-interval", "2"]))
+    for i in (1, 2):
+        assert abs(dense[i][0] - reuse[i][0]) <= 1e-5 * abs(dense[i][0]), i
+    assert (tmp_path / "c" / "iter_0000002").is_dir()
