@@ -76,7 +76,8 @@ def hf_names(spec: ModelSpec, layer: int) -> Dict[str, str]:
     p = f"model.layers.{layer}"
     names = {"input_norm": f"{p}.input_layernorm.weight", "q": f"{p}.self_attn.q_proj.weight",
              "k": f"{p}.self_attn.k_proj.weight", "v": f"{p}.self_attn.v_proj.weight",
-             "o": f"{p}.self_attn.o_proj.weight", "mlp_norm": f"{p}.post_attention_layernorm.weight",
+             "o": f"{p}.self_attn.o_proj.weight",
+             "mlp_norm": f"{p}.post_attention_layernorm.weight",
              "gate": f"{p}.mlp.gate_proj.weight", "up": f"{p}.mlp.up_proj.weight",
              "down": f"{p}.mlp.down_proj.weight"}
     if spec.qk_norm:

@@ -68,7 +68,8 @@ def read_hf_tensors(directory, names: Iterable[str]) -> Dict[str, torch.Tensor]:
     names = list(names)
     missing = [n for n in names if n not in where]
     if missing:
-        raise ValueError(f"{directory}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        raise ValueError(f"{directory}: missing tensors {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}")
     out: Dict[str, torch.Tensor] = {}
     for file in sorted({where[n] for n in names}):
         with safe_open(str(file), framework="pt") as f:
@@ -151,9 +152,10 @@ def export_hf_weights(models, directory, config: dict) -> None:
     if ps.get_data_parallel_rank() == 0:
         local = (layout.pp_rank, layout.tp_rank,
                  {n: p.detach().float().cpu() for n, p in gpt.named_parameters()})
-    gathered = [None] * torch.distributed.get_world_size() if torch.distributed.get_rank() == 0 else None
+    rank0 = torch.distributed.get_rank() == 0
+    gathered = [None] * torch.distributed.get_world_size() if rank0 else None
     torch.distributed.gather_object(local, gathered, dst=0)
-    if torch.distributed.get_rank() != 0:
+    if not rank0:
         return
     grid = [[None] * layout.tp_size for _ in range(layout.pp_size)]
     for item in gathered:

@@ -267,7 +267,8 @@ def mismatches_with_args(spec: ModelSpec, args) -> List[str]:
               "no linear biases": (args.add_bias_linear, False)}
     problems += [f"{what}: arguments give {got!r}, the checkpoint needs {want!r}"
                  for what, (got, want) in checks.items() if got != want]
-    if spec.rope_scaling_factor is not None and args.rope_scaling_factor != spec.rope_scaling_factor:
+    factor = spec.rope_scaling_factor
+    if factor is not None and args.rope_scaling_factor != factor:
         problems.append(f"--rope-scaling-factor {args.rope_scaling_factor} but the checkpoint "
                         f"has {spec.rope_scaling_factor}")
     return problems

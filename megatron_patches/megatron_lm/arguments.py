@@ -32,7 +32,8 @@ def add_prefix_reuse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--prefix-reuse-offload-prefix-activations", action="store_true",
                        help="park Phase A's saved activations in pinned host memory until Phase C")
     group.add_argument("--rl-entropy-coef", type=float, default=0.0,
-                       help="weight of the full-vocabulary entropy bonus (subtracted from the loss)")
+                       help="weight of the full-vocabulary entropy bonus (subtracted from the "
+                            "loss)")
     group.add_argument("--rl-trace", default=None, metavar="PATH",
                        help="read RL steps from this trace (default: the synthetic generator)")
     group.add_argument("--rl-trace-format", default=None, metavar="NAME",

@@ -77,9 +77,10 @@ def enable_megatron_lm_cpu_support() -> bool:
     torch.nn.Module.cuda = _stays_on_cpu
     torch.Tensor.cuda = _stays_on_cpu
     stand_in = _CpuTrainingTorch()
+    have_training = importlib.util.find_spec("megatron.training") is not None
     for name in TRAINING_MODULES:
-        if name.startswith("megatron.training") and importlib.util.find_spec("megatron.training") is None:
-            continue  # megatron-core alone (a PyPI install): nothing of megatron.training to patch
+        if name.startswith("megatron.training") and not have_training:
+            continue  # megatron.core alone: nothing of megatron.training to patch
         importlib.import_module(name).torch = stand_in
     _ENABLED = True
     return True

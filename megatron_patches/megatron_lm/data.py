@@ -1,4 +1,4 @@
-"""Where the trainer's RL steps come from: a trace file (pluggable readers) or a synthetic generator.
+"""Where the trainer's RL steps come from: a trace file (pluggable readers) or a generator.
 
 A source is anything with `step(iteration) -> GroupBatch` (`StepSource`): random access by the
 0-based iteration, so a resumed run (`--load`) reads exactly the step the interrupted run would
@@ -66,7 +66,8 @@ class SyntheticSteps:
         prompt = torch.randint(0, self.vocab_size, (self.prefix_len,), generator=gen)
         lengths = torch.randint(low, self.max_response_len + 1, (self.group_size,), generator=gen)
         responses = [torch.randint(0, self.vocab_size, (int(n),), generator=gen) for n in lengths]
-        rewards = torch.tensor([(r < self.vocab_size // 2).float().mean().item() for r in responses])
+        rewards = torch.tensor([(r < self.vocab_size // 2).float().mean().item()
+                                for r in responses])
         advantages = grpo_advantages(rewards)
         return Group(prefix=prompt, trajectories=[
             Trajectory(suffix=r, advantages=float(a),
@@ -85,7 +86,8 @@ _BUILTIN_READER_MODULES: Sequence[str] = ("prefix_schedule.traces",)
 """Modules that register trace readers on import, tried when `--rl-trace` is given."""
 
 
-def register_trace_reader(name: str, factory: ReaderFactory, extensions: Sequence[str] = ()) -> None:
+def register_trace_reader(name: str, factory: ReaderFactory,
+                          extensions: Sequence[str] = ()) -> None:
     """Make `--rl-trace-format NAME` (and files ending in one of `extensions`) use `factory`."""
     _READERS[name] = (factory, tuple(extensions))
 

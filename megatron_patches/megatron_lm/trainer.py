@@ -28,7 +28,8 @@ from megatron.training.training import training_log
 from prefix_schedule import GroupBatch, PolicyLossConfig, ReuseStep, plan_microbatches
 from prefix_schedule.planning.placement import place_groups
 
-__all__ = ["loss_config_from_args", "train", "train_step"]
+__all__ = ["loss_config_from_args", "forward_step_from_args", "configure_step_functions",
+           "train", "train_step"]
 
 
 def loss_config_from_args(args) -> PolicyLossConfig:
@@ -71,7 +72,8 @@ def _reduce_reports(reports: List[dict]) -> Dict[str, torch.Tensor]:
     reduced = {}
     for key in reports[0]:
         pair = torch.stack([r[key].view(-1).double() for r in reports]).sum(dim=0)
-        torch.distributed.all_reduce(pair, group=ps.get_data_parallel_group(with_context_parallel=True))
+        torch.distributed.all_reduce(
+            pair, group=ps.get_data_parallel_group(with_context_parallel=True))
         reduced["policy loss" if key == "loss" else key] = (pair[0] / pair[1].clamp(min=1)).float()
     return reduced
 
@@ -155,9 +157,9 @@ def train(model, optimizer, scheduler, source: StepSource, checkpointing_context
     args = get_args()
     timers = get_timers()
     configure_step_functions(args, model, optimizer)
-    forward_step_func = megatron_patches_forward_step(args)
+    forward_step_func = forward_step_from_args(args)
     total_loss_dict: dict = {}
-    iteration = args.iteration
+    iteration = start = args.iteration
     mode = "prefix reuse" if args.prefix_reuse else "dense (stock Megatron schedule)"
     print_rank_0(f"> training {mode} from iteration {iteration} to {args.train_iters}")
     if args.prefix_reuse_dump_params:
@@ -177,12 +179,13 @@ def train(model, optimizer, scheduler, source: StepSource, checkpointing_context
                      num_zeros, None)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             _save(args, iteration, model, optimizer, scheduler, checkpointing_context)
-    if args.save and iteration > 0 and not (args.save_interval and iteration % args.save_interval == 0):
+    if args.save and iteration > start and not (args.save_interval
+                                                and iteration % args.save_interval == 0):
         _save(args, iteration, model, optimizer, scheduler, checkpointing_context)
     return iteration
 
 
-def megatron_patches_forward_step(args):
+def forward_step_from_args(args):
     from megatron_patches.rl import make_policy_forward_step
 
     return make_policy_forward_step(loss_config_from_args(args))
