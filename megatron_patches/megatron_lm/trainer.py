@@ -160,6 +160,7 @@ def train(model, optimizer, scheduler, source: StepSource, checkpointing_context
     forward_step_func = forward_step_from_args(args)
     total_loss_dict: dict = {}
     iteration = start = args.iteration
+    saved = False
     mode = "prefix reuse" if args.prefix_reuse else "dense (stock Megatron schedule)"
     print_rank_0(f"> training {mode} from iteration {iteration} to {args.train_iters}")
     if args.prefix_reuse_dump_params:
@@ -177,10 +178,13 @@ def train(model, optimizer, scheduler, source: StepSource, checkpointing_context
         training_log(loss_dict, total_loss_dict, _learning_rate(optimizer), iteration,
                      optimizer.get_loss_scale().item(), False, skipped, grad_norm, None,
                      num_zeros, None)
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
+        saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+        if saved:
             _save(args, iteration, model, optimizer, scheduler, checkpointing_context)
-    if args.save and iteration > start and not (args.save_interval
-                                                and iteration % args.save_interval == 0):
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            print_rank_0(f"> exiting at iteration {iteration} (--exit-interval)")
+            break
+    if args.save and iteration > start and not saved:
         _save(args, iteration, model, optimizer, scheduler, checkpointing_context)
     return iteration
 
