@@ -14,6 +14,9 @@ setup: $(STAMP)
 # declares Requires-Python >= 3.12 but ships a working cp311 wheel; its only hard deps are
 # torch, numpy and packaging, installed here first (see README "Installing"). transformers is
 # a test-only dependency (it does not depend on torch's wheel: it leaves torch as installed).
+# pybind11 / psutil / tensorboard are what megatron.training (examples/megatron_lm) needs beyond
+# megatron-core: its dataset helpers are built with pybind11, its checkpoint writers use psutil,
+# --tensorboard-dir needs tensorboard.
 # Re-run when the patch declarations change: `apply` adds new patches and leaves applied ones.
 $(STAMP): setup.py Makefile megatron_patches/declarations.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +24,7 @@ $(STAMP): setup.py Makefile megatron_patches/declarations.py
 	$(PIP) install -q --no-deps --ignore-requires-python megatron-core==0.19.2
 	$(PIP) install -q transformers==5.23.0  # test-only: cross-checks tests/reference_impl.py
 	$(PIP) install -q safetensors==0.8.0  # tools/replay.py checkpoints (also a transformers dep)
+	$(PIP) install -q pybind11==3.1.0 psutil==7.2.2 tensorboard==2.21.0  # megatron.training
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PY) -m megatron_patches apply
 	touch $(STAMP)

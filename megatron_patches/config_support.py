@@ -172,8 +172,11 @@ FIELD_RULES: Dict[str, Rule] = _merge(
               "not supported", 4096, allowed=lambda v: v is None),
     _refuse("expert_model_parallel_size", "MoE", "expert parallelism needs MoE, which is not "
               "supported yet", 2, allowed=lambda v: v == 1),
-    _group("irrelevant", "derived: TP x gtp_weight_remat_size (Megatron-LM's parser sets it "
-             "to TP), and gtp_weight_remat_size is checked", "tensor_parallel_num_weight_shards"),
+    # tensor_parallel_num_weight_shards = TP x gtp_weight_remat_size (ModelParallelConfig derives
+    # the latter from it; Megatron-LM's arguments set it to TP): only gtp_weight_remat_size > 1
+    # is weight sharding, and that is refused below.
+    _group("irrelevant", "TP x gtp_weight_remat_size (the latter refused unless 1)",
+           "tensor_parallel_num_weight_shards"),
     _refuse("gtp_weight_remat_size", "weight sharding", "weight-sharded tensor parallelism is "
               + _UNVERIFIED, 2, allowed=lambda v: v == 1),
     _refuse("num_layers_in_first_pipeline_stage", "uneven PP", "uneven pipeline splits are "

@@ -1,0 +1,164 @@
+"""Load a Hugging Face Llama 3 / Qwen3 checkpoint into a (TP x PP sharded) Megatron GPTModel, and
+write one back; the tensor layouts are megatron_patches/checkpoints.py's.
+
+    spec, config = read_hf_config(directory)
+    load_hf_weights(model, directory)          # on every rank, after the model is built
+    export_hf_weights([model], out_dir, config) # collective: every rank calls it; rank 0 writes
+
+A checkpoint directory is HF's `save_pretrained` layout: config.json and model.safetensors or
+model.safetensors.index.json with its shards. Each rank reads only the tensors its stage needs.
+Every parameter of the model must receive a tensor of its exact shape, else ValueError (nothing is
+left at its random initialisation).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+from megatron_patches.checkpoints import RankLayout, hf_names, stage_layers, to_hf, to_megatron
+from megatron_patches.model_configs import ModelSpec, from_hf_config
+
+__all__ = ["read_hf_config", "hf_tensor_names", "read_hf_tensors", "rank_layout", "load_hf_weights",
+           "export_hf_weights", "write_hf_checkpoint"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def read_hf_config(directory) -> Tuple[ModelSpec, dict]:
+    """(ModelSpec, config.json as a dict) of a HF checkpoint directory."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{directory}: no config.json (give a Hugging Face checkpoint directory)")
+    config = json.loads(path.read_text())
+    return from_hf_config(config, name=Path(directory).name), config
+
+
+def _shards(directory: Path) -> Dict[str, Path]:
+    """tensor name -> the safetensors file holding it."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: directory / file for name, file in weight_map.items()}
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        raise ValueError(f"{directory}: neither model.safetensors nor "
+                         "model.safetensors.index.json (only safetensors checkpoints are read)")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def hf_tensor_names(directory) -> List[str]:
+    """Every tensor name of a HF checkpoint directory."""
+    return sorted(_shards(Path(directory)))
+
+
+def read_hf_tensors(directory, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+    """The named tensors of a HF checkpoint (fp32 copies); ValueError naming missing ones."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    where = _shards(directory)
+    names = list(names)
+    missing = [n for n in names if n not in where]
+    if missing:
+        raise ValueError(f"{directory}: missing tensors {missing[:5]}"
+                         f"{'...' if len(missing) > 5 else ''}")
+    out: Dict[str, torch.Tensor] = {}
+    for file in sorted({where[n] for n in names}):
+        with safe_open(str(file), framework="pt") as f:
+            for name in names:
+                if where[name] == file:
+                    out[name] = f.get_tensor(name).float()
+    return out
+
+
+def rank_layout(model) -> RankLayout:
+    """This rank's RankLayout for a built GPTModel (parallel state + the model's names/shapes)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    names = dict(model.named_parameters())
+    vocab_rows = next(p.shape[0] for n, p in names.items()
+                      if n in ("embedding.word_embeddings.weight", "output_layer.weight"))
+    return RankLayout(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+                      pp_rank=ps.get_pipeline_model_parallel_rank(),
+                      pp_size=ps.get_pipeline_model_parallel_world_size(),
+                      padded_vocab_size=vocab_rows * tp,
+                      te_names=any(n.endswith("linear_qkv.layer_norm_weight") for n in names))
+
+
+def _needed_names(spec: ModelSpec, layout: RankLayout) -> List[str]:
+    names = [n for layer in stage_layers(spec, layout) for n in hf_names(spec, layer).values()]
+    if layout.pp_rank == 0:
+        names.append("model.embed_tokens.weight")
+    if layout.pp_rank == layout.pp_size - 1:
+        names.append("model.norm.weight")
+        names.append("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight")
+    return sorted(set(names))
+
+
+def load_hf_weights(model, directory) -> ModelSpec:
+    """Copy the HF checkpoint's weights into this rank's part of `model` (a GPTModel, or a
+    DDP/Float16Module wrapper of one); returns the checkpoint's ModelSpec."""
+    from megatron.core.utils import unwrap_model
+
+    gpt = unwrap_model(model)
+    spec, _ = read_hf_config(directory)
+    layout = rank_layout(gpt)
+    tensors = to_megatron(spec, read_hf_tensors(directory, _needed_names(spec, layout)), layout)
+    params = dict(gpt.named_parameters())
+    problems = [f"{n}: model has no such parameter" for n in tensors if n not in params]
+    problems += [f"{n}: not in the checkpoint" for n in params if n not in tensors]
+    problems += [f"{n}: checkpoint {tuple(t.shape)} vs model {tuple(params[n].shape)}"
+                 for n, t in tensors.items() if n in params and t.shape != params[n].shape]
+    if problems:
+        raise ValueError(f"{directory} does not fit this model: " + "; ".join(problems[:6]))
+    with torch.no_grad():
+        for name, tensor in tensors.items():
+            params[name].copy_(tensor)
+    return spec
+
+
+def write_hf_checkpoint(directory, tensors: Dict[str, torch.Tensor], config: dict) -> None:
+    """config.json + model.safetensors in the checkpoint's dtype (config's torch_dtype/dtype)."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    dtype = _DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+                        torch.float32)
+    save_file({n: t.to(dtype).contiguous() for n, t in tensors.items()},
+              os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    Path(directory, "config.json").write_text(json.dumps(config, indent=2))
+
+
+def export_hf_weights(models, directory, config: dict) -> None:
+    """Gather every rank's tensors on global rank 0 and write a HF checkpoint there. Collective
+    over the default group (all ranks call it); data-parallel replicas beyond the first are
+    skipped. Holds the whole model in rank 0's host memory."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    spec = from_hf_config(config)
+    gpt = unwrap_model(models[0])
+    layout = rank_layout(gpt)
+    local = None
+    if ps.get_data_parallel_rank() == 0:
+        local = (layout.pp_rank, layout.tp_rank,
+                 {n: p.detach().float().cpu() for n, p in gpt.named_parameters()})
+    rank0 = torch.distributed.get_rank() == 0
+    gathered = [None] * torch.distributed.get_world_size() if rank0 else None
+    torch.distributed.gather_object(local, gathered, dst=0)
+    if not rank0:
+        return
+    grid = [[None] * layout.tp_size for _ in range(layout.pp_size)]
+    for item in gathered:
+        if item is not None:
+            grid[item[0]][item[1]] = item[2]
+    write_hf_checkpoint(directory, to_hf(spec, grid, layout), config)

@@ -1,0 +1,7 @@
+"""The Megatron-LM training entry point (needs a Megatron-LM checkout: megatron.training).
+
+compat (Python 3.11 / no-CUDA shims, opt-in), arguments (our `extra_args_provider`), data (RL step
+sources: trace readers, synthetic generator), model (model provider: Megatron-LM's gpt_builder),
+trainer (the RL loop on megatron.training), checkpoints_hook (Hugging Face import/export), main.
+Importing this package imports nothing from Megatron.
+"""

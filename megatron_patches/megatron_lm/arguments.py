@@ -1,0 +1,91 @@
+"""Our command-line arguments, added to Megatron-LM's parser through `extra_args_provider`.
+
+The GRPO loss reuses Megatron-LM's own RL arguments where the math is the same:
+`--grpo-clamp-eps-lower/upper` (the clipped surrogate), `--grpo-kl-beta` (the k3 KL estimator
+exp(r) - r - 1 with r = ref - current, as megatron/rl/rl_utils.py), `--grpo-prompts-per-step`
+and `--grpo-group-size` (the synthetic generator's groups). Megatron's
+`--grpo-entropy-term-weight` weighs a sampled-token term (-p log p of the taken token); our entropy
+bonus is the full-vocabulary entropy, so it has its own flag (`--rl-entropy-coef`) and a nonzero
+`--grpo-entropy-term-weight` is refused rather than reinterpreted.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_prefix_reuse_args", "check_prefix_reuse_args", "ARGS_DEFAULTS"]
+
+ARGS_DEFAULTS = {"micro_batch_size": 1}
+"""Megatron defaults this trainer sets (each row is one microbatch of the prefix-reuse plan)."""
+
+
+def add_prefix_reuse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """`extra_args_provider` for `megatron.training.arguments.parse_and_validate_args`."""
+    group = parser.add_argument_group("prefix reuse (megatron-prefix-reuse)")
+    group.add_argument("--prefix-reuse", action="store_true",
+                       help="run each group's shared prompt once (Phases A/B/C); without it the "
+                            "step is stock Megatron dense training on full rows (the baseline)")
+    group.add_argument("--prefix-chunk-tokens", type=int, default=None,
+                       help="run each cached prefix as chunks of at most this many tokens")
+    group.add_argument("--prefix-reuse-token-budget", type=int, default=None,
+                       help="tokens per suffix microbatch row (default: --seq-length)")
+    group.add_argument("--prefix-reuse-offload-prefix-activations", action="store_true",
+                       help="park Phase A's saved activations in pinned host memory until Phase C")
+    group.add_argument("--rl-entropy-coef", type=float, default=0.0,
+                       help="weight of the full-vocabulary entropy bonus (subtracted from the "
+                            "loss)")
+    group.add_argument("--rl-trace", default=None, metavar="PATH",
+                       help="read RL steps from this trace (default: the synthetic generator)")
+    group.add_argument("--rl-trace-format", default=None, metavar="NAME",
+                       help="a registered trace reader, or module:callable (default: by the "
+                            "file's extension)")
+    group.add_argument("--rl-synthetic-prefix-len", type=int, default=None,
+                       help="synthetic generator: prompt tokens per group (default: 3/4 of "
+                            "--seq-length)")
+    group.add_argument("--rl-synthetic-max-response-len", type=int, default=None,
+                       help="synthetic generator: longest response (default: the rest of "
+                            "--seq-length)")
+    group.add_argument("--hf-checkpoint", default=None, metavar="DIR",
+                       help="start from this Hugging Face checkpoint (Llama 3 / Qwen3 "
+                            "safetensors) when no --load checkpoint exists")
+    group.add_argument("--export-hf", default=None, metavar="DIR",
+                       help="after training, write the weights as a Hugging Face checkpoint "
+                            "(needs --hf-checkpoint for the config and the dtype)")
+    group.add_argument("--prefix-reuse-dump-params", default=None, metavar="DIR",
+                       help="testing aid: after every step, each rank saves its parameters "
+                            "(safetensors) under DIR/iter_N/")
+    return parser
+
+
+def check_prefix_reuse_args(args) -> None:
+    """Refuse what this trainer cannot honour, before any compute (ValueError says the fix)."""
+    if args.num_experts:
+        raise ValueError("MoE models (--num-experts) are not supported by prefix reuse yet: the "
+                         "router's auxiliary losses need logical prefix-token accounting (a "
+                         "prefix token counts once per trajectory that shares it); train a "
+                         "dense model until MoE support lands")
+    if args.grpo_entropy_term_weight:
+        raise ValueError("--grpo-entropy-term-weight weighs Megatron's sampled-token entropy term; "
+                         "this trainer's entropy bonus is the full-vocabulary entropy: use "
+                         "--rl-entropy-coef instead")
+    if args.micro_batch_size != 1:
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size}: each microbatch is one "
+                         "packed row here; use --micro-batch-size 1 and "
+                         "--prefix-reuse-token-budget for the row size")
+    if not args.calculate_per_token_loss:
+        raise ValueError("the GRPO token mean needs --calculate-per-token-loss")
+    if args.virtual_pipeline_model_parallel_size is not None:
+        raise ValueError("virtual pipeline stages are not supported by the prefix-reuse schedule "
+                         "yet; drop --num-layers-per-virtual-pipeline-stage / "
+                         "--num-virtual-stages-per-pipeline-rank")
+    if args.seq_length is None:
+        raise ValueError("give --seq-length: the longest [prompt; response] row")
+    for name in ("prefix_chunk_tokens", "prefix_reuse_token_budget", "rl_synthetic_prefix_len",
+                 "rl_synthetic_max_response_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: give a positive integer")
+    if args.export_hf and not args.hf_checkpoint:
+        raise ValueError("--export-hf needs --hf-checkpoint (its config names the layout)")
+    if args.train_iters is None:
+        raise ValueError("give --train-iters (RL steps; sample-based schedules are not used here)")

@@ -1,0 +1,144 @@
+"""Where the trainer's RL steps come from: a trace file (pluggable readers) or a generator.
+
+A source is anything with `step(iteration) -> GroupBatch` (`StepSource`): random access by the
+0-based iteration, so a resumed run (`--load`) reads exactly the step the interrupted run would
+have read next. Every rank asks for the same step and gets the same batch; the trainer then gives
+each data-parallel rank its groups (`place_groups`).
+
+Readers are registered by name (`register_trace_reader`) with the file extensions they claim;
+`--rl-trace-format module:callable` loads one from any module without registering it. A reader
+factory is called as `factory(path, args)` (args: Megatron's parsed arguments) and returns a
+`StepSource`. The replay tools' trace format registers its reader here when it is importable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+from typing import Callable, Dict, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from prefix_schedule import Group, GroupBatch, Trajectory
+from prefix_schedule.losses import grpo_advantages
+
+__all__ = ["StepSource", "SyntheticSteps", "register_trace_reader", "trace_readers",
+           "open_step_source"]
+
+
+class StepSource(Protocol):
+    """RL steps by iteration: the same `GroupBatch` on every rank for a given iteration."""
+
+    def step(self, iteration: int) -> GroupBatch:
+        ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SyntheticSteps:
+    """Seeded GRPO-shaped steps: random prompts and responses, group-normalised advantages of a
+    token-based reward, behaviour and reference log-probs near the policy's (on-policy-like)."""
+
+    vocab_size: int
+    """Token ids are drawn from [0, vocab_size)."""
+    num_groups: int
+    """Prompts per step (Megatron's --grpo-prompts-per-step)."""
+    group_size: int
+    """Responses per prompt (Megatron's --grpo-group-size)."""
+    prefix_len: int
+    """Prompt tokens per group."""
+    max_response_len: int
+    """Responses have 1 .. max_response_len tokens (at least half of it when it is >= 2)."""
+    seed: int = 0
+    """Step i's batch depends only on (seed, i)."""
+
+    def __post_init__(self):
+        for name in ("vocab_size", "num_groups", "group_size", "prefix_len", "max_response_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SyntheticSteps.{name}={getattr(self, name)}; give >= 1")
+
+    def step(self, iteration: int) -> GroupBatch:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + iteration)
+        low = max(1, self.max_response_len // 2)
+        return GroupBatch(groups=[self._group(gen, low) for _ in range(self.num_groups)])
+
+    def _group(self, gen: torch.Generator, low: int) -> Group:
+        prompt = torch.randint(0, self.vocab_size, (self.prefix_len,), generator=gen)
+        lengths = torch.randint(low, self.max_response_len + 1, (self.group_size,), generator=gen)
+        responses = [torch.randint(0, self.vocab_size, (int(n),), generator=gen) for n in lengths]
+        rewards = torch.tensor([(r < self.vocab_size // 2).float().mean().item()
+                                for r in responses])
+        advantages = grpo_advantages(rewards)
+        return Group(prefix=prompt, trajectories=[
+            Trajectory(suffix=r, advantages=float(a),
+                       old_logprobs=_logprobs_like(r, gen), ref_logprobs=_logprobs_like(r, gen))
+            for r, a in zip(responses, advantages)])
+
+
+def _logprobs_like(tokens: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Log-probs around a random-init model's (~ -log V), so ratios stay near 1."""
+    return -(7.0 + 0.1 * torch.rand(tokens.shape, generator=gen))
+
+
+ReaderFactory = Callable[[str, object], StepSource]
+_READERS: Dict[str, Tuple[ReaderFactory, Tuple[str, ...]]] = {}
+_BUILTIN_READER_MODULES: Sequence[str] = ("prefix_schedule.traces",)
+"""Modules that register trace readers on import, tried when `--rl-trace` is given."""
+
+
+def register_trace_reader(name: str, factory: ReaderFactory,
+                          extensions: Sequence[str] = ()) -> None:
+    """Make `--rl-trace-format NAME` (and files ending in one of `extensions`) use `factory`."""
+    _READERS[name] = (factory, tuple(extensions))
+
+
+def trace_readers() -> Dict[str, Tuple[str, ...]]:
+    """name -> extensions of every registered reader (after importing the built-in ones)."""
+    _import_builtin_readers()
+    return {name: extensions for name, (_, extensions) in _READERS.items()}
+
+
+def _import_builtin_readers() -> None:
+    for module in _BUILTIN_READER_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if error.name != module and not module.startswith(f"{error.name}."):
+                raise
+
+
+def _resolve_reader(path: str, fmt: Optional[str]) -> ReaderFactory:
+    if fmt and ":" in fmt:
+        module, _, attr = fmt.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    _import_builtin_readers()
+    if fmt:
+        if fmt not in _READERS:
+            raise ValueError(f"--rl-trace-format {fmt!r} is not a registered trace reader "
+                             f"({sorted(_READERS) or 'none registered'}); give one of them or "
+                             "module:callable")
+        return _READERS[fmt][0]
+    matches = [factory for factory, exts in _READERS.values() if path.endswith(tuple(exts))]
+    if len(matches) != 1:
+        raise ValueError(f"--rl-trace {path}: {'no' if not matches else 'more than one'} trace "
+                         f"reader claims this file name; name one with --rl-trace-format "
+                         f"(registered: {sorted(_READERS) or 'none'}; or module:callable)")
+    return matches[0]
+
+
+def open_step_source(args) -> StepSource:
+    """The trainer's source: `--rl-trace` through its reader, else `SyntheticSteps` from
+    Megatron's --grpo-prompts-per-step / --grpo-group-size / --seed / --seq-length."""
+    if args.rl_trace:
+        if not os.path.exists(args.rl_trace):
+            raise ValueError(f"--rl-trace {args.rl_trace}: no such file or directory")
+        return _resolve_reader(args.rl_trace, args.rl_trace_format)(args.rl_trace, args)
+    prefix_len = args.rl_synthetic_prefix_len or max(1, args.seq_length * 3 // 4)
+    response = args.rl_synthetic_max_response_len or args.seq_length - prefix_len
+    if prefix_len + response > args.seq_length or response < 1:
+        raise ValueError(f"--rl-synthetic-prefix-len {prefix_len} + --rl-synthetic-max-response-"
+                         f"len {response} must be within --seq-length {args.seq_length} (and "
+                         "leave room for at least one response token)")
+    return SyntheticSteps(vocab_size=args.vocab_size or args.padded_vocab_size,
+                          num_groups=args.grpo_prompts_per_step, group_size=args.grpo_group_size,
+                          prefix_len=prefix_len, max_response_len=response, seed=args.seed)

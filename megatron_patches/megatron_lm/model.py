@@ -1,0 +1,77 @@
+"""The model provider of the entry point: Megatron-LM's own GPT builder, with the few config
+settings prefix reuse needs.
+
+`model_provider(...)` is Megatron-LM's `model_provider.model_provider(gpt_builders.gpt_builder,
+...)` -- the same pair `pretrain_gpt.py` and `train_rl.py` use, imported from the checkout that
+provides `megatron.training` -- with the TransformerConfig from `core_transformer_config_from_args`
+plus:
+* `variable_seq_lengths=True` under pipeline parallelism (RL rows differ in length; stock 1F1B,
+  the dense baseline, then exchanges shapes), with `moe_token_dispatcher_type="alltoall"`, which
+  Megatron requires beside it;
+* `deallocate_pipeline_outputs=False` for dense and reuse alike while the reuse executor does not
+  free sent outputs (`executor.SUPPORTS_DEALLOCATE_PIPELINE_OUTPUTS`); a memory saving, same math;
+everything else follows the command line; what prefix reuse cannot honour is refused by the
+executor before any compute (megatron_patches/config_support.py).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+from megatron.training import get_args
+from megatron.training.arguments import core_transformer_config_from_args
+
+__all__ = ["model_provider", "megatron_lm_root"]
+
+
+def megatron_lm_root() -> Path:
+    """The Megatron-LM checkout that provides `megatron.training` (it holds gpt_builders.py)."""
+    import megatron.training
+
+    return Path(megatron.training.__file__).resolve().parents[2]
+
+
+def _checkout_module(name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+    root = megatron_lm_root()
+    if not (root / f"{name}.py").is_file():
+        raise ValueError(f"{name}.py is not in {root}: megatron.training must come from a "
+                         "Megatron-LM checkout (put the checkout on PYTHONPATH or install it "
+                         "with pip install -e)")
+    sys.path.append(str(root))
+    return importlib.import_module(name)
+
+
+def reuse_transformer_config(args):
+    """Megatron's config from the arguments, with what the RL steps need."""
+    config = core_transformer_config_from_args(args)
+    if args.pipeline_model_parallel_size > 1:
+        config.variable_seq_lengths = True
+        config.moe_token_dispatcher_type = "alltoall"
+    if not _executor_frees_pipeline_outputs():
+        # Megatron-LM always sets it (a memory saving: a stage's sent output keeps only its
+        # graph); the reuse executor of this checkout does not free outputs yet. Same math.
+        config.deallocate_pipeline_outputs = False
+    return config
+
+
+def _executor_frees_pipeline_outputs() -> bool:
+    from megatron_patches import executor
+
+    return bool(getattr(executor, "SUPPORTS_DEALLOCATE_PIPELINE_OUTPUTS", False))
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
+                   pg_collection=None):
+    """`get_model`'s model_provider_func: a GPTModel from Megatron-LM's gpt_builder."""
+    args = get_args()
+    provider = _checkout_module("model_provider").model_provider
+    builder = _checkout_module("gpt_builders").gpt_builder
+    return provider(builder, pre_process, post_process, vp_stage,
+                    config=config or reuse_transformer_config(args), pg_collection=pg_collection)

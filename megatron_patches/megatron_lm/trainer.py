@@ -1,0 +1,206 @@
+"""The RL training loop of the Megatron-LM entry point, on `megatron.training`'s building blocks.
+
+`pretrain()` is not used: it fixes the number of microbatches per step (`get_num_microbatches()`),
+while an RL step's count follows its data (and the prefix-reuse plan). Everything else is
+Megatron-LM's: `parse_and_validate_args` with our `extra_args_provider`, `initialize_megatron`,
+`setup_model_and_optimizer` (model provider, DDP, optimizer, LR scheduler, `--load`),
+`save_checkpoint` (`--save`, `--save-interval`, `--ckpt-format`), `training_log` (log lines,
+tensorboard) and the timers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+import torch
+
+import megatron_patches
+from megatron_patches.megatron_lm.data import StepSource
+
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
+from megatron.training import get_args, get_timers, print_rank_0
+from megatron.training.checkpointing import save_checkpoint
+from megatron.training.training import training_log
+
+from prefix_schedule import GroupBatch, PolicyLossConfig, ReuseStep, plan_microbatches
+from prefix_schedule.planning.placement import place_groups
+
+__all__ = ["loss_config_from_args", "forward_step_from_args", "configure_step_functions",
+           "train", "train_step"]
+
+
+def loss_config_from_args(args) -> PolicyLossConfig:
+    """Megatron-LM's GRPO arguments as our loss configuration (k3 KL, as megatron/rl)."""
+    return PolicyLossConfig(clip_eps_low=args.grpo_clamp_eps_lower,
+                            clip_eps_high=args.grpo_clamp_eps_upper, kl_coef=args.grpo_kl_beta,
+                            kl_estimator="k3", entropy_coef=args.rl_entropy_coef)
+
+
+def _local_batch(args, batch: GroupBatch, row_multiple: int) -> GroupBatch:
+    placement = place_groups(batch, dp_size=ps.get_data_parallel_world_size(),
+                             token_budget=_token_budget(args), max_seq_len=args.seq_length,
+                             row_multiple=row_multiple)
+    return placement.ranks[ps.get_data_parallel_rank()].batch
+
+
+def _token_budget(args) -> int:
+    return args.prefix_reuse_token_budget or args.seq_length
+
+
+def _data(args, local: GroupBatch, row_multiple: int):
+    """(data iterator, number of microbatches) of this rank's step."""
+    if not args.prefix_reuse:
+        from megatron_patches.training import dense_items
+
+        return dense_items(local, row_multiple), sum(len(g.trajectories) for g in local.groups)
+    plan = plan_microbatches(local, token_budget=_token_budget(args), max_seq_len=args.seq_length,
+                             prefix_chunk_tokens=args.prefix_chunk_tokens,
+                             row_multiple=row_multiple)
+    step = ReuseStep(local, plan, num_stages=ps.get_pipeline_model_parallel_world_size(),
+                     offload_prefix_activations=args.prefix_reuse_offload_prefix_activations)
+    return step, step.num_microbatches
+
+
+def _reduce_reports(reports: List[dict]) -> Dict[str, torch.Tensor]:
+    """Token-weighted means over microbatches and data-parallel ranks (last stage only), as
+    Megatron's train_step reduces its `(sum, count)` report pairs."""
+    if not ps.is_pipeline_last_stage(ignore_virtual=True) or not reports:
+        return {}
+    reduced = {}
+    for key in reports[0]:
+        pair = torch.stack([r[key].view(-1).double() for r in reports]).sum(dim=0)
+        torch.distributed.all_reduce(
+            pair, group=ps.get_data_parallel_group(with_context_parallel=True))
+        reduced["policy loss" if key == "loss" else key] = (pair[0] / pair[1].clamp(min=1)).float()
+    return reduced
+
+
+def train_step(args, model, optimizer, scheduler, batch: GroupBatch, forward_step_func):
+    """One RL step: forward-backward (dense or reuse), optimizer, LR scheduler. Runs under
+    Megatron's rerun state machine like `train_step` (a rerun rebuilds the step's data)."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    config = get_model_config(model[0])
+    row_multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    local = _local_batch(args, batch, row_multiple)
+    rerun_state_machine = get_rerun_state_machine()
+    while rerun_state_machine.should_run_forward_backward(None):
+        reports = _forward_backward(args, model, optimizer, local, row_multiple, forward_step_func)
+    should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
+    if should_exit:
+        raise SystemExit(exit_code)  # the state machine has logged why
+    update_successful, grad_norm, num_zeros = optimizer.step()
+    if update_successful:
+        scheduler.step(increment=args.global_batch_size)
+    return _reduce_reports(reports), int(not update_successful), grad_norm, num_zeros
+
+
+def _forward_backward(args, model, optimizer, local, row_multiple, forward_step_func):
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    data, num_microbatches = _data(args, local, row_multiple)
+    with megatron_patches.use_prefix_reuse_schedule(args.prefix_reuse):
+        forward_backward = get_forward_backward_func()
+    timers = get_timers()
+    timers("forward-backward", log_level=1).start(barrier=args.barrier_with_L1_time)
+    reports = forward_backward(forward_step_func=forward_step_func, data_iterator=data,
+                               model=model, num_microbatches=num_microbatches, seq_length=0,
+                               micro_batch_size=1, forward_only=False)
+    timers("forward-backward").stop()
+    return reports
+
+
+def _dump_params(args, model, iteration: int) -> None:
+    from safetensors.torch import save_file
+
+    directory = os.path.join(args.prefix_reuse_dump_params, f"iter_{iteration}")
+    os.makedirs(directory, exist_ok=True)
+    tensors = {f"{i}.{name}": p.detach().float().contiguous().clone()
+               for i, chunk in enumerate(model) for name, p in chunk.named_parameters()}
+    save_file(tensors, os.path.join(directory, f"rank_{torch.distributed.get_rank()}.safetensors"))
+
+
+def _learning_rate(optimizer) -> float:
+    return max(group["lr"] for group in optimizer.param_groups)
+
+
+def configure_step_functions(args, model, optimizer) -> None:
+    """The config hooks Megatron-LM's `train()` installs before its loop (same conditions):
+    loss scaling, timers, DDP no_sync / grad sync / param sync, and `finalize_model_grads`
+    (data-parallel and TP-replicated gradient reduction, and the division by the loss-token
+    count under --calculate-per-token-loss)."""
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.timers = get_timers()
+    single = len(model) == 1
+    if isinstance(model[0], DistributedDataParallel) and args.overlap_grad_reduce:
+        config.no_sync_func = [chunk.no_sync for chunk in model]
+        config.no_sync_func = config.no_sync_func[0] if single else config.no_sync_func
+        if args.align_grad_reduce:
+            config.grad_sync_func = [chunk.start_grad_sync for chunk in model]
+            config.grad_sync_func = config.grad_sync_func[0] if single else config.grad_sync_func
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = [chunk.start_param_sync for chunk in model]
+        config.param_sync_func = config.param_sync_func[0] if single else config.param_sync_func
+    if config.finalize_model_grads_func is None:
+        config.finalize_model_grads_func = finalize_model_grads
+
+
+def train(model, optimizer, scheduler, source: StepSource, checkpointing_context=None) -> int:
+    """Run steps `args.iteration` .. `args.train_iters - 1`; returns the last iteration."""
+    args = get_args()
+    timers = get_timers()
+    configure_step_functions(args, model, optimizer)
+    forward_step_func = forward_step_from_args(args)
+    total_loss_dict: dict = {}
+    iteration = start = args.iteration
+    saved = False
+    mode = "prefix reuse" if args.prefix_reuse else "dense (stock Megatron schedule)"
+    print_rank_0(f"> training {mode} from iteration {iteration} to {args.train_iters}")
+    if args.prefix_reuse_dump_params:
+        _dump_params(args, model, iteration)
+    timers("interval-time", log_level=0).start(barrier=True)
+    while iteration < args.train_iters:
+        batch = source.step(iteration)
+        loss_dict, skipped, grad_norm, num_zeros = train_step(
+            args, model, optimizer, scheduler, batch, forward_step_func)
+        iteration += 1
+        args.iteration = iteration
+        args.consumed_train_samples += sum(len(g.trajectories) for g in batch.groups)
+        if args.prefix_reuse_dump_params:
+            _dump_params(args, model, iteration)
+        training_log(loss_dict, total_loss_dict, _learning_rate(optimizer), iteration,
+                     optimizer.get_loss_scale().item(), False, skipped, grad_norm, None,
+                     num_zeros, None)
+        saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
+        if saved:
+            _save(args, iteration, model, optimizer, scheduler, checkpointing_context)
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            print_rank_0(f"> exiting at iteration {iteration} (--exit-interval)")
+            break
+    if args.save and iteration > start and not saved:
+        _save(args, iteration, model, optimizer, scheduler, checkpointing_context)
+    return iteration
+
+
+def forward_step_from_args(args):
+    from megatron_patches.rl import make_policy_forward_step
+
+    return make_policy_forward_step(loss_config_from_args(args))
+
+
+def _save(args, iteration, model, optimizer, scheduler, checkpointing_context) -> None:
+    timers = get_timers()
+    timers("save-checkpoint", log_level=0).start(barrier=True)
+    save_checkpoint(iteration, model, optimizer, scheduler,
+                    num_floating_point_operations_so_far=0,
+                    checkpointing_context=checkpointing_context)
+    timers("save-checkpoint").stop(barrier=True)
+    timers.log(["save-checkpoint"])
+
