@@ -149,3 +149,18 @@ def test_megatron_lm_main_pp2_reuse_equals_dense(tmp_path_factory, tmp_path):
     for i in (1, 2):
         assert abs(dense[i][0] - reuse[i][0]) <= 1e-5 * abs(dense[i][0]), i
     assert (tmp_path / "c" / "iter_0000002").is_dir()
+
+
+def test_pp2_virtual_stages_reuse_equals_dense(tree):
+    """PP=2 x 2 virtual stages (one layer per model chunk) through the entry point: Megatron's
+    interleaved dense schedule vs the reuse executor's interleaved plan, loss and grad norm per
+    step; deallocate_pipeline_outputs as Megatron-LM sets it (True)."""
+    common = [*model_args("llama3.1-8b-tiny"), *small_args(2), "--pipeline-model-parallel-size",
+              "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    dense = _ok(torchrun(tree, 2, common))
+    reuse = _ok(torchrun(tree, 2, [*common, "--prefix-reuse", "--prefix-chunk-tokens", "16"]))
+    assert sorted(dense) == sorted(reuse) == [1, 2]
+    for i in (1, 2):
+        (dl, dn), (rl, rn) = dense[i], reuse[i]
+        assert abs(dl - rl) <= 1e-5 * abs(dl), (i, dl, rl)
+        assert abs(dn - rn) <= 1e-4 * dn, (i, dn, rn)

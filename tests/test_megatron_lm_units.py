@@ -30,7 +30,6 @@ def _args(**overrides):
     (dict(grpo_entropy_term_weight=0.1), "use --rl-entropy-coef"),
     (dict(micro_batch_size=2), "--micro-batch-size 1"),
     (dict(calculate_per_token_loss=False), "--calculate-per-token-loss"),
-    (dict(virtual_pipeline_model_parallel_size=2), "virtual pipeline"),
     (dict(prefix_chunk_tokens=0), "--prefix-chunk-tokens 0"),
     (dict(export_hf="/tmp/x"), "--export-hf needs --hf-checkpoint"),
     (dict(train_iters=None), "--train-iters"),

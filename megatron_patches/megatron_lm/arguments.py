@@ -74,10 +74,6 @@ def check_prefix_reuse_args(args) -> None:
                          "--prefix-reuse-token-budget for the row size")
     if not args.calculate_per_token_loss:
         raise ValueError("the GRPO token mean needs --calculate-per-token-loss")
-    if args.virtual_pipeline_model_parallel_size is not None:
-        raise ValueError("virtual pipeline stages are not supported by the prefix-reuse schedule "
-                         "yet; drop --num-layers-per-virtual-pipeline-stage / "
-                         "--num-virtual-stages-per-pipeline-rank")
     if args.seq_length is None:
         raise ValueError("give --seq-length: the longest [prompt; response] row")
     for name in ("prefix_chunk_tokens", "prefix_reuse_token_budget", "rl_synthetic_prefix_len",

@@ -8,9 +8,8 @@ plus:
 * `variable_seq_lengths=True` under pipeline parallelism (RL rows differ in length; stock 1F1B,
   the dense baseline, then exchanges shapes), with `moe_token_dispatcher_type="alltoall"`, which
   Megatron requires beside it;
-* `deallocate_pipeline_outputs=False` for dense and reuse alike while the reuse executor does not
-  free sent outputs (`executor.SUPPORTS_DEALLOCATE_PIPELINE_OUTPUTS`); a memory saving, same math;
-everything else follows the command line; what prefix reuse cannot honour is refused by the
+everything else (`deallocate_pipeline_outputs=True` included: the reuse executor frees sent
+outputs as Megatron's 1F1B does) follows the command line; what prefix reuse cannot honour is refused by the
 executor before any compute (megatron_patches/config_support.py).
 """
 
@@ -54,17 +53,7 @@ def reuse_transformer_config(args):
     if args.pipeline_model_parallel_size > 1:
         config.variable_seq_lengths = True
         config.moe_token_dispatcher_type = "alltoall"
-    if not _executor_frees_pipeline_outputs():
-        # Megatron-LM always sets it (a memory saving: a stage's sent output keeps only its
-        # graph); the reuse executor of this checkout does not free outputs yet. Same math.
-        config.deallocate_pipeline_outputs = False
     return config
-
-
-def _executor_frees_pipeline_outputs() -> bool:
-    from megatron_patches import executor
-
-    return bool(getattr(executor, "SUPPORTS_DEALLOCATE_PIPELINE_OUTPUTS", False))
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,

@@ -50,16 +50,20 @@ def _token_budget(args) -> int:
     return args.prefix_reuse_token_budget or args.seq_length
 
 
-def _data(args, local: GroupBatch, row_multiple: int):
+def _data(args, local: GroupBatch, row_multiple: int, num_model_chunks: int):
     """(data iterator, number of microbatches) of this rank's step."""
     if not args.prefix_reuse:
         from megatron_patches.training import dense_items
 
-        return dense_items(local, row_multiple), sum(len(g.trajectories) for g in local.groups)
+        count = sum(len(g.trajectories) for g in local.groups)
+        if num_model_chunks > 1:  # Megatron's interleaved schedule: one iterator per chunk
+            return [dense_items(local, row_multiple) for _ in range(num_model_chunks)], count
+        return dense_items(local, row_multiple), count
     plan = plan_microbatches(local, token_budget=_token_budget(args), max_seq_len=args.seq_length,
                              prefix_chunk_tokens=args.prefix_chunk_tokens,
                              row_multiple=row_multiple)
     step = ReuseStep(local, plan, num_stages=ps.get_pipeline_model_parallel_world_size(),
+                     num_model_chunks=num_model_chunks,
                      offload_prefix_activations=args.prefix_reuse_offload_prefix_activations)
     return step, step.num_microbatches
 
@@ -102,7 +106,7 @@ def _forward_backward(args, model, optimizer, local, row_multiple, forward_step_
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    data, num_microbatches = _data(args, local, row_multiple)
+    data, num_microbatches = _data(args, local, row_multiple, len(model))
     with megatron_patches.use_prefix_reuse_schedule(args.prefix_reuse):
         forward_backward = get_forward_backward_func()
     timers = get_timers()
