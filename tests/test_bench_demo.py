@@ -37,7 +37,7 @@ FIELDS = {"dense_seconds", "stock_dense_seconds", "reuse_seconds", "speedup", "i
           "ideal_speedup_basis", "efficiency", "attention_backend", "max_grad_rel_diff",
           "loss_dense", "loss_reuse", "layout", "model", "workload", "token_budget",
           "prefix_chunk_tokens", "threads", "threads_per_rank", "steps", "memory", "dense_batched",
-          "timing"}
+          "timing", "production_settings"}
 MEMORY_FIELDS = {"dense_peak_saved_bytes", "reuse_peak_saved_bytes",
                  "reuse_suffix_phase_peak_bytes", "reuse_cache_bytes", "suffix_phase_reduction",
                  "basis"}
@@ -54,6 +54,8 @@ def runs(tmp_path_factory):
         "bench_pp2": [*bench, "--pp", "2", "--attention-backend", "math", "--timeout", "200",
                       "--prefix-chunk-tokens", "32", "--json", str(out / "bench_pp2.json")],
         "demo": [sys.executable, str(ROOT / "examples" / "grpo_demo.py"), "--quick"],
+        "bench_vpp": [*bench, "--num-layers", "4", "--pp", "2", "--vpp", "2", "--production",
+                      "--skip-stock", "--timeout", "200", "--json", str(out / "bench_vpp.json")],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT,
@@ -98,7 +100,7 @@ def test_bench_json_fields_are_consistent(runs):
     result = json.loads((out / "bench.json").read_text())
     assert set(result) == FIELDS
     _check_result(result)
-    assert result["layout"] == {"pp": 1, "tp": 1, "dp": 1} and result["threads_per_rank"] == 2
+    assert result["layout"] == {"pp": 1, "tp": 1, "dp": 1, "vpp": 1} and result["threads_per_rank"] == 2
     assert result["prefix_chunk_tokens"] is None
     # "auto" records what selection picks for the model's fp32 CPU tensors (head_dim 64 / 4)
     auto = attention_backends.select_backend("auto", device="cpu", dtype=torch.float32, head_dim=16)
@@ -128,7 +130,7 @@ def test_bench_pp2_runs_two_stage_processes(runs):
     result = json.loads((out / "bench_pp2.json").read_text())
     assert set(result) == FIELDS  # no "placement" without DP
     _check_result(result)
-    assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1}  # the sizes Megatron ran with
+    assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1, "vpp": 1}  # the sizes Megatron ran with
     assert result["threads_per_rank"] == 1  # 2 threads over 2 processes
     assert result["attention_backend"] == "math"
     assert result["prefix_chunk_tokens"] == 32  # 63 cached tokens: 2 chunks per group
@@ -138,6 +140,21 @@ def test_bench_pp2_runs_two_stage_processes(runs):
     single = json.loads((out / "bench.json").read_text())
     assert result["ideal_speedup"] == single["ideal_speedup"]
     assert "pp 2 x tp 1 x dp 1 = 2 process(es)" in stdout
+
+
+def test_bench_virtual_stages_with_production_settings(runs):
+    """--pp 2 --vpp 2 --production: two model chunks per rank, Megatron's interleaved dense
+    schedule vs the reuse executor's interleaved plan, every chunk DDP-wrapped with
+    overlap_grad_reduce and the distributed optimizer's layout, outputs pseudo-freed."""
+    (rc, stdout), out = runs[0]["bench_vpp"], runs[1]
+    assert rc == 0, stdout[-3000:]
+    result = json.loads((out / "bench_vpp.json").read_text())
+    assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1, "vpp": 2}
+    assert result["production_settings"] is True
+    assert result["max_grad_rel_diff"] <= 1e-5
+    assert abs(result["loss_dense"] - result["loss_reuse"]) <= 1e-5 * abs(result["loss_dense"])
+    assert result["stock_dense_seconds"] is None and result["reuse_seconds"] > 0
+    assert "pp 2 (x 2 virtual) x tp 1 x dp 1 = 2 process(es), Megatron-LM production" in stdout
 
 
 def test_demo_trains_both_runs_and_checks_agreement(runs):
@@ -205,6 +222,10 @@ REFUSALS = [
     (["--pp", "3"], "--num-layers=4 does not split over --pp=3"),
     (["--tp", "3"], "--num-attention-heads=8 is not a multiple of --tp=3"),
     (["--dp", "32"], "fewer than dp_size=32"),
+    (["--vpp", "2"], "--vpp=2 interleaves pipeline ranks; give --pp >= 2"),
+    (["--pp", "2", "--vpp", "2", "--group-size", "3", "--num-groups", "1"],
+     "needs a multiple of --pp=2 rows per data-parallel rank"),
+    (["--pp", "2", "--vpp", "3"], "give a multiple of 6"),
     (["--attention-backend", "transformer_engine"], "attention backend 'transformer_engine'"),
 ]
 

@@ -68,6 +68,14 @@ class BenchConfig:
     """Tensor-parallel ranks."""
     dp: int = 1
     """Data-parallel ranks (groups placed by prefix_schedule.planning.placement.place_groups)."""
+    vpp: int = 1
+    """Model chunks per pipeline rank (virtual pipeline stages; needs --pp >= 2 and --num-layers
+    a multiple of pp * vpp): dense runs Megatron's interleaved 1F1B, reuse the interleaved plan."""
+    production: bool = False
+    """Megatron-LM's production settings (what its argument parser sets, see
+    tests/megatron_lm_args.py): deallocate_pipeline_outputs=True, batch_p2p_comm (overlap_p2p_comm
+    with --vpp > 1), and Megatron's DDP on every path with overlap_grad_reduce, the distributed
+    optimizer's reduce-scatter layout and grad_sync_func (align_grad_reduce)."""
     attention_backend: str = dataclasses.field(default="auto", metadata={
         "choices": (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES})
     """Shared-prefix attention kernel of the reuse path: auto or a name of
@@ -81,7 +89,7 @@ class BenchConfig:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
                         hidden_size=1, ffn_hidden_size=1, num_attention_heads=1,
                         num_query_groups=1, vocab_size=2, steps=1, warmup=0, threads=1, seed=0,
-                        pp=1, tp=1, dp=1, timeout=1)
+                        pp=1, tp=1, dp=1, vpp=1, timeout=1)
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -101,9 +109,11 @@ class BenchConfig:
 
     def _check_layout(self) -> None:
         """What Megatron needs of the shape for this layout, said before any process starts."""
-        if self.num_layers % self.pp:
-            raise ValueError(f"--num-layers={self.num_layers} does not split over --pp={self.pp} "
-                             "stages; give a multiple of --pp")
+        if self.num_layers % (self.pp * self.vpp):
+            raise ValueError(f"--num-layers={self.num_layers} does not split over --pp={self.pp} x "
+                             f"--vpp={self.vpp} stages; give a multiple of {self.pp * self.vpp}")
+        if self.vpp > 1:
+            self._check_interleaving()
         for name in ("num_attention_heads", "ffn_hidden_size", "vocab_size"):
             if getattr(self, name) % self.tp:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} is not a multiple "
@@ -111,6 +121,30 @@ class BenchConfig:
         if self.num_query_groups % self.tp and self.tp % self.num_query_groups:
             raise ValueError(f"--num-query-groups={self.num_query_groups} must be a multiple or a "
                              f"divisor of --tp={self.tp}")
+
+    def _check_interleaving(self) -> None:
+        """Megatron's interleaved schedule runs M dense microbatches in groups of PP per virtual
+        stage (microbatch_group_size_per_vp_stage = PP): M >= PP and M % PP == 0 on every rank."""
+        if self.pp < 2:
+            raise ValueError(f"--vpp={self.vpp} interleaves pipeline ranks; give --pp >= 2")
+        shares = self.rows_per_rank()
+        bad = [m for m in shares if m < self.pp or m % self.pp]
+        if bad:
+            raise ValueError(f"--vpp={self.vpp}: Megatron's interleaved dense schedule needs a "
+                             f"multiple of --pp={self.pp} rows per data-parallel rank, the ranks "
+                             f"get {shares}; change --num-groups / --group-size")
+
+    def rows_per_rank(self) -> list:
+        """Dense rows (trajectories) of each data-parallel rank's share of the batch."""
+        if self.dp == 1:
+            return [self.num_groups * self.group_size]
+        from benchlib.workload import make_batch
+
+        batch = make_batch(prefix_len=self.prefix_len, suffix_len=self.suffix_len,
+                           group_size=self.group_size, num_groups=self.num_groups,
+                           vocab_size=self.vocab_size, seed=self.seed)
+        return [sum(len(g.trajectories) for g in r.batch.groups)
+                for r in self.placement(batch).ranks]
 
     @property
     def world_size(self) -> int:
@@ -124,9 +158,13 @@ class BenchConfig:
     @property
     def dense_rows_per_microbatch(self) -> int:
         """Rows per microbatch of the batched dense path (1: the path is not timed)."""
-        if self.dense_micro_batch_size is not None:
-            return self.dense_micro_batch_size
-        return max(1, self.token_budget // self.row_len)
+        rows = (self.dense_micro_batch_size if self.dense_micro_batch_size is not None
+                else max(1, self.token_budget // self.row_len))
+        if self.vpp > 1 and rows > 1:  # interleaving needs a multiple of PP microbatches
+            counts = [-(-m // rows) for m in self.rows_per_rank()]
+            if any(c < self.pp or c % self.pp for c in counts):
+                return 1
+        return rows
 
     def model_dims(self) -> ModelDims:
         """The FLOP-model view of the model (validates the head arithmetic too)."""

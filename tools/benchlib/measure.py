@@ -20,7 +20,8 @@ import torch
 
 import memory_probe
 from benchlib.config import BenchConfig
-from benchlib.steps import dense_step, private_rendezvous, reuse_step
+from benchlib.models import build_models, first_param, grads, zero
+from benchlib.steps import dense_step, reuse_step
 from benchlib.timing import RegionTimer
 from benchlib.workload import make_batch
 from prefix_schedule.attention import backends as attention_backends
@@ -57,41 +58,6 @@ def selected_backend(config: BenchConfig, device="cpu", dtype=torch.float32) -> 
     return attention_backends.select_backend(device=device, dtype=dtype, head_dim=head_dim).name
 
 
-def _build_models(config: BenchConfig, distributed: bool):
-    """(local-spec model, fused-SDPA model with the same weights), Megatron initialised; one
-    pipeline stage's part of each; DDP-wrapped with data parallelism."""
-    import megatron_patches
-
-    megatron_patches.enable_cpu_support()  # the CPU/gloo layer (a no-op with CUDA)
-    from megatron_patches.models import (TinyLlamaConfig, build_model, initialize_distributed,
-                                         initialize_single_process)
-    from megatron_patches.training import prepare_for_training
-
-    megatron_patches.install()
-    if distributed:
-        initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp)
-    else:
-        private_rendezvous()
-        initialize_single_process(seed=config.seed)
-    shape = TinyLlamaConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
-                            ffn_hidden_size=config.ffn_hidden_size,
-                            num_attention_heads=config.num_attention_heads,
-                            num_query_groups=config.num_query_groups, vocab_size=config.vocab_size,
-                            max_seq_len=config.prefix_len + config.suffix_len)
-    local = build_model(shape, seed=config.seed)  # this pipeline stage's part
-    # Another init seed, so that equal weights can only come from load_state_dict.
-    fused = build_model(shape, fused_attention=True, seed=config.seed + 1)
-    fused.load_state_dict(local.state_dict())
-    return (prepare_for_training(local, ddp=config.dp > 1),
-            prepare_for_training(fused, ddp=config.dp > 1))
-
-
-def _zero(model) -> None:
-    from megatron_patches.training import zero_grads
-
-    zero_grads(model)
-
-
 def _reduce_max(value: float) -> float:
     if torch.distributed.get_world_size() == 1:
         return float(value)
@@ -117,10 +83,10 @@ def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
         del runs["stock_dense"]
     times: Dict[str, List[float]] = {name: [] for name in runs}
     cpu: Dict[str, List[float]] = {name: [] for name in runs}
-    device = next(local.parameters()).device
+    device = first_param(local).device
     for step in range(config.warmup + config.steps):
         for name, (model, run) in runs.items():  # interleaved: noise hits every path alike
-            _zero(model)
+            zero(model)
             with RegionTimer(device) as timer:
                 run()
             seconds = _reduce_max(timer.seconds)  # the MAX also lines the ranks up for the next
@@ -128,22 +94,22 @@ def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
             if step >= config.warmup:
                 times[name].append(seconds)
                 cpu[name].append(cpu_seconds)
-    _zero(local)
-    _zero(fused)
+    zero(local)
+    zero(fused)
     return times, cpu
 
 
 def _check_step(config: BenchConfig, local, batch: GroupBatch, plan: StepPlan) -> dict:
     """Untimed, after timing, on the local model: stock dense (the reference), reuse, and the
     batched dense layout -- losses and max relative gradient differences."""
-    from megatron_patches.training import max_relative_diff, param_grads
+    from megatron_patches.training import max_relative_diff
 
     def grads_of(run):
-        _zero(local)
+        zero(local)
         result = run()
-        grads = param_grads(local)
-        _zero(local)
-        return result, grads
+        result_grads = grads(local)
+        zero(local)
+        return result, result_grads
 
     dense, reference = grads_of(lambda: dense_step(local, batch, LOSS))
     reuse, reuse_grads = grads_of(lambda: reuse_step(local, batch, plan, LOSS))
@@ -176,13 +142,13 @@ def _memory(local, fused, batch: GroupBatch, plan: StepPlan) -> Dict[str, float]
     activations, plus the prefix cache for reuse; not the allocator's peak)."""
     from prefix_schedule.runtime.step import ReuseStep
 
-    _zero(fused)
+    zero(fused)
     dense = memory_probe.measure_dense(fused, lambda: dense_step(fused, batch, LOSS))
-    _zero(local)
+    zero(local)
     reuse = memory_probe.measure_reuse(
         local, ReuseStep(batch, plan), lambda step: reuse_step(local, batch, plan, LOSS, step=step))
-    _zero(local)
-    _zero(fused)
+    zero(local)
+    zero(fused)
     return {"dense_peak_saved_bytes": dense.peak_saved_bytes,
             "reuse_peak_saved_bytes": reuse.peak_saved_bytes,
             "reuse_suffix_phase_peak_bytes": reuse.suffix_phase_peak_bytes,
@@ -197,14 +163,15 @@ def _megatron_layout() -> Dict[str, int]:
 
     return {"pp": ps.get_pipeline_model_parallel_world_size(),
             "tp": ps.get_tensor_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
+            "dp": ps.get_data_parallel_world_size(),
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
 
 
 def measure(config: BenchConfig, distributed: bool = False) -> dict:
     """Build, time, check and measure in this process, or in each rank of a layout
     (`distributed`, run by megatron_patches.launch: its pipeline stage / TP shard / DP share);
     every rank returns the same reduced numbers."""
-    local, fused = _build_models(config, distributed)
+    local, fused = build_models(config, distributed)
     batch = config_batch(config)
     placement = config.placement(batch)
     if placement is not None:
@@ -212,7 +179,7 @@ def measure(config: BenchConfig, distributed: bool = False) -> dict:
 
         batch = placement.ranks[parallel_state.get_data_parallel_rank()].batch
     plan = config_plan(config, batch)
-    param = next(local.parameters())
+    param = first_param(local)
     backend = selected_backend(config, param.device, param.dtype)
     times, cpu_times = _time_paths(config, local, fused, batch, plan)
     check = _check_step(config, local, batch, plan)  # untimed, after every path's timing

@@ -75,6 +75,7 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
         "threads": config.threads,
         "threads_per_rank": threads,
         "steps": config.steps,
+        "production_settings": config.production,
     }
     if placement is not None:
         result["placement"] = placement.describe()
@@ -106,7 +107,9 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         f"heads {m['num_attention_heads']}/{m['num_query_groups']} kv, vocab {m['vocab_size']}; "
         f"{result['threads']} threads, median of {result['steps']} steps after "
         f"{result['timing']['warmup_steps_per_path']} warm-up step(s) per path",
-        f"layout: pp {lay['pp']} x tp {lay['tp']} x dp {lay['dp']} = {world} process(es), "
+        f"layout: pp {lay['pp']}" + (f" (x {lay['vpp']} virtual)" if lay.get("vpp", 1) > 1 else "")
+        + f" x tp {lay['tp']} x dp {lay['dp']} = {world} process(es), "
+        + ("Megatron-LM production settings, " if result.get("production_settings") else "") +
         f"{result['threads_per_rank']} thread(s) each; attention backend "
         f"{result['attention_backend']}",
         *([result["placement"]] if "placement" in result else []),

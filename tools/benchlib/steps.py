@@ -99,17 +99,19 @@ def _summary(reports):
 
 
 def dense_step(model, batch: GroupBatch, loss: PolicyLossConfig, micro_batch_size: int = 1):
-    """Stock Megatron dense step; returns a megatron_patches.training.StepResult (token-mean loss
+    """Stock Megatron dense step (`model`: a module or a rank's model chunks); returns a megatron_patches.training.StepResult (token-mean loss
     and token count as the last pipeline stage saw them)."""
     import megatron_patches
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    items: Iterator = iter(batched_dense_items(batch, micro_batch_size))
+    models = _chunks(model)
+    items = [iter(batched_dense_items(batch, micro_batch_size)) for _ in models]
     num = -(-sum(len(g.trajectories) for g in batch.groups) // micro_batch_size)
     with megatron_patches.use_prefix_reuse_schedule(False):
         forward_backward = get_forward_backward_func()
     reports = forward_backward(forward_step_func=_forward_step(loss, _device(model)),
-                               data_iterator=items, model=[model], num_microbatches=num,
+                               data_iterator=items if len(models) > 1 else items[0],
+                               model=models, num_microbatches=num,
                                seq_length=0, micro_batch_size=micro_batch_size)
     return _summary(reports)
 
@@ -121,17 +123,24 @@ def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss: PolicyLossConfig,
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    models = _chunks(model)
     if step is None:
         step = ReuseStep(batch, plan, num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
+                         num_model_chunks=len(models),
                          offload_prefix_activations=offload_prefix_activations)
     with megatron_patches.use_prefix_reuse_schedule():
         forward_backward = get_forward_backward_func()
     reports = forward_backward(forward_step_func=_forward_step(loss, _device(model)),
-                               data_iterator=step, model=[model],
+                               data_iterator=step, model=models,
                                num_microbatches=step.num_microbatches, seq_length=0,
                                micro_batch_size=1)
     return _summary(reports)
 
 
+def _chunks(model) -> list:
+    """A module, or a rank's model chunks (virtual pipeline stages), as Megatron's list."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
 def _device(model) -> torch.device:
-    return next(model.parameters()).device
+    return next(_chunks(model)[0].parameters()).device
