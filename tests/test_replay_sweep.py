@@ -80,7 +80,12 @@ def test_two_point_sweep_writes_csv_and_plots_and_resumes(megatron_env, tmp_path
     assert small["policy"].startswith("dense (FLOP gain") and float(small["ideal"]) == 1.0
     for r in rows:
         assert float(r["grad_rel_diff"]) <= 1e-5 and float(r["cpu_speedup"]) > 0
-        assert -1 < float(r["suffix_phase_reduction"]) < 1
+    # big: reuse's suffix phase holds the prefix graph plus one microbatch of suffixes, never
+    # all four dense rows' activations
+    assert -int(big["group_size"]) < float(big["suffix_phase_reduction"]) < 1
+    # small, run dense by the policy: both equal-length rows in one microbatch (its budget is four
+    # dense rows) hold exactly twice the activations of dense's one-row microbatch
+    assert small["microbatches"] == "1" and float(small["suffix_phase_reduction"]) == -1.0
     for name in ("speedup.png", "memory.png", "efficiency.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert sweep.main(args) == 0  # resumes: both points are in the CSV already
