@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["Trajectory", "Group", "GroupBatch"]
+__all__ = ["Trajectory", "PrefixNode", "Group", "GroupBatch"]
 
 
 def _as_1d(value: Any, *, name: str) -> torch.Tensor:
@@ -98,8 +98,14 @@ class Trajectory:
     """Per-suffix-token log-probs of the behaviour policy, or None (on-policy: ratio 1)."""
     ref_logprobs: Any = None
     """Per-suffix-token log-probs of the reference policy, or None (needed only for a KL term)."""
+    node: int = 0
+    """The prefix-tree node the suffix follows ([Note: prefix trees] in planning/tree.py): 0 is the
+    group's `prefix`; i >= 1 is `Group.nodes[i-1]`. The trajectory's context is the token chain
+    root -> ... -> node."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.node, bool) or not isinstance(self.node, int) or self.node < 0:
+            raise ValueError(f"node={self.node!r}; give the index of a prefix-tree node (int >= 0)")
         self.suffix = _as_tokens(self.suffix, name="suffix")
         n = self.suffix.numel()
         if n < 1:
@@ -130,13 +136,34 @@ class Trajectory:
 
 
 @dataclass(kw_only=True)
+class PrefixNode:
+    """A shared segment below another one in a group's prefix tree ([Note: prefix trees])."""
+
+    parent: int
+    """The node this one continues: 0 is the group's `prefix`, i >= 1 is `Group.nodes[i-1]`;
+    it must come earlier (parent < this node's index)."""
+    tokens: Any
+    """Token ids of the segment (>= 1); stored as an int64 tensor."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.parent, bool) or not isinstance(self.parent, int) or self.parent < 0:
+            raise ValueError(f"PrefixNode.parent={self.parent!r}; give a node index (int >= 0)")
+        self.tokens = _as_tokens(self.tokens, name="PrefixNode.tokens")
+        if self.tokens.numel() < 1:
+            raise ValueError("PrefixNode.tokens is empty; a tree node holds at least one token")
+
+
+@dataclass(kw_only=True)
 class Group:
-    """A shared prompt and the trajectories sampled from it."""
+    """A shared prompt and the trajectories sampled from it; with `nodes`, a prefix tree."""
 
     prefix: Any
-    """Token ids of the shared prompt (P >= 1); stored as an int64 tensor [P]."""
+    """Token ids of the shared prompt (P >= 1); stored as an int64 tensor [P]. The tree's root."""
     trajectories: list[Trajectory] = field(default_factory=list)
     """The group's trajectories (at least one), in order."""
+    nodes: list[PrefixNode] = field(default_factory=list)
+    """Shared segments below the prompt (node i >= 1 is nodes[i-1]); empty: a one-level prefix.
+    See [Note: prefix trees] in planning/tree.py."""
 
     def __post_init__(self) -> None:
         self.prefix = _as_tokens(self.prefix, name="prefix")
@@ -148,11 +175,44 @@ class Group:
         for t, trajectory in enumerate(self.trajectories):
             if not isinstance(trajectory, Trajectory):
                 raise ValueError(f"trajectory {t}: expected a Trajectory, got {type(trajectory).__name__}")
+        self.nodes = list(self.nodes)
+        _check_tree(self)
 
     @property
     def prefix_len(self) -> int:
-        """P, the number of shared prompt tokens."""
+        """P, the number of shared prompt tokens (the root's; see `context_len` for a tree)."""
         return self.prefix.numel()
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the prefix tree, the root (`prefix`) included."""
+        return 1 + len(self.nodes)
+
+    def parent(self, node: int) -> Optional[int]:
+        """The parent of `node`, None for the root."""
+        return None if node == 0 else self.nodes[node - 1].parent
+
+    def node_tokens(self, node: int) -> torch.Tensor:
+        return self.prefix if node == 0 else self.nodes[node - 1].tokens
+
+    def chain(self, node: int) -> tuple[int, ...]:
+        """Nodes root -> ... -> `node`."""
+        path = [node]
+        while path[-1] != 0:
+            path.append(self.nodes[path[-1] - 1].parent)
+        return tuple(reversed(path))
+
+    def context(self, node: int) -> torch.Tensor:
+        """The tokens of the chain root -> ... -> `node`, concatenated."""
+        return torch.cat([self.node_tokens(n) for n in self.chain(node)])
+
+    def context_len(self, trajectory: int) -> int:
+        """Tokens before trajectory `trajectory`'s suffix (P for a one-level group)."""
+        node = self.trajectories[trajectory].node
+        return sum(self.node_tokens(n).numel() for n in self.chain(node))
+
+    def has_children(self, node: int) -> bool:
+        return any(n.parent == node for n in self.nodes)
 
     @classmethod
     def from_full_sequences(
@@ -196,6 +256,29 @@ class Group:
             except ValueError as exc:
                 raise _prefixed(f"trajectory {i}", exc) from None
         return cls(prefix=prefix, trajectories=trajectories)
+
+
+def _check_tree(group: Group) -> None:
+    for i, node in enumerate(group.nodes, start=1):
+        if not isinstance(node, PrefixNode):
+            raise ValueError(f"node {i}: expected a PrefixNode, got {type(node).__name__}")
+        if node.parent >= i:
+            raise ValueError(f"node {i} has parent {node.parent}; list parents before their "
+                             "children (parent < node index)")
+    used = {0}
+    for t, trajectory in enumerate(group.trajectories):
+        if trajectory.node >= group.num_nodes:
+            raise ValueError(f"trajectory {t} follows node {trajectory.node} but the group has "
+                             f"nodes 0..{group.num_nodes - 1}; add the node or fix the index")
+        used.update(group.chain(trajectory.node))
+    unused = sorted(set(range(group.num_nodes)) - used)
+    if unused:
+        raise ValueError(f"prefix-tree nodes {unused} lead to no trajectory; drop them")
+    for i in range(1, group.num_nodes):
+        if not group.has_children(i) and group.node_tokens(i).numel() < 2:
+            raise ValueError(f"node {i} is a 1-token leaf: it would cache nothing (its last token "
+                             "runs with each suffix); move the token into its trajectories' "
+                             "suffixes")
 
 
 def _check_starts_with(sequence: torch.Tensor, prefix: torch.Tensor, *, index: int) -> None:
@@ -254,12 +337,14 @@ class GroupBatch:
         for g, group in enumerate(self.groups):
             if vocab_size is not None:
                 _check_vocab(group.prefix, vocab_size, where=f"group {g}, prefix")
+                for i, node in enumerate(group.nodes, start=1):
+                    _check_vocab(node.tokens, vocab_size, where=f"group {g}, node {i}")
             for t, trajectory in enumerate(group.trajectories):
                 where = f"group {g}, trajectory {t}"
-                total = group.prefix_len + trajectory.num_tokens
+                total = group.context_len(t) + trajectory.num_tokens
                 if total > max_seq_len:
                     raise ValueError(
-                        f"{where}: prefix ({group.prefix_len} tokens) + suffix ({trajectory.num_tokens} "
+                        f"{where}: prefix ({group.context_len(t)} tokens) + suffix ({trajectory.num_tokens} "
                         f"tokens) = {total} tokens is longer than max_seq_len={max_seq_len}; truncate "
                         f"the trajectory or use a model with max_seq_len >= {total}"
                     )

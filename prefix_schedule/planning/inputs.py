@@ -23,8 +23,8 @@ def _dense_row(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torc
     if not 0 <= trajectory < len(g.trajectories):
         raise ValueError(f"group {group} has no trajectory {trajectory} (it has {len(g.trajectories)})")
     tr = g.trajectories[trajectory]
-    full = torch.cat([g.prefix, tr.suffix])
-    pad = torch.zeros(g.prefix_len - 1, dtype=torch.float32)  # prefix positions carry no loss
+    full = torch.cat([g.context(tr.node), tr.suffix])  # [Note: prefix trees] in tree.py
+    pad = torch.zeros(g.context_len(trajectory) - 1, dtype=torch.float32)  # no loss on a prefix
     row = {
         "tokens": full[:-1],
         "position_ids": torch.arange(full.numel() - 1, dtype=torch.int64),
@@ -81,16 +81,21 @@ def build_prefix_inputs(batch: GroupBatch,
     for a PrefixChunk only its tokens prefix[start:start+length] at their positions."""
     if not 0 <= work.group < len(batch.groups):
         raise ValueError(f"group {work.group} is not in the batch (it has {len(batch.groups)} groups)")
-    prefix = batch.groups[work.group].prefix
-    if isinstance(work, PrefixWork):
+    group = batch.groups[work.group]
+    whole = isinstance(work, PrefixWork)
+    if whole:
+        if work.nodes is not None:
+            raise ValueError("a prefix tree runs as units: pass plan.prefix_units() entries")
         work = PrefixChunk(group=work.group, chunk=0, start=0, length=work.length)
-        fits = work.length == prefix.numel() - 1
-    else:
-        fits = work.start + work.length <= prefix.numel() - 1
-    if not fits:
-        raise ValueError(f"{work} does not fit group {work.group}, which caches P-1 = "
-                         f"{prefix.numel() - 1} tokens; the plan does not belong to this batch")
+    if not 0 <= work.node < group.num_nodes:
+        raise ValueError(f"{work} names node {work.node} of group {work.group}, which has "
+                         f"{group.num_nodes}; the plan does not belong to this batch")
+    prefix = group.context(work.node)  # [Note: prefix trees]: the chain up to the chunk's node
+    cached = prefix.numel() - (0 if group.has_children(work.node) else 1)
     end = work.start + work.length
+    if (end != cached) if whole else (end > cached):
+        raise ValueError(f"{work} does not fit group {work.group}, which caches {cached} tokens "
+                         "there; the plan does not belong to this batch")
     row = {"tokens": prefix[work.start:end], "position_ids": torch.arange(work.start, end)}
     return _as_batch_dim(_pad(row, work.padding))
 
