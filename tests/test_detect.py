@@ -47,11 +47,12 @@ def _batches(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(_batches(), st.integers(2, 6))
-def test_detection_finds_every_shared_span_of_min_length(data, min_len):
+@given(_batches(), st.integers(2, 6), st.booleans())
+def test_detection_finds_every_shared_span_of_min_length(data, min_len, cache_loss_tokens):
     seqs, firsts = data
     flat = [_flat(s, f, i) for i, (s, f) in enumerate(zip(seqs, firsts))]
-    det = detect_prefix_trees(flat, min_shared_len=min_len, node_overhead_tokens=0)
+    det = detect_prefix_trees(flat, min_shared_len=min_len, node_overhead_tokens=0,
+                              cache_loss_tokens=cache_loss_tokens)
     where = {}
     for g, (group, sources) in enumerate(zip(det.batch.groups, det.sources)):
         for t, i in enumerate(sources):
@@ -61,10 +62,17 @@ def test_detection_finds_every_shared_span_of_min_length(data, min_len):
             context = group.context_len(t)
             assert torch.equal(tr.loss_mask, flat[i].loss_mask[context:])
             assert torch.equal(tr.advantages, flat[i].advantages.float()[context:])
-            assert context <= flat[i].shareable  # no loss token is cached
+            assert context <= flat[i].shareable(cache_loss_tokens)
+            assert tr.num_loss_tokens == flat[i].loss_mask.sum()  # every loss token, once
+            if tr.context_loss is not None:  # loss inside the shared context keeps its arrays
+                assert torch.equal(tr.context_loss.loss_mask, flat[i].loss_mask[:context])
+                assert torch.equal(tr.context_loss.old_logprobs,
+                                   flat[i].old_logprobs.float()[:context])
+            else:
+                assert not flat[i].loss_mask[:context].any()
             where[i] = (g, tr.node)
     assert sorted(where) == list(range(len(seqs)))
-    keys = [s[:f.shareable] for s, f in zip(seqs, flat)]
+    keys = [s[:f.shareable(cache_loss_tokens)] for s, f in zip(seqs, flat)]
     for i in range(len(seqs)):
         for j in range(i + 1, len(seqs)):
             common = _common(keys[i], keys[j])
@@ -94,12 +102,18 @@ def test_multi_turn_tree_and_report():
     assert "2 groups" in det.describe()
 
 
-def test_loss_tokens_stop_sharing_and_are_reported():
+def test_loss_tokens_inside_shared_spans():
     prompt, answer = list(range(50, 70)), [3] * 10
     seqs = [prompt + answer + [1, 2], prompt + answer + [4, 5]]
-    # trajectory 0 trains on its answer: sharing stops before it
-    det = detect_prefix_trees([_flat(seqs[0], 20), _flat(seqs[1], 30)], min_shared_len=4,
-                              node_overhead_tokens=0)
+    flat = [_flat(seqs[0], 20), _flat(seqs[1], 30)]  # trajectory 0 trains on the shared answer
+    # cached with the answer: trajectory 0 keeps its loss there as a ContextLoss
+    (group,) = detect_prefix_trees(flat, min_shared_len=4, node_overhead_tokens=0).batch.groups
+    assert group.prefix.tolist() == prompt + answer
+    assert group.trajectories[0].context_loss.loss_mask.sum() == 10
+    assert group.trajectories[1].context_loss is None
+    # cache_loss_tokens=False: sharing stops before the first loss token, and says what it lost
+    det = detect_prefix_trees(flat, min_shared_len=4, node_overhead_tokens=0,
+                              cache_loss_tokens=False)
     (group,) = det.batch.groups
     assert group.prefix.tolist() == prompt and not group.nodes
     assert group.trajectories[0].loss_mask.sum() == 12

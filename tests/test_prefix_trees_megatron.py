@@ -1,7 +1,8 @@
 """Prefix trees ([Note: prefix trees] in prefix_schedule/planning/tree.py) inside real Megatron
 equal stock Megatron dense over the flattened trajectories: fp32, loss and every parameter
 gradient within 1e-5 relative; depth 1-4, branching 1-8, trajectories under inner nodes (their
-reads stop short of the node's last cached row), prefix chunks splitting nodes; PP=1 in this
+reads stop short of the node's last cached row), prefix chunks splitting nodes, loss tokens
+inside shared nodes (counted once per trajectory with its own arrays); PP=1 in this
 process, PP=2 and TP=2 through tests/dist_harness.py (gloo)."""
 
 import pytest
@@ -31,6 +32,12 @@ CASES = {
                                                   suffix_len=4, per_leaf=2)], 12, None),
     "branching 1 (a chain of nodes)": ([dict(depth=3, branching=1, node_len=5, suffix_len=4,
                                             per_leaf=3, inner=1)], 10, None),
+    "loss tokens inside shared nodes": ([dict(depth=3, branching=2, node_len=6, suffix_len=4,
+                                              inner=1, node_loss=True)], 12, None),
+    "loss inside nodes, chunks, depth 1 next to it": (
+        [dict(depth=2, branching=3, node_len=7, suffix_len=3, per_leaf=2, node_loss=True),
+         dict(depth=1, branching=1, node_len=9, suffix_len=4, per_leaf=3, node_loss=True)],
+        12, 4),
 }
 
 
@@ -68,7 +75,7 @@ def test_tree_selective_recompute_equals_dense(megatron_env):
     assert_equal_step(*run_both(recompute, batch, 12)[:4])
 
 
-SPECS_DIST = [dict(depth=3, branching=2, node_len=6, suffix_len=4, inner=1),
+SPECS_DIST = [dict(depth=3, branching=2, node_len=6, suffix_len=4, inner=1, node_loss=True),
               dict(depth=1, branching=1, node_len=8, suffix_len=4, per_leaf=2)]
 
 

@@ -2,7 +2,22 @@
 
 import torch
 
-from prefix_schedule.planning.data import Group, GroupBatch, PrefixNode, Trajectory
+from prefix_schedule.planning.data import ContextLoss, Group, GroupBatch, PrefixNode, Trajectory
+
+
+def _context_loss(gen, length):
+    """Loss on about half the context's tokens (a trained-on shared turn), own arrays."""
+    mask = (torch.rand(length, generator=gen) > 0.5).float()
+    mask[0] = 0.0
+    return ContextLoss(loss_mask=mask, advantages=torch.randn(length, generator=gen),
+                       old_logprobs=-torch.rand(length, generator=gen) * 6 - 1,
+                       ref_logprobs=-torch.rand(length, generator=gen) * 6 - 1)
+
+
+def _with_context_loss(gen, group):
+    for t, tr in enumerate(group.trajectories):
+        tr.context_loss = _context_loss(gen, group.context_len(t))
+    return Group(prefix=group.prefix, nodes=group.nodes, trajectories=group.trajectories)
 
 
 def _trajectory(gen, n, node, vocab):
@@ -15,11 +30,12 @@ def _trajectory(gen, n, node, vocab):
 
 
 def make_tree_group(gen, *, depth, branching, node_len, suffix_len, per_leaf=1, inner=0,
-                    vocab=256):
+                    vocab=256, node_loss=False):
     """A full tree: `depth` levels of nodes (the root is level 1), `branching` children per inner
     node, `per_leaf` trajectories under each leaf node and `inner` under each inner node (their
     reads stop one token short of the node's cached K/V). Lengths vary a little around
-    node_len / suffix_len."""
+    node_len / suffix_len. `node_loss`: every trajectory also trains on tokens of its shared
+    context (ContextLoss)."""
     def length(base):
         return max(2, base + int(torch.randint(-2, 3, (1,), generator=gen)))
 
@@ -38,7 +54,8 @@ def make_tree_group(gen, *, depth, branching, node_len, suffix_len, per_leaf=1, 
     for node in range(len(nodes) + 1):
         count = per_leaf if node in leaves else inner
         trajectories += [_trajectory(gen, length(suffix_len), node, vocab) for _ in range(count)]
-    return Group(prefix=prefix, nodes=nodes, trajectories=trajectories)
+    group = Group(prefix=prefix, nodes=nodes, trajectories=trajectories)
+    return _with_context_loss(gen, group) if node_loss else group
 
 
 def make_tree_batch(seed, specs, vocab=256):

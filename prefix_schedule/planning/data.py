@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Trajectory", "PrefixNode", "Group", "GroupBatch"]
+__all__ = ["Trajectory", "ContextLoss", "PrefixNode", "Group", "GroupBatch"]
 
 
 def _as_1d(value: Any, *, name: str) -> torch.Tensor:
@@ -85,6 +85,36 @@ def _prefixed(where: str, exc: ValueError) -> ValueError:
 
 
 @dataclass(kw_only=True)
+class ContextLoss:
+    """Loss on tokens of a trajectory's shared context (a trained-on turn inside a prefix-tree
+    node): per context token, entry j about predicting context[j]; entry 0 predicts nothing and
+    must be 0. Each trajectory counts them with its own arrays, as dense training does
+    ([Note: loss inside shared nodes] in planning/tree.py)."""
+
+    loss_mask: Any
+    """0/1 per context token."""
+    advantages: Any
+    """A float or one per context token."""
+    old_logprobs: Any = None
+    """Per context token, or None; present exactly when the trajectory has old_logprobs."""
+    ref_logprobs: Any = None
+    """Per context token, or None; present exactly when the trajectory has ref_logprobs."""
+
+    def validate(self, length: int) -> None:
+        """Convert and check the arrays for a context of `length` tokens (ValueError)."""
+        self.loss_mask = _as_floats(self.loss_mask, name="context loss_mask", length=length)
+        if not ((self.loss_mask == 0) | (self.loss_mask == 1)).all() or self.loss_mask[0] != 0:
+            raise ValueError("context loss_mask must hold only 0 and 1, and 0 at entry 0 "
+                             "(nothing predicts the first token)")
+        self.advantages = _as_floats(self.advantages, name="context advantages", length=length,
+                                     allow_scalar=True)
+        for name in ("old_logprobs", "ref_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _as_floats(getattr(self, name), name=f"context {name}",
+                                               length=length))
+
+
+@dataclass(kw_only=True)
 class Trajectory:
     """One sampled response of a group: the tokens after the shared prompt and their arrays."""
 
@@ -102,6 +132,8 @@ class Trajectory:
     """The prefix-tree node the suffix follows ([Note: prefix trees] in planning/tree.py): 0 is the
     group's `prefix`; i >= 1 is `Group.nodes[i-1]`. The trajectory's context is the token chain
     root -> ... -> node."""
+    context_loss: Optional[ContextLoss] = None
+    """Loss tokens inside the context (see ContextLoss); None: the context carries no loss."""
 
     def __post_init__(self) -> None:
         if isinstance(self.node, bool) or not isinstance(self.node, int) or self.node < 0:
@@ -132,7 +164,8 @@ class Trajectory:
 
     @property
     def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
+        inside = 0 if self.context_loss is None else int(self.context_loss.loss_mask.sum())
+        return int(self.loss_mask.sum()) + inside
 
 
 @dataclass(kw_only=True)
@@ -176,7 +209,9 @@ class Group:
             if not isinstance(trajectory, Trajectory):
                 raise ValueError(f"trajectory {t}: expected a Trajectory, got {type(trajectory).__name__}")
         self.nodes = list(self.nodes)
-        _check_tree(self)
+        from prefix_schedule.planning.tree import check_tree  # tree.py imports this module
+
+        check_tree(self)
 
     @property
     def prefix_len(self) -> int:
@@ -256,29 +291,6 @@ class Group:
             except ValueError as exc:
                 raise _prefixed(f"trajectory {i}", exc) from None
         return cls(prefix=prefix, trajectories=trajectories)
-
-
-def _check_tree(group: Group) -> None:
-    for i, node in enumerate(group.nodes, start=1):
-        if not isinstance(node, PrefixNode):
-            raise ValueError(f"node {i}: expected a PrefixNode, got {type(node).__name__}")
-        if node.parent >= i:
-            raise ValueError(f"node {i} has parent {node.parent}; list parents before their "
-                             "children (parent < node index)")
-    used = {0}
-    for t, trajectory in enumerate(group.trajectories):
-        if trajectory.node >= group.num_nodes:
-            raise ValueError(f"trajectory {t} follows node {trajectory.node} but the group has "
-                             f"nodes 0..{group.num_nodes - 1}; add the node or fix the index")
-        used.update(group.chain(trajectory.node))
-    unused = sorted(set(range(group.num_nodes)) - used)
-    if unused:
-        raise ValueError(f"prefix-tree nodes {unused} lead to no trajectory; drop them")
-    for i in range(1, group.num_nodes):
-        if not group.has_children(i) and group.node_tokens(i).numel() < 2:
-            raise ValueError(f"node {i} is a 1-token leaf: it would cache nothing (its last token "
-                             "runs with each suffix); move the token into its trajectories' "
-                             "suffixes")
 
 
 def _check_starts_with(sequence: torch.Tensor, prefix: torch.Tensor, *, index: int) -> None:

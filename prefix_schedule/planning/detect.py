@@ -3,9 +3,11 @@
 [Note: detecting prefix trees]
 Input: one `FlatTrajectory` per sampled sequence, its per-token arrays aligned with its tokens
 (entry j is about predicting tokens[j]; entry 0 predicts nothing and must be masked out).
-1. Each trajectory may share at most `limit = min(first loss token, len - 1)` leading tokens: a
-   cached token carries no loss (the split of a trajectory, DESIGN.md) and a suffix keeps >= 1
-   token. Tokens shared beyond a loss token are reported as `lost_to_loss_tokens`.
+1. Each trajectory may share at most `len - 1` leading tokens (a suffix keeps >= 1 token). Loss
+   tokens inside a shared span are cached like any other and count once per trajectory with
+   its own arrays ([Note: loss inside shared nodes] in tree.py); with
+   `cache_loss_tokens=False` sharing stops at a trajectory's first loss token instead, and the
+   tokens that could have been shared beyond it are reported as `lost_to_loss_tokens`.
 2. A radix trie over those shareable keys: every edge is a maximal span shared by the same set of
    trajectories (`_radix`).
 3. Pruning, top down: a span is kept as a tree node when >= 2 trajectories share it, it has at
@@ -28,8 +30,8 @@ from typing import Any, Optional
 
 import torch
 
-from prefix_schedule.planning.data import (Group, GroupBatch, PrefixNode, Trajectory, _as_1d,
-                                           _as_tokens, _prefixed)
+from prefix_schedule.planning.data import (ContextLoss, Group, GroupBatch, PrefixNode,
+                                           Trajectory, _as_1d, _as_tokens, _prefixed)
 
 __all__ = ["FlatTrajectory", "Detection", "detect_prefix_trees", "DEFAULT_MIN_SHARED_LEN",
            "DEFAULT_NODE_OVERHEAD_TOKENS"]
@@ -73,23 +75,34 @@ class FlatTrajectory:
                 raise ValueError(f"{name} has {torch.as_tensor(value).numel()} entries for {n} "
                                  "tokens; give one per token (or a float advantage)")
 
-    @property
-    def shareable(self) -> int:
+    def shareable(self, cache_loss_tokens: bool = True) -> int:
         """Leading tokens this trajectory may take from a cache (step 1 of the note)."""
         loss = self.loss_mask.nonzero()
-        first_loss = int(loss[0, 0]) if loss.numel() else self.tokens.numel() - 1
-        return min(first_loss, self.tokens.numel() - 1)
+        if cache_loss_tokens or not loss.numel():
+            return self.tokens.numel() - 1
+        return min(int(loss[0, 0]), self.tokens.numel() - 1)
 
     def split(self, context_len: int, node: int) -> Trajectory:
-        """The Trajectory of the tokens after the first `context_len` (per-suffix-token arrays)."""
-        def tail(values):
+        """The Trajectory of the tokens after the first `context_len` (per-suffix-token arrays),
+        with the loss inside the context as its ContextLoss."""
+        def part(values, context):
             if values is None:
                 return None
             values = torch.as_tensor(values)
-            return values if values.dim() == 0 else values[context_len:]
+            if values.dim() == 0:
+                return values
+            return values[:context_len] if context else values[context_len:]
+        inside = None
+        if self.loss_mask[:context_len].any():
+            inside = ContextLoss(loss_mask=self.loss_mask[:context_len],
+                                 advantages=part(self.advantages, True),
+                                 old_logprobs=part(self.old_logprobs, True),
+                                 ref_logprobs=part(self.ref_logprobs, True))
         return Trajectory(suffix=self.tokens[context_len:], loss_mask=self.loss_mask[context_len:],
-                          advantages=tail(self.advantages), old_logprobs=tail(self.old_logprobs),
-                          ref_logprobs=tail(self.ref_logprobs), node=node)
+                          advantages=part(self.advantages, False),
+                          old_logprobs=part(self.old_logprobs, False),
+                          ref_logprobs=part(self.ref_logprobs, False), node=node,
+                          context_loss=inside)
 
 
 @dataclass
@@ -159,7 +172,8 @@ def _check_args(min_shared_len: int, node_overhead_tokens: int) -> None:
 
 
 def detect_prefix_trees(trajectories, *, min_shared_len: int = DEFAULT_MIN_SHARED_LEN,
-                        node_overhead_tokens: int = DEFAULT_NODE_OVERHEAD_TOKENS) -> Detection:
+                        node_overhead_tokens: int = DEFAULT_NODE_OVERHEAD_TOKENS,
+                        cache_loss_tokens: bool = True) -> Detection:
     """Find the shared prefixes of `trajectories` (FlatTrajectory list) as prefix trees; see
     [Note: detecting prefix trees]. ValueError (naming the trajectory) on bad input."""
     _check_args(min_shared_len, node_overhead_tokens)
@@ -169,7 +183,7 @@ def detect_prefix_trees(trajectories, *, min_shared_len: int = DEFAULT_MIN_SHARE
     for i, t in enumerate(trajectories):
         if not isinstance(t, FlatTrajectory):
             raise ValueError(f"trajectory {i}: expected a FlatTrajectory, got {type(t).__name__}")
-    keys = [t.tokens[:t.shareable].tolist() for t in trajectories]
+    keys = [t.tokens[:t.shareable(cache_loss_tokens)].tolist() for t in trajectories]
     roots = _radix(keys, list(range(len(trajectories))), 0)
     keep = _Pruner(min_shared_len, node_overhead_tokens)
     kept_roots = keep.roots(roots)
@@ -188,7 +202,7 @@ def detect_prefix_trees(trajectories, *, min_shared_len: int = DEFAULT_MIN_SHARE
     order = sorted(range(len(groups)), key=lambda g: min(sources[g]))  # input order
     batch = GroupBatch(groups=[groups[g] for g in order])
     shared = sum(_saved(group) for group in batch.groups)
-    lost = _lost_to_loss(trajectories)
+    lost = 0 if cache_loss_tokens else _lost_to_loss(trajectories)
     return Detection(batch=batch, sources=tuple(tuple(sources[g]) for g in order),
                      shared_tokens=shared, total_tokens=sum(t.tokens.numel() for t in trajectories),
                      lost_to_loss_tokens=lost)
@@ -264,7 +278,7 @@ def _lost_to_loss(trajectories: list) -> int:
     """Tokens a trajectory shares with another beyond its shareable limit (a loss token before
     them), summed over trajectories."""
     full = [t.tokens.tolist() for t in trajectories]
-    keys = [f[:t.shareable] for f, t in zip(full, trajectories)]
+    keys = [f[:t.shareable(False)] for f, t in zip(full, trajectories)]
     best_full, best_key = _longest_common(full), _longest_common(keys)
     return sum(max(0, min(best_full[i], len(full[i]) - 1) - best_key[i]) for i in range(len(full)))
 

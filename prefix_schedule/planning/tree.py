@@ -18,16 +18,30 @@ unit of a group before its first SF, PB after its last SB), which a chain read s
 The attention of a node or suffix over its chain is the two-part attention over ONE cached
 segment, the chain's K/V concatenated (the cache's read): each part's gradient slice lands in the
 fp32 buffer of the node it came from (the concat's backward), and every backend's one-block
-prefix layout (flash-attn needs a contiguous K block per sequence) stays as it is.
+prefix layout (flash-attn needs a contiguous K block per sequence) stays as it is. The copy is
+(chain length x layers) K/V rows per reading row group, the same as chunked prefixes today; an
+LSE merge over one part per ancestor would avoid it at the price of one kernel call per part.
+
+[Note: loss inside shared nodes]
+A trajectory may train on tokens of its shared context (`Trajectory.context_loss`: a trained-on
+first turn shared by its branches). Dense training counts such a token once per trajectory, each
+with that trajectory's mask, advantage and log-probs. The node's row predicts it once, so the
+unit's loss item lists one entry per (trajectory, token): `loss_index` (the predicting row),
+label, mask, advantage, old/ref log-probs (planning.inputs.build_prefix_loss); the loss gathers
+the logits at `loss_index` and sums the ordinary per-token loss over the entries -- the dense
+sum term by term, entropy included. On the last pipeline stage such a unit runs the whole model
+(no early stop after the last K/V) and reports its loss and token count like a suffix; its
+Phase C backward starts from that loss plus the accumulated gK/gV in one autograd call. A
+node's last cached row predicts a different token per child branch, which the entries carry.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
 
-from prefix_schedule.planning.data import Group
+from prefix_schedule.planning.data import ContextLoss, Group, PrefixNode, Trajectory, _prefixed
 
-__all__ = ["NodeSpan", "cached_spans", "is_tree"]
+__all__ = ["NodeSpan", "cached_spans", "is_tree", "check_tree"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,3 +75,43 @@ def cached_spans(group: Group) -> tuple[NodeSpan, ...]:
         if length > 0:
             spans.append(NodeSpan(node=node, parent=parent, start=start, length=length))
     return tuple(spans)
+
+
+def check_tree(group: Group) -> None:
+    """The tree's rules (Group construction calls it); ValueError naming what to fix."""
+    for i, node in enumerate(group.nodes, start=1):
+        if not isinstance(node, PrefixNode):
+            raise ValueError(f"node {i}: expected a PrefixNode, got {type(node).__name__}")
+        if node.parent >= i:
+            raise ValueError(f"node {i} has parent {node.parent}; list parents before their "
+                             "children (parent < node index)")
+    used = {0}
+    for t, trajectory in enumerate(group.trajectories):
+        if trajectory.node >= group.num_nodes:
+            raise ValueError(f"trajectory {t} follows node {trajectory.node} but the group has "
+                             f"nodes 0..{group.num_nodes - 1}; add the node or fix the index")
+        used.update(group.chain(trajectory.node))
+        if trajectory.context_loss is not None:
+            _check_context_loss(trajectory, group.context_len(t), where=f"trajectory {t}")
+    unused = sorted(set(range(group.num_nodes)) - used)
+    if unused:
+        raise ValueError(f"prefix-tree nodes {unused} lead to no trajectory; drop them")
+    for i in range(1, group.num_nodes):
+        if not group.has_children(i) and group.node_tokens(i).numel() < 2:
+            raise ValueError(f"node {i} is a 1-token leaf: it would cache nothing (its last token "
+                             "runs with each suffix); move the token into its trajectories' "
+                             "suffixes")
+
+
+def _check_context_loss(trajectory: Trajectory, length: int, *, where: str) -> None:
+    context = trajectory.context_loss
+    if not isinstance(context, ContextLoss):
+        raise ValueError(f"{where}: context_loss must be a ContextLoss, got {type(context).__name__}")
+    try:
+        context.validate(length)
+    except ValueError as exc:
+        raise _prefixed(where, exc) from None
+    for name in ("old_logprobs", "ref_logprobs"):
+        if (getattr(context, name) is None) != (getattr(trajectory, name) is None):
+            raise ValueError(f"{where}: give context_loss.{name} exactly when the trajectory has "
+                             f"{name}")

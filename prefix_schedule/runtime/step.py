@@ -22,7 +22,8 @@ from prefix_schedule.attention import PackedMeta
 from prefix_schedule.runtime.cache import PrefixKVCache
 from prefix_schedule.runtime.context import PrefixForwardContext, SuffixForwardContext
 from prefix_schedule.planning.data import GroupBatch
-from prefix_schedule.planning.inputs import build_prefix_inputs, build_suffix_inputs
+from prefix_schedule.planning.inputs import (build_prefix_inputs, build_prefix_loss,
+                                             build_suffix_inputs)
 from prefix_schedule.planning.planner import PrefixChunk, StepPlan
 from prefix_schedule.pipeline.lowering import lower
 from prefix_schedule.pipeline import Action, ActionKind, Schedule, build_schedule
@@ -44,6 +45,8 @@ class ReuseStep:
         suffix phase only the prefix K/V and gK/gV stay on the device (a no-op on CPU)."""
         self._units: Dict[int, PrefixChunk] = plan.prefix_units()
         self._trees = {w.group for w in plan.prefixes if w.nodes is not None}
+        self._unit_loss = {u: build_prefix_loss(batch, c) for u, c in self._units.items()}
+        """Loss entries of prefix-tree units ([Note: loss inside shared nodes] in tree.py)."""
         unit_of = {(c.group, c.chunk): u for u, c in self._units.items()}
         parents = ({u: (None if c.parent_chunk is None else unit_of[c.group, c.parent_chunk])
                     for u, c in self._units.items()} if self._trees else None)
@@ -85,6 +88,11 @@ class ReuseStep:
         """The chunk that prefix unit `unit` (a PF/PB index of the schedule) runs."""
         return self._units[unit]
 
+    def prefix_has_loss(self, unit: int) -> bool:
+        """Whether prefix unit `unit` predicts loss tokens (a trained-on token inside a shared
+        tree node): its last-stage forward then runs to the loss, and Phase C starts there."""
+        return self._unit_loss.get(unit) is not None
+
     def prefix_length(self, unit: int) -> int:
         """Length of prefix unit `unit`'s row (the whole cached prefix unchunked), padding
         included: a multiple of `plan.row_multiple`. Under sequence parallelism a stage's
@@ -108,6 +116,7 @@ class ReuseStep:
         assert self._pending is None, f"{action}: the previous forward was not finished"
         if action.kind is ActionKind.PREFIX_FORWARD:
             item = build_prefix_inputs(self.batch, self._units[action.index])
+            item.update(self._unit_loss.get(action.index) or {})
             item["kind"] = "prefix"
         elif action.kind is ActionKind.SUFFIX_FORWARD:
             item = build_suffix_inputs(self.batch, self.plan.microbatches[action.index])
