@@ -127,3 +127,52 @@ def test_cache_runs_children_before_parents():
     cache.backward(0, chunk=1)
     cache.backward(0, chunk=0)
     assert cache.live_groups() == ()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 999), depth=st.integers(2, 4), data=st.data())
+def test_subgroup_keeps_every_dense_row(seed, depth, data):
+    """Placement splits a tree over DP ranks with tree.subgroup: the trajectories' dense rows
+    (tokens, labels, loss arrays) stay exactly the same, 1-token leaves included."""
+    from prefix_schedule.planning.tree import subgroup
+
+    batch = make_tree_batch(seed, [dict(depth=depth, branching=2, node_len=2, suffix_len=3,
+                                        inner=1, node_loss=seed % 2 == 0)])
+    group = batch.groups[0]
+    picked = data.draw(st.lists(st.integers(0, len(group.trajectories) - 1), min_size=1,
+                                unique=True).map(sorted))
+    part = GroupBatch(groups=[subgroup(group, picked)])
+    for new, old in enumerate(picked):
+        a, b = build_dense_inputs(batch, 0, old), build_dense_inputs(part, 0, new)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), (old, new)
+
+
+def test_placement_splits_a_tree_over_ranks():
+    from prefix_schedule.planning.placement import place_groups
+
+    batch = make_tree_batch(4, [dict(depth=3, branching=2, node_len=5, suffix_len=3)])
+    placement = place_groups(batch, dp_size=2, token_budget=16, max_seq_len=128)
+    shards = [r.batch.groups[0] for r in placement.ranks]
+    assert sum(len(g.trajectories) for g in shards) == len(batch.groups[0].trajectories)
+    assert all(g.num_nodes < batch.groups[0].num_nodes for g in shards)  # only the nodes read
+
+
+@pytest.mark.parametrize("with_loss", [False, True])
+def test_subgroup_lifts_a_one_token_leaf_into_the_suffix(with_loss):
+    from prefix_schedule.planning.data import ContextLoss
+    from prefix_schedule.planning.tree import subgroup
+
+    def tr(n, node, context):
+        loss = (ContextLoss(loss_mask=[0.0] + [1.0] * (context - 1), advantages=0.5,
+                            old_logprobs=[-1.0] * context) if with_loss else None)
+        return Trajectory(suffix=list(range(7, 7 + n)), advantages=1.0, node=node,
+                          old_logprobs=[-2.0] * n, context_loss=loss)
+    group = Group(prefix=[1, 2], nodes=[PrefixNode(parent=0, tokens=[3]),
+                                        PrefixNode(parent=1, tokens=[4, 5])],
+                  trajectories=[tr(2, 1, 3), tr(3, 2, 5)])
+    part = subgroup(group, [0])
+    assert not part.nodes and part.trajectories[0].suffix.tolist() == [3, 7, 8]
+    a = build_dense_inputs(GroupBatch(groups=[group]), 0, 0)
+    b = build_dense_inputs(GroupBatch(groups=[part]), 0, 0)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

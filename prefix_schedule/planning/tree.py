@@ -36,12 +36,15 @@ node's last cached row predicts a different token per child branch, which the en
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from prefix_schedule.planning.data import ContextLoss, Group, PrefixNode, Trajectory, _prefixed
 
-__all__ = ["NodeSpan", "cached_spans", "is_tree", "check_tree"]
+__all__ = ["NodeSpan", "cached_spans", "is_tree", "check_tree", "subgroup"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,3 +118,49 @@ def _check_context_loss(trajectory: Trajectory, length: int, *, where: str) -> N
         if (getattr(context, name) is None) != (getattr(trajectory, name) is None):
             raise ValueError(f"{where}: give context_loss.{name} exactly when the trajectory has "
                              f"{name}")
+
+
+def subgroup(group: Group, trajectories) -> Group:
+    """The group with only `trajectories` (indices): the nodes they lead through, renumbered
+    parents first (data-parallel placement splitting a tree). A node left as a 1-token leaf
+    would cache nothing: its token moves into its trajectories' suffixes (the same dense row)."""
+    chosen = [group.trajectories[t] for t in trajectories]
+    while True:
+        used = {n for tr in chosen for n in group.chain(tr.node)}
+        leaves = {n for n in used if n > 0 and group.node_tokens(n).numel() == 1
+                  and not any(group.parent(c) == n for c in used)}
+        if not leaves:
+            break
+        chosen = [_lift(group, tr) if tr.node in leaves else tr for tr in chosen]
+    if len(used) == group.num_nodes:
+        return Group(prefix=group.prefix, nodes=group.nodes, trajectories=chosen)
+    renumber = {old: new for new, old in enumerate(sorted(used))}
+    nodes = [PrefixNode(parent=renumber[group.parent(n)], tokens=group.node_tokens(n))
+             for n in sorted(used)[1:]]
+    return Group(prefix=group.prefix, nodes=nodes,
+                 trajectories=[dataclasses.replace(tr, node=renumber[tr.node]) for tr in chosen])
+
+
+def _lift(group: Group, tr: Trajectory) -> Trajectory:
+    """`tr` following its node's parent: the node's one token leads its suffix."""
+    context = group.context(tr.node)
+    last = context.numel() - 1
+    inside = tr.context_loss
+
+    def lead(name: str, values):
+        if values is None:
+            return None
+        first = getattr(inside, name)[last:] if inside is not None else values.new_zeros(1)
+        return torch.cat([first, values])
+    kept = None
+    if inside is not None and inside.loss_mask[:last].any():
+        kept = ContextLoss(**{name: (None if getattr(inside, name) is None
+                                     else getattr(inside, name)[:last])
+                              for name in ("loss_mask", "advantages", "old_logprobs",
+                                           "ref_logprobs")})
+    return Trajectory(suffix=torch.cat([context[last:], tr.suffix]),
+                      loss_mask=lead("loss_mask", tr.loss_mask),
+                      advantages=lead("advantages", tr.advantages),
+                      old_logprobs=lead("old_logprobs", tr.old_logprobs),
+                      ref_logprobs=lead("ref_logprobs", tr.ref_logprobs),
+                      node=group.parent(tr.node), context_loss=kept)

@@ -71,6 +71,20 @@ class ReuseStep:
         self._suffix_contexts: Dict[tuple, SuffixForwardContext] = {}
         self._started = False
 
+    @classmethod
+    def from_trajectories(cls, trajectories, *, dims, max_seq_len: int, num_stages: int = 1,
+                          num_model_chunks: int = 1, **options) -> "ReuseStep":
+        """Flat trajectories -> shared prefixes found, reuse decided and planned
+        (planning.auto.plan_trajectories with `options`) -> the step; `step.report` holds the
+        TrajectoryPlan (its describe() says what was shared and the expected speedup)."""
+        from prefix_schedule.planning.auto import plan_trajectories
+
+        report = plan_trajectories(trajectories, dims=dims, max_seq_len=max_seq_len, **options)
+        step = cls(report.batch, report.plan, num_stages=num_stages,
+                   num_model_chunks=num_model_chunks)
+        step.report = report
+        return step
+
     def begin(self) -> None:
         """Called by the reuse executor once its checks passed, before any compute: a step (its
         prefix cache, its contexts) serves one forward-backward call."""
