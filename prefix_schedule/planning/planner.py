@@ -38,6 +38,7 @@ from typing import Optional
 
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.pipeline.units import chunk_spans
+from prefix_schedule.planning.budget import check_budget, check_dense_groups
 from prefix_schedule.planning.tree import NodeSpan, cached_spans, is_tree
 
 __all__ = [
@@ -300,30 +301,10 @@ class StepPlan:
         return self._uses(group)[-1]
 
     def describe(self) -> str:
-        """A short human summary: prefixes, then each microbatch's segments."""
-        prefixes = ", ".join(f"g{w.group}[{w.length}]" for w in self.prefixes) or "none"
-        lines = [f"StepPlan: {len(self.microbatches)} microbatches, token budget {self.token_budget}, "
-                 f"cached prefixes: {prefixes}"]
-        if self.row_multiple > 1:
-            lines.append(f"  rows padded to a multiple of {self.row_multiple}")
-        if self.prefix_chunk_tokens is not None:
-            lines.append(f"  prefix units (chunks of <= {self.prefix_chunk_tokens} tokens): " + " ".join(
-                f"u{u}=g{c.group}c{c.chunk}[{c.start}:{c.start + c.length}]"
-                + (f"+pad{c.padding}" if c.padding else "")
-                for u, c in self.prefix_units().items()))
-        dense = set()
-        for mb in self.microbatches:
-            parts = []
-            for s in mb.segments:
-                mode = f"+{s.cached_len} cached" if s.cached_len else "dense"
-                parts.append(f"g{s.group}t{s.trajectory}[{s.length} {mode}]")
-                if s.cached_len == 0:
-                    dense.add(s.group)
-            if mb.padding:
-                parts.append(f"pad[{mb.padding}]")
-            lines.append(f"  mb{mb.index} ({mb.row_length}/{self.token_budget} tokens): " + " ".join(parts))
-        lines.append("  groups without cache: " + (", ".join(f"g{g}" for g in sorted(dense)) or "none"))
-        return "\n".join(lines)
+        """A short human summary: prefixes (tree units), then each microbatch's segments."""
+        from prefix_schedule.planning.plan_text import describe_plan
+
+        return describe_plan(self)
 
 
 def _prefix_work(batch: GroupBatch, group: int, cached_len: int) -> PrefixWork:
@@ -351,37 +332,6 @@ def _segment_lengths(batch: GroupBatch, *, capacity: int, multiple: int,
             yield (g, t, full, 0, trajectory.node) if dense else (g, t, n, p - 1, trajectory.node)
 
 
-def _check_dense_groups(batch: GroupBatch, dense_groups, capacity: int, multiple: int) -> frozenset:
-    groups = frozenset(dense_groups)
-    for g in sorted(groups):
-        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < len(batch.groups):
-            raise ValueError(f"dense_groups names group {g!r}; the batch has groups 0.."
-                             f"{len(batch.groups) - 1}")
-        group = batch.groups[g]
-        longest = max(group.context_len(t) - 1 + tr.num_tokens
-                      for t, tr in enumerate(group.trajectories))
-        if longest + _padding(longest, multiple) > capacity:
-            raise ValueError(f"group {g} is to run dense but its longest row has {longest} tokens, "
-                             f"over the token budget; use token_budget >= "
-                             f"{longest + _padding(longest, multiple)} or let it use the cache")
-    return groups
-
-
-def _check_budget(batch: GroupBatch, token_budget: int, multiple: int) -> None:
-    # With the cache a row is n tokens (+ padding); a singleton only runs dense when its full row
-    # fits, so the smallest workable budget is the longest suffix, padded.
-    longest, where = 0, ""
-    for g, group in enumerate(batch.groups):
-        for t, trajectory in enumerate(group.trajectories):
-            if trajectory.num_tokens > longest:
-                longest, where = trajectory.num_tokens, f"group {g}, trajectory {t}"
-    needed = longest + _padding(longest, multiple)
-    if token_budget < needed:
-        padded = f" padded to a multiple of {multiple}" if needed != longest else ""
-        raise ValueError(f"token_budget={token_budget} is smaller than the longest row: {where} needs "
-                         f"{needed} tokens{padded}; use token_budget >= {needed}")
-
-
 def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
                       run_singletons_dense: bool = True,
                       prefix_chunk_tokens: Optional[int] = None,
@@ -399,9 +349,9 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
     if prefix_chunk_tokens is not None:
         _check_int(prefix_chunk_tokens, "prefix_chunk_tokens", 1)
     batch.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
-    _check_budget(batch, token_budget, row_multiple)
+    check_budget(batch, token_budget, row_multiple)
     capacity = token_budget - token_budget % row_multiple  # the longest row that pads within budget
-    dense = _check_dense_groups(batch, dense_groups, capacity, row_multiple)
+    dense = check_dense_groups(batch, dense_groups, capacity, row_multiple)
     rows: list[list[Segment]] = []
     used = capacity  # forces a new microbatch for the first segment
     for g, t, length, cached_len, node in _segment_lengths(batch, capacity=capacity,

@@ -22,7 +22,7 @@ import memory_probe
 from benchlib.config import BenchConfig
 from benchlib.steps import dense_step, private_rendezvous, reuse_step
 from benchlib.timing import RegionTimer
-from benchlib.workload import make_batch
+from benchlib.workload import make_batch, make_tree_batch
 from prefix_schedule.attention import backends as attention_backends
 from prefix_schedule.losses import PolicyLossConfig
 from prefix_schedule.planning.data import GroupBatch
@@ -38,6 +38,12 @@ MEMORY_BASIS = ("bytes autograd holds for backward (saved-tensor storages, each 
 
 
 def config_batch(config: BenchConfig) -> GroupBatch:
+    if config.tree is not None:
+        depth, branching = config.tree_shape
+        return make_tree_batch(depth=depth, branching=branching, node_len=config.node_len,
+                               suffix_len=config.suffix_len, per_leaf=config.group_size,
+                               num_groups=config.num_groups, vocab_size=config.vocab_size,
+                               seed=config.seed)
     return make_batch(prefix_len=config.prefix_len, suffix_len=config.suffix_len,
                       group_size=config.group_size, num_groups=config.num_groups,
                       vocab_size=config.vocab_size, seed=config.seed)
@@ -45,7 +51,7 @@ def config_batch(config: BenchConfig) -> GroupBatch:
 
 def config_plan(config: BenchConfig, batch: GroupBatch) -> StepPlan:
     return plan_microbatches(batch, token_budget=config.token_budget,
-                             max_seq_len=config.prefix_len + config.suffix_len,
+                             max_seq_len=config.max_seq_len,
                              prefix_chunk_tokens=config.prefix_chunk_tokens)
 
 
@@ -77,7 +83,7 @@ def _build_models(config: BenchConfig, distributed: bool):
                             ffn_hidden_size=config.ffn_hidden_size,
                             num_attention_heads=config.num_attention_heads,
                             num_query_groups=config.num_query_groups, vocab_size=config.vocab_size,
-                            max_seq_len=config.prefix_len + config.suffix_len)
+                            max_seq_len=config.max_seq_len)
     local = build_model(shape, seed=config.seed)  # this pipeline stage's part
     # Another init seed, so that equal weights can only come from load_state_dict.
     fused = build_model(shape, fused_attention=True, seed=config.seed + 1)
