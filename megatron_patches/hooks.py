@@ -60,13 +60,16 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
     else:
         assert isinstance(context, SuffixForwardContext)
         prefix_k, prefix_v = [], []
-        for group in context.slot_groups:
+        reads = context.slot_reads or (None,) * len(context.slot_groups)
+        for group, chain in zip(context.slot_groups, reads):
             if group is None:
                 empty = k.new_zeros((0,) + tuple(k.shape[1:]))
                 prefix_k.append(empty)
                 prefix_v.append(empty)
-            else:
-                pk, pv = context.cache.read(group, module.layer_number)
+            else:  # a prefix tree: the chain of the slot's node ([Note: prefix trees])
+                chunks, length = chain if chain is not None else (None, None)
+                pk, pv = context.cache.read(group, module.layer_number, chunks=chunks,
+                                            length=length)
                 prefix_k.append(pk)
                 prefix_v.append(pv)
         out = shared_prefix_attention(q, k, v, prefix_k, prefix_v, context.meta, scale=scale)
@@ -78,7 +81,8 @@ def _prefix_attention(context, layer, q, k, v, scale):
         return causal_attention(q, k, v, scale=scale)
     # [Note: prefix chunks] (units.py): the chunk attends like a suffix whose "prefix" is the
     # group's earlier chunks; through the reads, its backward adds to their gK/gV buffers.
-    prefix_k, prefix_v = context.cache.read(context.group, layer, before_chunk=context.chunk)
+    prefix_k, prefix_v = context.cache.read(context.group, layer, before_chunk=context.chunk,
+                                            chunks=context.reads)
     meta = PackedMeta(cu_seqlens=(0, q.shape[0]), seq_slot=(0,))
     return shared_prefix_attention(q, k, v, [prefix_k], [prefix_v], meta, scale=scale)
 

@@ -58,6 +58,8 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _policy_loss(item: Dict[str, torch.Tensor], config: PolicyLossConfig, logits: torch.Tensor):
+    if "loss_index" in item:  # a prefix-tree node's rows: one entry per (trajectory, token)
+        logits = logits[:, item["loss_index"][0]]
     logprobs = token_logprobs(logits, item["labels"])
     entropy = token_entropy(logits) if config.entropy_coef else None
     loss_sum, num_tokens, metrics = policy_loss_sum(
@@ -89,7 +91,8 @@ def make_policy_forward_step(loss_config: PolicyLossConfig) -> Callable:
         item = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
                 for k, v in item.items()}
         output = model(item["tokens"], item["position_ids"], None)
-        if item.get("kind") == "prefix":  # Phase A: no loss; the executor ignores loss_func
+        if item.get("kind") == "prefix" and "loss_index" not in item:
+            # Phase A: no loss; the executor ignores loss_func
             return output, None
         return output, partial(_policy_loss, item, loss_config)
 

@@ -127,6 +127,8 @@ class StageRunner:
     def prefix_forward(self, action: Action) -> None:
         step, config, key, chunk = self.step, self.config, self.key(action), self.chunk(action)
         last = self.is_last_stage(action)
+        if last and step.prefix_has_loss(action.index):
+            return self.prefix_forward_with_loss(action)
         step.prepare(action)
         # Dormant prefix activations (needed again only in Phase C) can live in host memory.
         offload = (torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
@@ -146,6 +148,24 @@ class StageRunner:
             "last stage")
         if output is not None:
             self.outputs[key] = output
+
+    def prefix_forward_with_loss(self, action: Action) -> None:
+        """A prefix-tree unit that predicts loss tokens, on the last stage: the whole model runs
+        and its loss (one entry per trajectory and token, [Note: loss inside shared nodes] in
+        planning/tree.py) is reported like a suffix's; Phase C starts from it."""
+        step, key, chunk = self.step, self.key(action), self.chunk(action)
+        step.prepare(action)
+        context = step.prefix_context(action.index, model_chunk=chunk, stop_after_layer=None)
+        with active_context(context):
+            output, num_tokens = schedules.forward_step(
+                self.forward_step_func, step, self.models[chunk], step.num_microbatches,
+                self.arrived(self.inputs, key), self.forward_data_store, self.config,
+                self.cp_size, self.collect_non_loss_data,
+                is_first_microbatch=self.is_first_forward(chunk), vp_stage=self.vp_stage(chunk),
+                is_last_stage=True)
+        step.finish_forward()
+        self.total_num_tokens += num_tokens
+        self.outputs[key] = output
 
     def suffix_forward(self, action: Action) -> None:
         step, key, chunk = self.step, self.key(action), self.chunk(action)
@@ -178,11 +198,15 @@ class StageRunner:
         context = step.prefix_context(action.index, stop_after_layer=None, recomputing=True,
                                       model_chunk=chunk)
         unit = step.prefix_unit(action.index)
+        output = self.outputs.pop(key, None)
+        output_grad = self.arrived(self.output_grads, key, pop=True)
+        if output is not None and self.is_last_stage(action):  # the unit's loss, as backward_step
+            if self.config.grad_scale_func is not None:
+                output = self.config.grad_scale_func(output)
+            output_grad = torch.ones_like(output)
         with active_context(context):
-            step.caches[chunk].backward(
-                unit.group, chunk=unit.chunk, output=self.outputs.pop(key, None),
-                output_grad=self.arrived(self.output_grads, key, pop=True),
-                backward_fn=self.backward_fn)
+            step.caches[chunk].backward(unit.group, chunk=unit.chunk, output=output,
+                                        output_grad=output_grad, backward_fn=self.backward_fn)
         if not self.is_first_stage(action):
             self.input_grads[key] = input_tensor.grad
 

@@ -56,6 +56,8 @@ def runs(tmp_path_factory):
         "demo": [sys.executable, str(ROOT / "examples" / "grpo_demo.py"), "--quick"],
         "bench_vpp": [*bench, "--num-layers", "4", "--pp", "2", "--vpp", "2", "--production",
                       "--skip-stock", "--timeout", "200", "--json", str(out / "bench_vpp.json")],
+        "bench_tree": [*bench, "--tree", "3x2", "--node-len", "12", "--skip-stock",
+                       "--json", str(out / "bench_tree.json")],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT,
@@ -83,7 +85,7 @@ def _check_result(result: dict) -> None:
                                "num_attention_heads": 4, "num_query_groups": 2,
                                "vocab_size": 256, "gated_linear_unit": True}
     assert result["workload"] == {"prefix_len": 64, "suffix_len": 8, "group_size": 3,
-                                  "num_groups": 2}
+                                  "num_groups": 2, "tree": None, "node_len": None}
     assert (result["token_budget"], result["threads"], result["steps"]) == (3 * 8, 2, 1)
     timing = result["timing"]  # every path warmed up alike (0 here), interleaved
     assert (timing["warmup_steps_per_path"], timing["interleaved"]) == (0, True)
@@ -122,6 +124,32 @@ def test_bench_json_fields_are_consistent(runs):
     assert batched["seconds"] > 0 and batched["max_grad_rel_diff_vs_stock_dense"] <= 1e-5
     assert math.isclose(batched["speedup"], batched["seconds"] / result["reuse_seconds"])
     assert "dense batched (2 rows/mb)" in stdout
+
+
+def test_bench_tree_reports_the_trees_flop_ratio(runs):
+    """--tree 3x2: a root, 2 children, 4 grandchildren of 12 tokens, 3 trajectories per leaf;
+    the ideal is that tree's FLOP ratio and the gradients match stock dense."""
+    from prefix_schedule.planning.flops import ideal_speedup
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    from benchlib.config import BenchConfig
+    from benchlib.measure import config_batch, config_plan
+
+    (rc, stdout), out = runs[0]["bench_tree"], runs[1]
+    assert rc == 0, stdout[-3000:]
+    result = json.loads((out / "bench_tree.json").read_text())
+    assert result["workload"]["tree"] == "3x2" and result["workload"]["node_len"] == 12
+    assert result["max_grad_rel_diff"] <= 1e-5 and result["stock_dense_seconds"] is None
+    config = BenchConfig(tree="3x2", node_len=12, suffix_len=8, group_size=3, num_groups=2,
+                         num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                         num_attention_heads=4, num_query_groups=2, vocab_size=256)
+    batch = config_batch(config)
+    assert [g.num_nodes for g in batch.groups] == [7, 7]
+    assert [len(g.trajectories) for g in batch.groups] == [12, 12]
+    ideal = ideal_speedup(config.model_dims(), batch, config_plan(config, batch))
+    assert math.isclose(result["ideal_speedup"], ideal) and ideal > 1.5
+    assert result["timing"]["tokens_per_microbatch"]["dense"] == 3 * 12 + 8 - 1
+    assert "prefix trees 3x2" in stdout
 
 
 def test_bench_pp2_runs_two_stage_processes(runs):
@@ -227,6 +255,8 @@ REFUSALS = [
      "needs a multiple of --pp=2 rows per data-parallel rank"),
     (["--pp", "2", "--vpp", "3"], "give a multiple of 6"),
     (["--attention-backend", "transformer_engine"], "attention backend 'transformer_engine'"),
+    (["--tree", "3x0"], "give DEPTHxBRANCHING"),
+    (["--node-len", "8"], "--node-len needs --tree"),
 ]
 
 
@@ -237,7 +267,7 @@ def test_bench_refuses_bad_flags_before_compute():
         [sys.executable, str(ROOT / "tools" / "bench.py"), *flags], cwd=ROOT, env=ENV,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for flags, message in REFUSALS]
     for flags, message, proc in procs:
-        _, stderr = proc.communicate(timeout=120)
+        _, stderr = proc.communicate(timeout=300)  # ten interpreters at once on 2 loaded cores
         assert proc.returncode == 2, (flags, stderr[-2000:])
         assert message in stderr, (flags, stderr[-2000:])
 

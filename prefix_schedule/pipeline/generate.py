@@ -29,7 +29,8 @@ def build_schedule(*, num_stages: int, microbatch_groups: Sequence[Sequence[int]
                    prefix_groups: Collection[int],
                    cost: Optional[Callable[[Action], float]] = None,
                    prefix_units: Optional[Mapping[int, tuple[int, int]]] = None,
-                   num_model_chunks: int = 1) -> Schedule:
+                   num_model_chunks: int = 1,
+                   unit_parents: Optional[Mapping[int, Optional[int]]] = None) -> Schedule:
     """Compute-only prefix-reuse plan: 1F1B over the suffix microbatches, prefix work slotted in.
 
     The ranks are played forward in (modelled) time with `cost` (default `unit_cost`). A free
@@ -41,7 +42,8 @@ def build_schedule(*, num_stages: int, microbatch_groups: Sequence[Sequence[int]
     With one stage this gives PF g, SF m, SB m, then PB g right after the SB of g's last
     microbatch (a chunked group: its PF chunks in order, its PB chunks in reverse).
     `prefix_units` (unit -> (group, chunk)) splits prefixes into chunks ([Note: prefix chunks]
-    in units.py); PF/PB indices are then unit ids. Measured (tests, tools/plan.py): the bubble
+    in units.py); PF/PB indices are then unit ids. `unit_parents` (unit -> parent unit) makes
+    the units of a group a tree ([Note: prefix trees] in planning/tree.py). Measured (tests, tools/plan.py): the bubble
     fraction is at most dense 1F1B's while a prefix unit's forward costs no more than a
     suffix-microbatch forward; a dearer unprefixed prefix is one long chain through the stages,
     and its fill shows as a larger fraction -- chunking it removes that.
@@ -62,21 +64,22 @@ def build_schedule(*, num_stages: int, microbatch_groups: Sequence[Sequence[int]
                          "(Megatron runs virtual stages only with pipeline_model_parallel_size "
                          "> 1); use num_model_chunks=1 on one rank")
     shape = StepShape(microbatch_groups=microbatch_groups, prefix_groups=prefix_groups,
-                      prefix_units=prefix_units)
+                      prefix_units=prefix_units, unit_parents=unit_parents)
     return _Planner(num_ranks, num_model_chunks, shape, cost or unit_cost).run()
 
 
 class _Stage:
     """Prefix bookkeeping of one virtual stage."""
 
-    __slots__ = ("num_pf", "sb_left", "unused", "eligible", "pb_done")
+    __slots__ = ("num_pf", "sb_left", "unused", "eligible", "pb_done", "children_left")
 
-    def __init__(self, uses: dict) -> None:
+    def __init__(self, uses: dict, children_of: dict) -> None:
         self.num_pf = 0                # PFs placed (always a prefix of the planner's order)
         self.sb_left = dict(uses)      # group -> SBs still to place
         self.unused: set = set()       # forwarded groups no SF has read yet
         self.eligible: list = []       # (order position, unit) whose PB may go next, sorted
         self.pb_done: set = set()      # units whose PB is placed
+        self.children_left = {u: len(c) for u, c in children_of.items()}  # PBs still to come
 
 
 class _Planner:
@@ -100,7 +103,7 @@ class _Planner:
         self.base = [one_f_one_b_order(r, num_ranks, num_mb) if num_chunks == 1
                      else interleaved_order(r, num_ranks, num_chunks, num_mb)
                      for r in range(num_ranks)]
-        self.stages = [_Stage(self.uses) for _ in range(self.num_stages)]
+        self.stages = [_Stage(self.uses, shape.children_of) for _ in range(self.num_stages)]
         self.left = [2 * num_mb * num_chunks + 2 * len(self.prefix_order) * num_chunks
                      for _ in range(num_ranks)]  # actions still to place per rank
         self.end: dict = {}  # (stage, kind, index) -> modelled finish time of each placed action
@@ -215,18 +218,21 @@ class _Planner:
         elif kind is _PB:
             st.eligible.remove((self.position[i], i))
             st.pb_done.add(i)
-            previous = self.shape.previous_chunk(i)
-            if previous is not None:  # chunks backward in reverse: the previous one may go now
-                insort(st.eligible, (self.position[previous], previous))
+            previous = self.shape.parent_of(i)
+            if previous is not None:  # children backward first: the parent may go after the last
+                st.children_left[previous] -= 1
+                if st.children_left[previous] == 0:
+                    insort(st.eligible, (self.position[previous], previous))
         else:
             self.base[r].advance(kind)
             for g in self.groups_of[i]:
                 st.unused.discard(g)
                 if kind is _SB and g in self.uses:
                     st.sb_left[g] -= 1
-                    if st.sb_left[g] == 0:
-                        last = self.shape.chunks_of[g][-1]
-                        insort(st.eligible, (self.position[last], last))
+                    if st.sb_left[g] == 0:  # the group's leaf units (its last chunk unless a tree)
+                        for last in self.shape.chunks_of[g]:
+                            if not st.children_left[last]:
+                                insort(st.eligible, (self.position[last], last))
         end = now + cost
         self.end[(s, kind, i)] = end
         self.rows[r].append(action)

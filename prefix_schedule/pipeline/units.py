@@ -14,6 +14,9 @@ stage:
     PF (g, c)  after PF (g, c-1);
     PB (g, c)  after PF (g, c), every SB of g, and PB (g, c+1)   (chunks backward in reverse).
 A suffix reads the concatenation of all its group's chunks, so SF m needs every chunk's PF.
+Prefix trees ([Note: prefix trees] in planning/tree.py) generalise the chain: `unit_parents`
+gives each unit's parent unit (same group, None for the root), and the rules become PF u after
+PF parent(u), PB u after the PB of every child of u.
 Unit ids are the PF/PB action indices; `StepShape.units` maps them to (group, chunk). Without a
 table every prefix group is one unit whose id is the group id, so unchunked schedules read as
 before (PF g is group g's prefix).
@@ -72,6 +75,11 @@ class StepShape:
     """group -> its unit ids in chunk order (derived)."""
     microbatches_of: dict = field(init=False)
     """group -> the microbatches that touch it, in order (derived)."""
+    unit_parents: Optional[Mapping[int, Optional[int]]] = None
+    """unit -> its parent unit (a prefix tree: [Note: prefix trees]); None: each chunk continues
+    the previous chunk of its group."""
+    children_of: dict = field(init=False)
+    """unit -> the units that continue it (derived)."""
 
     def __post_init__(self) -> None:
         groups_of = tuple(tuple(groups) for groups in self.microbatch_groups)
@@ -94,6 +102,7 @@ class StepShape:
                  else dict(self.prefix_units))
         object.__setattr__(self, "units", units)
         object.__setattr__(self, "chunks_of", self._chunks_of(units))
+        object.__setattr__(self, "children_of", self._children_of(units))
         touching: dict = {}
         for m, groups in enumerate(groups_of):
             for g in groups:
@@ -115,6 +124,35 @@ class StepShape:
                 raise ValueError(f"group {group} has prefix chunks {found}; number each group's "
                                  "chunks 0, 1, ... without gaps (one unit per chunk)")
         return {g: tuple(c[i] for i in range(len(c))) for g, c in chunks.items()}
+
+    def _children_of(self, units: dict) -> dict:
+        children: dict = {u: [] for u in units}
+        if self.unit_parents is None:
+            for unit in units:
+                after = self.next_chunk(unit)
+                if after is not None:
+                    children[unit].append(after)
+            return {u: tuple(c) for u, c in children.items()}
+        if set(self.unit_parents) != set(units):
+            raise ValueError("unit_parents must name exactly the prefix units "
+                             f"{sorted(units)}, got {sorted(self.unit_parents)}")
+        for unit, parent in self.unit_parents.items():
+            group, chunk = units[unit]
+            if (parent is None) != (chunk == 0) or (parent is not None and (
+                    parent not in units or units[parent][0] != group
+                    or units[parent][1] >= chunk)):
+                raise ValueError(f"unit {unit} (group {group}, chunk {chunk}) has parent "
+                                 f"{parent}; a chunk > 0 continues an earlier chunk of its group, "
+                                 "chunk 0 continues none")
+            if parent is not None:
+                children[parent].append(unit)
+        return {u: tuple(c) for u, c in children.items()}
+
+    def parent_of(self, unit: int) -> Optional[int]:
+        """The unit whose cached K/V (with its ancestors') `unit` continues, None for a root."""
+        if self.unit_parents is None:
+            return self.previous_chunk(unit)
+        return self.unit_parents[unit]
 
     def group_of(self, unit: int) -> int:
         """The group whose prefix chunk `unit` is."""
@@ -140,9 +178,9 @@ class StepShape:
         if kind is _SB:
             return [(_SF, index)]
         if kind is _PF:
-            previous = self.previous_chunk(index)
+            previous = self.parent_of(index)
             return [] if previous is None else [(_PF, previous)]
         assert kind is _PB, kind
-        group, after = self.group_of(index), self.next_chunk(index)
+        group = self.group_of(index)
         return ([(_PF, index)] + [(_SB, m) for m in self.microbatches_of[group]]
-                + ([] if after is None else [(_PB, after)]))
+                + [(_PB, child) for child in self.children_of[index]])

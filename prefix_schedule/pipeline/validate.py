@@ -21,13 +21,14 @@ _SB, _PB = ActionKind.SUFFIX_BACKWARD, ActionKind.PREFIX_BACKWARD
 @without_gc
 def validate_schedule(schedule: Schedule, *, microbatch_groups: Sequence[Sequence[int]],
                       prefix_groups: Collection[int],
-                      prefix_units: Optional[Mapping[int, tuple[int, int]]] = None) -> None:
+                      prefix_units: Optional[Mapping[int, tuple[int, int]]] = None,
+                      unit_parents: Optional[Mapping[int, Optional[int]]] = None) -> None:
     """Check every rule of [Note: prefix-reuse dependency rules]; p2p actions are skipped here
     (the simulator checks them). `prefix_units`: unit -> (group, chunk) of a chunked step
     ([Note: prefix chunks] in units.py). Raises ScheduleError with the grid and the failing step
     marked."""
     shape = StepShape(microbatch_groups=microbatch_groups, prefix_groups=prefix_groups,
-                      prefix_units=prefix_units)
+                      prefix_units=prefix_units, unit_parents=unit_parents)
     num_mb = len(shape.microbatch_groups)
     required = {_SF: range(num_mb), _SB: range(num_mb), _PF: shape.units, _PB: shape.units}
     for r, row in enumerate(schedule.actions):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-__all__ = ["Trajectory", "Group", "GroupBatch"]
+__all__ = ["Trajectory", "ContextLoss", "PrefixNode", "Group", "GroupBatch"]
 
 
 def _as_1d(value: Any, *, name: str) -> torch.Tensor:
@@ -85,6 +85,36 @@ def _prefixed(where: str, exc: ValueError) -> ValueError:
 
 
 @dataclass(kw_only=True)
+class ContextLoss:
+    """Loss on tokens of a trajectory's shared context (a trained-on turn inside a prefix-tree
+    node): per context token, entry j about predicting context[j]; entry 0 predicts nothing and
+    must be 0. Each trajectory counts them with its own arrays, as dense training does
+    ([Note: loss inside shared nodes] in planning/tree.py)."""
+
+    loss_mask: Any
+    """0/1 per context token."""
+    advantages: Any
+    """A float or one per context token."""
+    old_logprobs: Any = None
+    """Per context token, or None; present exactly when the trajectory has old_logprobs."""
+    ref_logprobs: Any = None
+    """Per context token, or None; present exactly when the trajectory has ref_logprobs."""
+
+    def validate(self, length: int) -> None:
+        """Convert and check the arrays for a context of `length` tokens (ValueError)."""
+        self.loss_mask = _as_floats(self.loss_mask, name="context loss_mask", length=length)
+        if not ((self.loss_mask == 0) | (self.loss_mask == 1)).all() or self.loss_mask[0] != 0:
+            raise ValueError("context loss_mask must hold only 0 and 1, and 0 at entry 0 "
+                             "(nothing predicts the first token)")
+        self.advantages = _as_floats(self.advantages, name="context advantages", length=length,
+                                     allow_scalar=True)
+        for name in ("old_logprobs", "ref_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _as_floats(getattr(self, name), name=f"context {name}",
+                                               length=length))
+
+
+@dataclass(kw_only=True)
 class Trajectory:
     """One sampled response of a group: the tokens after the shared prompt and their arrays."""
 
@@ -98,8 +128,16 @@ class Trajectory:
     """Per-suffix-token log-probs of the behaviour policy, or None (on-policy: ratio 1)."""
     ref_logprobs: Any = None
     """Per-suffix-token log-probs of the reference policy, or None (needed only for a KL term)."""
+    node: int = 0
+    """The prefix-tree node the suffix follows ([Note: prefix trees] in planning/tree.py): 0 is the
+    group's `prefix`; i >= 1 is `Group.nodes[i-1]`. The trajectory's context is the token chain
+    root -> ... -> node."""
+    context_loss: Optional[ContextLoss] = None
+    """Loss tokens inside the context (see ContextLoss); None: the context carries no loss."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.node, bool) or not isinstance(self.node, int) or self.node < 0:
+            raise ValueError(f"node={self.node!r}; give the index of a prefix-tree node (int >= 0)")
         self.suffix = _as_tokens(self.suffix, name="suffix")
         n = self.suffix.numel()
         if n < 1:
@@ -126,17 +164,39 @@ class Trajectory:
 
     @property
     def num_loss_tokens(self) -> int:
-        return int(self.loss_mask.sum())
+        inside = 0 if self.context_loss is None else int(self.context_loss.loss_mask.sum())
+        return int(self.loss_mask.sum()) + inside
+
+
+@dataclass(kw_only=True)
+class PrefixNode:
+    """A shared segment below another one in a group's prefix tree ([Note: prefix trees])."""
+
+    parent: int
+    """The node this one continues: 0 is the group's `prefix`, i >= 1 is `Group.nodes[i-1]`;
+    it must come earlier (parent < this node's index)."""
+    tokens: Any
+    """Token ids of the segment (>= 1); stored as an int64 tensor."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.parent, bool) or not isinstance(self.parent, int) or self.parent < 0:
+            raise ValueError(f"PrefixNode.parent={self.parent!r}; give a node index (int >= 0)")
+        self.tokens = _as_tokens(self.tokens, name="PrefixNode.tokens")
+        if self.tokens.numel() < 1:
+            raise ValueError("PrefixNode.tokens is empty; a tree node holds at least one token")
 
 
 @dataclass(kw_only=True)
 class Group:
-    """A shared prompt and the trajectories sampled from it."""
+    """A shared prompt and the trajectories sampled from it; with `nodes`, a prefix tree."""
 
     prefix: Any
-    """Token ids of the shared prompt (P >= 1); stored as an int64 tensor [P]."""
+    """Token ids of the shared prompt (P >= 1); stored as an int64 tensor [P]. The tree's root."""
     trajectories: list[Trajectory] = field(default_factory=list)
     """The group's trajectories (at least one), in order."""
+    nodes: list[PrefixNode] = field(default_factory=list)
+    """Shared segments below the prompt (node i >= 1 is nodes[i-1]); empty: a one-level prefix.
+    See [Note: prefix trees] in planning/tree.py."""
 
     def __post_init__(self) -> None:
         self.prefix = _as_tokens(self.prefix, name="prefix")
@@ -148,11 +208,46 @@ class Group:
         for t, trajectory in enumerate(self.trajectories):
             if not isinstance(trajectory, Trajectory):
                 raise ValueError(f"trajectory {t}: expected a Trajectory, got {type(trajectory).__name__}")
+        self.nodes = list(self.nodes)
+        from prefix_schedule.planning.tree import check_tree  # tree.py imports this module
+
+        check_tree(self)
 
     @property
     def prefix_len(self) -> int:
-        """P, the number of shared prompt tokens."""
+        """P, the number of shared prompt tokens (the root's; see `context_len` for a tree)."""
         return self.prefix.numel()
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes of the prefix tree, the root (`prefix`) included."""
+        return 1 + len(self.nodes)
+
+    def parent(self, node: int) -> Optional[int]:
+        """The parent of `node`, None for the root."""
+        return None if node == 0 else self.nodes[node - 1].parent
+
+    def node_tokens(self, node: int) -> torch.Tensor:
+        return self.prefix if node == 0 else self.nodes[node - 1].tokens
+
+    def chain(self, node: int) -> tuple[int, ...]:
+        """Nodes root -> ... -> `node`."""
+        path = [node]
+        while path[-1] != 0:
+            path.append(self.nodes[path[-1] - 1].parent)
+        return tuple(reversed(path))
+
+    def context(self, node: int) -> torch.Tensor:
+        """The tokens of the chain root -> ... -> `node`, concatenated."""
+        return torch.cat([self.node_tokens(n) for n in self.chain(node)])
+
+    def context_len(self, trajectory: int) -> int:
+        """Tokens before trajectory `trajectory`'s suffix (P for a one-level group)."""
+        node = self.trajectories[trajectory].node
+        return sum(self.node_tokens(n).numel() for n in self.chain(node))
+
+    def has_children(self, node: int) -> bool:
+        return any(n.parent == node for n in self.nodes)
 
     @classmethod
     def from_full_sequences(
@@ -254,12 +349,14 @@ class GroupBatch:
         for g, group in enumerate(self.groups):
             if vocab_size is not None:
                 _check_vocab(group.prefix, vocab_size, where=f"group {g}, prefix")
+                for i, node in enumerate(group.nodes, start=1):
+                    _check_vocab(node.tokens, vocab_size, where=f"group {g}, node {i}")
             for t, trajectory in enumerate(group.trajectories):
                 where = f"group {g}, trajectory {t}"
-                total = group.prefix_len + trajectory.num_tokens
+                total = group.context_len(t) + trajectory.num_tokens
                 if total > max_seq_len:
                     raise ValueError(
-                        f"{where}: prefix ({group.prefix_len} tokens) + suffix ({trajectory.num_tokens} "
+                        f"{where}: prefix ({group.context_len(t)} tokens) + suffix ({trajectory.num_tokens} "
                         f"tokens) = {total} tokens is longer than max_seq_len={max_seq_len}; truncate "
                         f"the trajectory or use a model with max_seq_len >= {total}"
                     )

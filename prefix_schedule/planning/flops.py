@@ -18,6 +18,9 @@ Ignored: norms, softmax, activation functions, RoPE, embeddings lookups, the los
 Dense: every trajectory's full row (P+n-1 tokens) runs through the whole model, output layer
 included (prefix positions carry no loss but their logits are still computed in stock training).
 
+Prefix trees (planning/tree.py): a trajectory's prompt is its node chain, and each cached node
+runs once over its ancestors' keys (pairs n*c + n*(n+1)/2 as for a suffix row).
+
 Reuse: each cached prefix (P-1 tokens) runs forward and backward only through what the K/V of
 every layer need (DESIGN.md "[Note: prefix forward stops at the last cached K/V]"): layers 1..L-1
 fully and the last layer's QKV projection; no last-layer attention or MLP, no output layer.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from prefix_schedule.planning.data import GroupBatch
@@ -101,10 +105,11 @@ def _row_forward(dims: ModelDims, length: int, cached: int) -> int:
     return dims.num_layers * per_layer + length * 2 * dims.hidden_size * dims.vocab_size
 
 
-def _prefix_forward(dims: ModelDims, length: int) -> int:
-    """Forward FLOPs of a cached prefix: layers 1..L-1 in full, then the last layer's QKV."""
+def _prefix_forward(dims: ModelDims, length: int, cached: int = 0) -> int:
+    """Forward FLOPs of a cached prefix (a tree node: over its `cached` ancestor keys): layers
+    1..L-1 in full, then the last layer's QKV."""
     per_layer = length * _layer_linear(dims) + 4 * dims.num_attention_heads * dims.kv_channels * \
-        _attention_pairs(length, 0)
+        _attention_pairs(length, cached)
     return (dims.num_layers - 1) * per_layer + length * _qkv(dims)
 
 
@@ -122,7 +127,8 @@ def reuse_flops(dims: ModelDims, plan_like: Any) -> float:
     """Forward + backward FLOPs of a StepPlan (or anything with the same attributes):
     `prefixes[*].length` and `microbatches[*].segments[*].length / .cached_len`; with
     `microbatches[*].padding` and `prefix_units()` (padding > 0) the padding counts too."""
-    total = sum(_prefix_forward(dims, work.length) for work in plan_like.prefixes)
+    total = sum(_prefix_forward(dims, span.length, span.start)  # a tree: one span per node
+                for work in plan_like.prefixes for span in _spans(work))
     total += sum(_row_forward(dims, s.length, s.cached_len)
                  for mb in plan_like.microbatches for s in mb.segments)
     total += sum(_row_forward(dims, mb.padding, 0) for mb in plan_like.microbatches
@@ -133,8 +139,14 @@ def reuse_flops(dims: ModelDims, plan_like: Any) -> float:
     return float(3 * total)
 
 
+def _spans(work: Any):
+    if getattr(work, "nodes", None):
+        return work.nodes
+    return (SimpleNamespace(length=work.length, start=0),)
+
+
 def _dense_lengths(batch: GroupBatch, plan: Any) -> list[int]:
-    expected = {(g, t): group.prefix_len - 1 + tr.num_tokens
+    expected = {(g, t): group.context_len(t) - 1 + tr.num_tokens
                 for g, group in enumerate(batch.groups) for t, tr in enumerate(group.trajectories)}
     seen = {}
     for mb in plan.microbatches:

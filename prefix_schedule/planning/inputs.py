@@ -4,7 +4,7 @@ units and the dense baseline (see the split of a trajectory in planner.py, and
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -12,7 +12,7 @@ from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.planner import (PrefixChunk, PrefixWork, Segment, SuffixMicrobatch,
                                               _check_int, _padding)
 
-__all__ = ["build_suffix_inputs", "build_prefix_inputs", "build_dense_inputs"]
+__all__ = ["build_suffix_inputs", "build_prefix_inputs", "build_prefix_loss", "build_dense_inputs"]
 
 
 def _dense_row(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torch.Tensor]:
@@ -23,8 +23,8 @@ def _dense_row(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torc
     if not 0 <= trajectory < len(g.trajectories):
         raise ValueError(f"group {group} has no trajectory {trajectory} (it has {len(g.trajectories)})")
     tr = g.trajectories[trajectory]
-    full = torch.cat([g.prefix, tr.suffix])
-    pad = torch.zeros(g.prefix_len - 1, dtype=torch.float32)  # prefix positions carry no loss
+    full = torch.cat([g.context(tr.node), tr.suffix])  # [Note: prefix trees] in tree.py
+    pad = torch.zeros(g.context_len(trajectory) - 1, dtype=torch.float32)  # no loss on a prefix
     row = {
         "tokens": full[:-1],
         "position_ids": torch.arange(full.numel() - 1, dtype=torch.int64),
@@ -35,6 +35,10 @@ def _dense_row(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torc
     for name in ("old_logprobs", "ref_logprobs"):
         if getattr(tr, name) is not None:
             row[name] = torch.cat([pad, getattr(tr, name)])
+    if tr.context_loss is not None:  # loss inside the shared context: entries 1..C-1
+        for name in ("loss_mask", "advantages", "old_logprobs", "ref_logprobs"):
+            if name in row:
+                row[name][:pad.numel()] = getattr(tr.context_loss, name)[1:]
     return row
 
 
@@ -81,18 +85,47 @@ def build_prefix_inputs(batch: GroupBatch,
     for a PrefixChunk only its tokens prefix[start:start+length] at their positions."""
     if not 0 <= work.group < len(batch.groups):
         raise ValueError(f"group {work.group} is not in the batch (it has {len(batch.groups)} groups)")
-    prefix = batch.groups[work.group].prefix
-    if isinstance(work, PrefixWork):
+    group = batch.groups[work.group]
+    whole = isinstance(work, PrefixWork)
+    if whole:
+        if work.nodes is not None:
+            raise ValueError("a prefix tree runs as units: pass plan.prefix_units() entries")
         work = PrefixChunk(group=work.group, chunk=0, start=0, length=work.length)
-        fits = work.length == prefix.numel() - 1
-    else:
-        fits = work.start + work.length <= prefix.numel() - 1
-    if not fits:
-        raise ValueError(f"{work} does not fit group {work.group}, which caches P-1 = "
-                         f"{prefix.numel() - 1} tokens; the plan does not belong to this batch")
+    if not 0 <= work.node < group.num_nodes:
+        raise ValueError(f"{work} names node {work.node} of group {work.group}, which has "
+                         f"{group.num_nodes}; the plan does not belong to this batch")
+    prefix = group.context(work.node)  # [Note: prefix trees]: the chain up to the chunk's node
+    cached = prefix.numel() - (0 if group.has_children(work.node) else 1)
     end = work.start + work.length
+    if (end != cached) if whole else (end > cached):
+        raise ValueError(f"{work} does not fit group {work.group}, which caches {cached} tokens "
+                         "there; the plan does not belong to this batch")
     row = {"tokens": prefix[work.start:end], "position_ids": torch.arange(work.start, end)}
     return _as_batch_dim(_pad(row, work.padding))
+
+
+def build_prefix_loss(batch: GroupBatch, chunk: PrefixChunk) -> Optional[dict[str, torch.Tensor]]:
+    """The loss entries of a prefix unit ([Note: loss inside shared nodes] in tree.py), [1, E]
+    tensors: for every trajectory that reads the unit and trains on a token its rows predict,
+    one entry -- `loss_index` (the predicting row), `labels`, `loss_mask` (1), `advantages` and
+    old/ref log-probs as the batch has them. None when the unit predicts no loss token."""
+    group = batch.groups[chunk.group]
+    entries = []
+    for t, tr in enumerate(group.trajectories):
+        if tr.context_loss is None or chunk.node not in group.chain(tr.node):
+            continue
+        context, last = group.context(tr.node), group.context_len(t) - 2  # its last cached row
+        for p in range(chunk.start, min(chunk.start + chunk.length - 1, last) + 1):
+            if tr.context_loss.loss_mask[p + 1] > 0:
+                entries.append((p - chunk.start, int(context[p + 1]), tr.context_loss, p + 1))
+    if not entries:
+        return None
+    item = {"loss_index": torch.tensor([e[0] for e in entries]),
+            "labels": torch.tensor([e[1] for e in entries])}
+    for name in ("loss_mask", "advantages", "old_logprobs", "ref_logprobs"):
+        if getattr(entries[0][2], name) is not None:
+            item[name] = torch.stack([getattr(e[2], name)[e[3]] for e in entries])
+    return _as_batch_dim(item)
 
 
 def build_dense_inputs(batch: GroupBatch, group: int, trajectory: int, *,

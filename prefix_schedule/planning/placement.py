@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from prefix_schedule.planning.data import Group, GroupBatch
 from prefix_schedule.planning.flops import ModelDims, reuse_flops
 from prefix_schedule.planning.planner import StepPlan, plan_microbatches
+from prefix_schedule.planning.tree import subgroup
 
 __all__ = ["GroupShare", "RankShard", "Placement", "place_groups"]
 
@@ -152,6 +153,8 @@ def _subgroup(batch: GroupBatch, group: int, trajectories: tuple[int, ...]) -> G
     source = batch.groups[group]
     if len(trajectories) == len(source.trajectories):
         return source
+    if source.nodes:  # a prefix tree: only the nodes these trajectories read
+        return subgroup(source, trajectories)
     return Group(prefix=source.prefix, trajectories=[source.trajectories[t] for t in trajectories])
 
 

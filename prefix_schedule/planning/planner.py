@@ -38,6 +38,8 @@ from typing import Optional
 
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.pipeline.units import chunk_spans
+from prefix_schedule.planning.budget import check_budget, check_dense_groups
+from prefix_schedule.planning.tree import NodeSpan, cached_spans, is_tree
 
 __all__ = [
     "Segment",
@@ -72,10 +74,13 @@ class Segment:
     cached_len: int
     """Tokens of the group held in the prefix cache (P-1), or 0 (run dense, or P == 1).
     The row tokens sit at positions cached_len .. cached_len+length-1."""
+    node: int = 0
+    """The prefix-tree node the trajectory follows; it reads that node's chain
+    ([Note: prefix trees] in tree.py)."""
 
     def __post_init__(self) -> None:
         for name, minimum in (("group", 0), ("trajectory", 0), ("row_start", 0), ("length", 1),
-                              ("cached_len", 0)):
+                              ("cached_len", 0), ("node", 0)):
             _check_int(getattr(self, name), f"Segment.{name}", minimum)
 
 
@@ -128,11 +133,22 @@ class PrefixWork:
     group: int
     """Index of the group in the batch."""
     length: int
-    """Cached tokens (P-1 > 0)."""
+    """Cached tokens (P-1 > 0; a tree: all its nodes' cached tokens)."""
+    nodes: Optional[tuple] = None
+    """A prefix tree's cached nodes (tree.NodeSpan, parents first); None: one node, the prompt."""
 
     def __post_init__(self) -> None:
         _check_int(self.group, "PrefixWork.group", 0)
         _check_int(self.length, "PrefixWork.length", 1)
+        if self.nodes is not None:
+            object.__setattr__(self, "nodes", tuple(self.nodes))
+            if sum(n.length for n in self.nodes) != self.length or self.nodes[0].parent is not None:
+                raise ValueError(f"group {self.group}: tree nodes {self.nodes} do not start at the "
+                                 f"root or do not add up to length {self.length}")
+
+    def spans(self) -> tuple:
+        """The cached nodes (one NodeSpan for a one-level prefix)."""
+        return self.nodes or (NodeSpan(node=0, parent=None, start=0, length=self.length),)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,11 +166,24 @@ class PrefixChunk:
     """Tokens of the chunk (>= 1)."""
     padding: int = 0
     """Padding tokens after the chunk's tokens in its row ([Note: row padding]); never cached."""
+    node: int = 0
+    """The prefix-tree node the chunk belongs to ([Note: prefix trees] in tree.py)."""
+    parent: Optional[int] = None
+    """The chunk whose cached K/V (and its ancestors') this one continues; None: chunk - 1
+    (none for chunk 0, the root)."""
 
     def __post_init__(self) -> None:
         for name, minimum in (("group", 0), ("chunk", 0), ("start", 0), ("length", 1),
-                              ("padding", 0)):
+                              ("padding", 0), ("node", 0)):
             _check_int(getattr(self, name), f"PrefixChunk.{name}", minimum)
+        if self.parent is not None and not 0 <= self.parent < self.chunk:
+            raise ValueError(f"PrefixChunk.parent={self.parent!r}; a chunk continues an earlier "
+                             f"chunk of its group (0 <= parent < chunk={self.chunk})")
+
+    @property
+    def parent_chunk(self) -> Optional[int]:
+        """The chunk this one continues (None for chunk 0)."""
+        return self.parent if self.parent is not None else (self.chunk - 1 if self.chunk else None)
 
     @property
     def row_length(self) -> int:
@@ -201,12 +230,16 @@ class StepPlan:
 
     def _check_prefixes(self) -> None:
         cached = {}
+        trees = {w.group for w in self.prefixes if w.nodes is not None}  # lengths vary per node
         for mb in self.microbatches:
             for s in mb.segments:
-                if s.cached_len > 0 and cached.setdefault(s.group, s.cached_len) != s.cached_len:
+                if s.cached_len > 0 and s.group in trees:
+                    cached[s.group] = None
+                elif s.cached_len > 0 and cached.setdefault(s.group, s.cached_len) != s.cached_len:
                     raise ValueError(f"group {s.group}: segments disagree on cached_len "
                                      f"({cached[s.group]} and {s.cached_len}); use P-1 for all")
         listed = {work.group: work.length for work in self.prefixes}
+        cached = {g: (listed[g] if g in trees else n) for g, n in cached.items()}
         if len(listed) != len(self.prefixes) or listed != cached:
             raise ValueError(f"prefixes {listed} do not match the cached groups of the segments "
                              f"{cached}; give exactly one PrefixWork(group, length=cached_len) per "
@@ -218,15 +251,35 @@ class StepPlan:
         Without chunking a group's one unit has the group's id, so schedules read as before;
         with `prefix_chunk_tokens` units are numbered 0, 1, ... in (group, chunk) order."""
         m = self.row_multiple
-        if self.prefix_chunk_tokens is None:
+        if self.prefix_chunk_tokens is None and all(w.nodes is None for w in self.prefixes):
             return {w.group: PrefixChunk(group=w.group, chunk=0, start=0, length=w.length,
                                          padding=_padding(w.length, m))
                     for w in self.prefixes}
-        chunks = [PrefixChunk(group=w.group, chunk=c, start=start, length=length,
-                              padding=_padding(length, m))
-                  for w in self.prefixes
-                  for c, (start, length) in enumerate(chunk_spans(w.length, self.prefix_chunk_tokens))]
+        chunks = [chunk for w in self.prefixes for chunk in self._node_chunks(w)]
         return dict(enumerate(chunks))
+
+    def _node_chunks(self, work: PrefixWork) -> list[PrefixChunk]:
+        # [Note: prefix trees] (tree.py): a node's first chunk continues its parent's last chunk
+        chunks, last_of = [], {}
+        for span in work.spans():
+            parent = None if span.parent is None else last_of[span.parent]
+            for start, length in chunk_spans(span.length, self.prefix_chunk_tokens):
+                c = len(chunks)
+                chunks.append(PrefixChunk(group=work.group, chunk=c, start=span.start + start,
+                                          length=length, padding=_padding(length, self.row_multiple),
+                                          node=span.node, parent=parent if c else None))
+                parent = c
+            last_of[span.node] = parent
+        return chunks
+
+    def chain_chunks(self, group: int, node: int) -> tuple[int, ...]:
+        """Chunks of `group` that a reader after tree node `node` attends to, root first."""
+        chunks = {c.chunk: c for c in self.prefix_units().values() if c.group == group}
+        last = max(c.chunk for c in chunks.values() if c.node == node)
+        chain = [last]
+        while chunks[chain[-1]].parent_chunk is not None:
+            chain.append(chunks[chain[-1]].parent_chunk)
+        return tuple(reversed(chain))
 
     def microbatch_groups(self) -> list[tuple[int, ...]]:
         """Groups that read the prefix cache, per microbatch."""
@@ -248,30 +301,17 @@ class StepPlan:
         return self._uses(group)[-1]
 
     def describe(self) -> str:
-        """A short human summary: prefixes, then each microbatch's segments."""
-        prefixes = ", ".join(f"g{w.group}[{w.length}]" for w in self.prefixes) or "none"
-        lines = [f"StepPlan: {len(self.microbatches)} microbatches, token budget {self.token_budget}, "
-                 f"cached prefixes: {prefixes}"]
-        if self.row_multiple > 1:
-            lines.append(f"  rows padded to a multiple of {self.row_multiple}")
-        if self.prefix_chunk_tokens is not None:
-            lines.append(f"  prefix units (chunks of <= {self.prefix_chunk_tokens} tokens): " + " ".join(
-                f"u{u}=g{c.group}c{c.chunk}[{c.start}:{c.start + c.length}]"
-                + (f"+pad{c.padding}" if c.padding else "")
-                for u, c in self.prefix_units().items()))
-        dense = set()
-        for mb in self.microbatches:
-            parts = []
-            for s in mb.segments:
-                mode = f"+{s.cached_len} cached" if s.cached_len else "dense"
-                parts.append(f"g{s.group}t{s.trajectory}[{s.length} {mode}]")
-                if s.cached_len == 0:
-                    dense.add(s.group)
-            if mb.padding:
-                parts.append(f"pad[{mb.padding}]")
-            lines.append(f"  mb{mb.index} ({mb.row_length}/{self.token_budget} tokens): " + " ".join(parts))
-        lines.append("  groups without cache: " + (", ".join(f"g{g}" for g in sorted(dense)) or "none"))
-        return "\n".join(lines)
+        """A short human summary: prefixes (tree units), then each microbatch's segments."""
+        from prefix_schedule.planning.plan_text import describe_plan
+
+        return describe_plan(self)
+
+
+def _prefix_work(batch: GroupBatch, group: int, cached_len: int) -> PrefixWork:
+    if not is_tree(batch.groups[group]):
+        return PrefixWork(group=group, length=cached_len)
+    spans = cached_spans(batch.groups[group])
+    return PrefixWork(group=group, length=sum(n.length for n in spans), nodes=spans)
 
 
 def _padding(length: int, multiple: int) -> int:
@@ -283,44 +323,13 @@ def _segment_lengths(batch: GroupBatch, *, capacity: int, multiple: int,
                      run_singletons_dense: bool, dense_groups: frozenset = frozenset()):
     """Yield (group, trajectory, length, cached_len) in packing order."""
     for g, group in enumerate(batch.groups):
-        p = group.prefix_len
         singleton = len(group.trajectories) == 1
         for t, trajectory in enumerate(group.trajectories):
-            n = trajectory.num_tokens
+            p, n = group.context_len(t), trajectory.num_tokens
             full = p - 1 + n
             dense = p == 1 or g in dense_groups or (run_singletons_dense and singleton
                                                     and full + _padding(full, multiple) <= capacity)
-            yield (g, t, full, 0) if dense else (g, t, n, p - 1)
-
-
-def _check_dense_groups(batch: GroupBatch, dense_groups, capacity: int, multiple: int) -> frozenset:
-    groups = frozenset(dense_groups)
-    for g in sorted(groups):
-        if isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < len(batch.groups):
-            raise ValueError(f"dense_groups names group {g!r}; the batch has groups 0.."
-                             f"{len(batch.groups) - 1}")
-        group = batch.groups[g]
-        longest = group.prefix_len - 1 + max(t.num_tokens for t in group.trajectories)
-        if longest + _padding(longest, multiple) > capacity:
-            raise ValueError(f"group {g} is to run dense but its longest row has {longest} tokens, "
-                             f"over the token budget; use token_budget >= "
-                             f"{longest + _padding(longest, multiple)} or let it use the cache")
-    return groups
-
-
-def _check_budget(batch: GroupBatch, token_budget: int, multiple: int) -> None:
-    # With the cache a row is n tokens (+ padding); a singleton only runs dense when its full row
-    # fits, so the smallest workable budget is the longest suffix, padded.
-    longest, where = 0, ""
-    for g, group in enumerate(batch.groups):
-        for t, trajectory in enumerate(group.trajectories):
-            if trajectory.num_tokens > longest:
-                longest, where = trajectory.num_tokens, f"group {g}, trajectory {t}"
-    needed = longest + _padding(longest, multiple)
-    if token_budget < needed:
-        padded = f" padded to a multiple of {multiple}" if needed != longest else ""
-        raise ValueError(f"token_budget={token_budget} is smaller than the longest row: {where} needs "
-                         f"{needed} tokens{padded}; use token_budget >= {needed}")
+            yield (g, t, full, 0, trajectory.node) if dense else (g, t, n, p - 1, trajectory.node)
 
 
 def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
@@ -340,12 +349,12 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
     if prefix_chunk_tokens is not None:
         _check_int(prefix_chunk_tokens, "prefix_chunk_tokens", 1)
     batch.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
-    _check_budget(batch, token_budget, row_multiple)
+    check_budget(batch, token_budget, row_multiple)
     capacity = token_budget - token_budget % row_multiple  # the longest row that pads within budget
-    dense = _check_dense_groups(batch, dense_groups, capacity, row_multiple)
+    dense = check_dense_groups(batch, dense_groups, capacity, row_multiple)
     rows: list[list[Segment]] = []
     used = capacity  # forces a new microbatch for the first segment
-    for g, t, length, cached_len in _segment_lengths(batch, capacity=capacity,
+    for g, t, length, cached_len, node in _segment_lengths(batch, capacity=capacity,
                                                      multiple=row_multiple,
                                                      run_singletons_dense=run_singletons_dense,
                                                      dense_groups=dense):
@@ -353,7 +362,7 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
             rows.append([])
             used = 0
         rows[-1].append(Segment(group=g, trajectory=t, row_start=used, length=length,
-                                cached_len=cached_len))
+                                cached_len=cached_len, node=node))
         used += length
     microbatches = tuple(
         SuffixMicrobatch(index=i, segments=tuple(r),
@@ -362,8 +371,8 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
     prefixes = {}
     for mb in microbatches:
         for s in mb.segments:
-            if s.cached_len > 0:
-                prefixes.setdefault(s.group, PrefixWork(group=s.group, length=s.cached_len))
+            if s.cached_len > 0 and s.group not in prefixes:
+                prefixes[s.group] = _prefix_work(batch, s.group, s.cached_len)
     return StepPlan(microbatches=microbatches, prefixes=tuple(prefixes.values()), token_budget=token_budget,
                     prefix_chunk_tokens=prefix_chunk_tokens, row_multiple=row_multiple)
 

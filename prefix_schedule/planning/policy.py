@@ -31,6 +31,7 @@ from typing import Optional
 from prefix_schedule.planning.data import Group, GroupBatch
 from prefix_schedule.planning.flops import ModelDims, dense_flops, reuse_flops
 from prefix_schedule.planning.planner import StepPlan, plan_microbatches
+from prefix_schedule.planning.tree import cached_spans
 
 __all__ = ["ReusePolicy", "GroupDecision", "PolicyPlan", "group_gain", "plan_with_policy",
            "DENSE_ROWS_PER_MICROBATCH", "DEFAULT_MIN_GAIN"]
@@ -102,12 +103,15 @@ class PolicyPlan:
 
 def group_gain(dims: ModelDims, group: Group) -> float:
     """FLOP gain of reuse on one group: its dense rows / its prefix pass plus suffix rows."""
-    p = group.prefix_len
-    dense = dense_flops(dims, [p - 1 + t.num_tokens for t in group.trajectories])
-    if p == 1:
+    contexts = [group.context_len(t) for t in range(len(group.trajectories))]
+    dense = dense_flops(dims, [p - 1 + t.num_tokens for p, t in zip(contexts, group.trajectories)])
+    if max(contexts) == 1:
         return 1.0
-    segments = [SimpleNamespace(length=t.num_tokens, cached_len=p - 1) for t in group.trajectories]
-    plan_like = SimpleNamespace(prefixes=[SimpleNamespace(length=p - 1)], row_multiple=1,
+    spans = cached_spans(group)  # one span (P-1 tokens) for a one-level prompt
+    segments = [SimpleNamespace(length=t.num_tokens, cached_len=p - 1)
+                for p, t in zip(contexts, group.trajectories)]
+    work = SimpleNamespace(length=sum(s.length for s in spans), nodes=spans)
+    plan_like = SimpleNamespace(prefixes=[work], row_multiple=1,
                                 microbatches=[SimpleNamespace(segments=segments, padding=0)])
     return dense / reuse_flops(dims, plan_like)
 
@@ -115,11 +119,14 @@ def group_gain(dims: ModelDims, group: Group) -> float:
 def _decide(g: int, group: Group, policy: ReusePolicy, budget: int, multiple: int) -> GroupDecision:
     gain = group_gain(policy.dims, group)
     share = f"prompt {group.prefix_len} tokens, G={len(group.trajectories)}"
-    if group.prefix_len == 1:
+    if group.nodes:
+        share += f", a tree of {group.num_nodes} nodes"
+    if group.prefix_len == 1 and not group.nodes:
         return GroupDecision(g, False, gain, "a 1-token prompt caches nothing")
     if gain >= policy.min_gain:
         return GroupDecision(g, True, gain, f"FLOP gain {gain:.2f} >= {policy.min_gain:.2f}; {share}")
-    longest = group.prefix_len - 1 + max(t.num_tokens for t in group.trajectories)
+    longest = max(group.context_len(t) - 1 + tr.num_tokens
+                  for t, tr in enumerate(group.trajectories))
     if longest + (-longest % multiple) > budget:
         return GroupDecision(g, True, gain, f"FLOP gain {gain:.2f} < {policy.min_gain:.2f} but its "
                              f"{longest}-token rows exceed the budget, so it keeps the cache")
@@ -132,7 +139,8 @@ def plan_with_policy(batch: GroupBatch, *, policy: ReusePolicy, max_seq_len: int
                      vocab_size: Optional[int] = None) -> PolicyPlan:
     """Plan `batch` as the module docstring says; ValueError on bad input (as plan_microbatches)."""
     batch.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
-    longest_dense = max(g.prefix_len - 1 + t.num_tokens for g in batch.groups for t in g.trajectories)
+    longest_dense = max(g.context_len(i) - 1 + t.num_tokens for g in batch.groups
+                        for i, t in enumerate(g.trajectories))
     longest_suffix = max(t.num_tokens for g in batch.groups for t in g.trajectories)
     budget = policy.token_budget or DENSE_ROWS_PER_MICROBATCH * max(longest_dense, longest_suffix)
     budget += -budget % row_multiple

@@ -10,6 +10,9 @@ Chunks ([Note: prefix chunks] in units.py): a read of chunks 0..n-1 returns thei
 concatenated along the tokens, each chunk through its own accumulator, so a gradient slice lands
 in the buffer of the chunk it belongs to; chunk c's forward reads chunks < c that way, so chunk
 c's backward feeds the buffers of the earlier chunks, which therefore run backward later.
+Prefix trees ([Note: prefix trees] in planning/tree.py): `set_tree` gives a group's chunk
+parents; a read names the chain it attends to (`chunks=`), and a chunk's backward waits for its
+children instead of chunk c+1.
 """
 
 from __future__ import annotations
@@ -68,6 +71,12 @@ class PrefixKVCache:
     def __init__(self) -> None:
         self._entries: Dict[Tuple[int, int], Dict[int, _Entry]] = {}  # (group, chunk) -> layers
         self._freed: set = set()  # (group, chunk)
+        self._parents: Dict[int, Dict[int, Optional[int]]] = {}  # group -> chunk -> parent
+
+    def set_tree(self, group: int, parents: Dict[int, Optional[int]]) -> None:
+        """Declare `group`'s chunk tree (chunk -> parent chunk; None for the root). Without it
+        chunk c continues chunk c-1."""
+        self._parents[group] = dict(parents)
 
     # ---- Phase A
     def store(self, group: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
@@ -88,11 +97,16 @@ class PrefixKVCache:
         layers[layer] = _Entry(k_graph=k, v_graph=v, k_leaf=k_leaf, v_leaf=v_leaf)
 
     # ---- Phase B (and chunk forwards)
-    def read(self, group: int, layer: int, *,
-             before_chunk: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def read(self, group: int, layer: int, *, before_chunk: Optional[int] = None,
+             chunks: Optional[Tuple[int, ...]] = None,
+             length: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The cached [L, H, D] K/V of `group` at `layer`: all its chunks (None; every one must be
-        live), or chunks 0..before_chunk-1, concatenated; gradients accumulate per chunk in fp32."""
-        if before_chunk is None:
+        live), chunks 0..before_chunk-1, or the chain `chunks` (a tree), concatenated and cut to
+        the first `length` rows (None: all); gradients accumulate per chunk in fp32."""
+        if chunks is not None:
+            if not chunks:
+                raise CacheProtocolError(f"group {group}: a read of no chunks")
+        elif before_chunk is None:
             chunks = self._chunks(group)
         else:
             chunks = range(before_chunk)
@@ -105,8 +119,12 @@ class PrefixKVCache:
             entry.num_reads += 1
             parts.append(_AccumulateInto.apply(entry.k_leaf, entry.v_leaf, entry))
         if len(parts) == 1:  # unchunked: no copy
-            return parts[0]
-        return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
+            k, v = parts[0]
+        else:
+            k, v = torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
+        if length is not None and length < k.shape[0]:  # a reader after a node with children
+            k, v = k[:length], v[:length]
+        return k, v
 
     # ---- Phase C
     def backward(self, group: int, *, chunk: int = 0, output: Optional[torch.Tensor] = None,
@@ -122,9 +140,10 @@ class PrefixKVCache:
         chunk's gK/gV afterwards.
         """
         layers = self._live_layers(group, chunk)
-        if (group, chunk + 1) in self._entries:
+        later = self._live_children(group, chunk)
+        if later:
             raise CacheProtocolError(f"{_name(group, chunk)}: backward before that of chunk "
-                                     f"{chunk + 1}, which still adds to its gK/gV")
+                                     f"{later[0]}, which still adds to its gK/gV")
         tensors: List[torch.Tensor] = []
         grads: List[torch.Tensor] = []
         if output is not None and output_grad is not None and output.requires_grad:
@@ -172,6 +191,12 @@ class PrefixKVCache:
     def nbytes(self) -> int:
         """Bytes held by live K/V copies and gradient buffers (excluding the prefix graphs)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def _live_children(self, group: int, chunk: int) -> List[int]:
+        parents = self._parents.get(group)
+        if parents is None:
+            return [chunk + 1] if (group, chunk + 1) in self._entries else []
+        return [c for g, c in self._entries if g == group and parents.get(c) == chunk]
 
     def _free_chunk(self, group: int, chunk: int) -> None:
         del self._entries[(group, chunk)]

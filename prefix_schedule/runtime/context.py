@@ -54,6 +54,9 @@ class PrefixForwardContext:
     padding: int = 0
     """Padding tokens at the row's end ([Note: row padding] in planner.py): their K/V are never
     cached."""
+    reads: Optional[tuple] = None
+    """The chunks this chunk attends to, root first (a prefix tree: its ancestors); None: the
+    group's chunks < chunk."""
 
     def __post_init__(self) -> None:
         for name in ("group", "chunk", "position_offset", "padding"):
@@ -81,6 +84,10 @@ class SuffixForwardContext:
     """[T] position of every row token (suffixes continue at their cached prefix length)."""
     max_position: int
     """Largest entry of position_ids (host int: no device sync in the RoPE hook)."""
+    slot_reads: Optional[tuple] = None
+    """Per slot, None (read all of the group's chunks) or (chunks, length): the chain of a
+    prefix-tree node and how many of its cached tokens the slot attends to
+    ([Note: prefix trees] in planning/tree.py)."""
 
 
 Context = Union[PrefixForwardContext, SuffixForwardContext]

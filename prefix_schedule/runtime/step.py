@@ -22,7 +22,8 @@ from prefix_schedule.attention import PackedMeta
 from prefix_schedule.runtime.cache import PrefixKVCache
 from prefix_schedule.runtime.context import PrefixForwardContext, SuffixForwardContext
 from prefix_schedule.planning.data import GroupBatch
-from prefix_schedule.planning.inputs import build_prefix_inputs, build_suffix_inputs
+from prefix_schedule.planning.inputs import (build_prefix_inputs, build_prefix_loss,
+                                             build_suffix_inputs)
 from prefix_schedule.planning.planner import PrefixChunk, StepPlan
 from prefix_schedule.pipeline.lowering import lower
 from prefix_schedule.pipeline import Action, ActionKind, Schedule, build_schedule
@@ -43,7 +44,14 @@ class ReuseStep:
         """Keep what Phase A saves for backward in pinned host memory until Phase C: during the
         suffix phase only the prefix K/V and gK/gV stay on the device (a no-op on CPU)."""
         self._units: Dict[int, PrefixChunk] = plan.prefix_units()
+        self._trees = {w.group for w in plan.prefixes if w.nodes is not None}
+        self._unit_loss = {u: build_prefix_loss(batch, c) for u, c in self._units.items()}
+        """Loss entries of prefix-tree units ([Note: loss inside shared nodes] in tree.py)."""
+        unit_of = {(c.group, c.chunk): u for u, c in self._units.items()}
+        parents = ({u: (None if c.parent_chunk is None else unit_of[c.group, c.parent_chunk])
+                    for u, c in self._units.items()} if self._trees else None)
         self.schedule: Schedule = build_schedule(
+            unit_parents=parents,
             num_stages=num_stages * num_model_chunks,
             microbatch_groups=plan.microbatch_groups(),
             prefix_groups=[work.group for work in plan.prefixes],
@@ -54,10 +62,28 @@ class ReuseStep:
         """The schedule with p2p actions and grouped exchanges: what each pipeline rank runs."""
         self.caches = tuple(PrefixKVCache() for _ in range(num_model_chunks))
         """One prefix cache per model chunk: a chunk's Phase C runs exactly its own layers."""
+        for group in self._trees:  # [Note: prefix trees] in planning/tree.py
+            tree = {c.chunk: c.parent_chunk for c in self._units.values() if c.group == group}
+            for cache in self.caches:
+                cache.set_tree(group, tree)
         self.cache = self.caches[0]
         self._pending: Optional[Dict[str, torch.Tensor]] = None
         self._suffix_contexts: Dict[tuple, SuffixForwardContext] = {}
         self._started = False
+
+    @classmethod
+    def from_trajectories(cls, trajectories, *, dims, max_seq_len: int, num_stages: int = 1,
+                          num_model_chunks: int = 1, **options) -> "ReuseStep":
+        """Flat trajectories -> shared prefixes found, reuse decided and planned
+        (planning.auto.plan_trajectories with `options`) -> the step; `step.report` holds the
+        TrajectoryPlan (its describe() says what was shared and the expected speedup)."""
+        from prefix_schedule.planning.auto import plan_trajectories
+
+        report = plan_trajectories(trajectories, dims=dims, max_seq_len=max_seq_len, **options)
+        step = cls(report.batch, report.plan, num_stages=num_stages,
+                   num_model_chunks=num_model_chunks)
+        step.report = report
+        return step
 
     def begin(self) -> None:
         """Called by the reuse executor once its checks passed, before any compute: a step (its
@@ -75,6 +101,11 @@ class ReuseStep:
     def prefix_unit(self, unit: int) -> PrefixChunk:
         """The chunk that prefix unit `unit` (a PF/PB index of the schedule) runs."""
         return self._units[unit]
+
+    def prefix_has_loss(self, unit: int) -> bool:
+        """Whether prefix unit `unit` predicts loss tokens (a trained-on token inside a shared
+        tree node): its last-stage forward then runs to the loss, and Phase C starts there."""
+        return self._unit_loss.get(unit) is not None
 
     def prefix_length(self, unit: int) -> int:
         """Length of prefix unit `unit`'s row (the whole cached prefix unchunked), padding
@@ -99,6 +130,7 @@ class ReuseStep:
         assert self._pending is None, f"{action}: the previous forward was not finished"
         if action.kind is ActionKind.PREFIX_FORWARD:
             item = build_prefix_inputs(self.batch, self._units[action.index])
+            item.update(self._unit_loss.get(action.index) or {})
             item["kind"] = "prefix"
         elif action.kind is ActionKind.SUFFIX_FORWARD:
             item = build_suffix_inputs(self.batch, self.plan.microbatches[action.index])
@@ -144,10 +176,21 @@ class ReuseStep:
         """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
         chunk `model_chunk` of this rank."""
         chunk = self._units[unit]
+        reads = None
+        if chunk.group in self._trees and chunk.chunk > 0:  # its ancestors ([Note: prefix trees])
+            reads = self._ancestors(chunk)
         return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
                                     position_offset=chunk.start, cache=self.caches[model_chunk],
                                     stop_after_layer=stop_after_layer, recomputing=recomputing,
-                                    padding=chunk.padding)
+                                    padding=chunk.padding, reads=reads)
+
+    def _ancestors(self, chunk: PrefixChunk) -> tuple:
+        by_chunk = {c.chunk: c for c in self._units.values() if c.group == chunk.group}
+        chain, parent = [], chunk.parent_chunk
+        while parent is not None:
+            chain.append(parent)
+            parent = by_chunk[parent].parent_chunk
+        return tuple(reversed(chain))
 
     def suffix_context(self, microbatch: int, model_chunk: int = 0) -> SuffixForwardContext:
         """Context of suffix microbatch `microbatch` (its forward and its backward) on model
@@ -159,16 +202,22 @@ class ReuseStep:
 
     def _build_suffix_context(self, microbatch: int, model_chunk: int) -> SuffixForwardContext:
         mb = self.plan.microbatches[microbatch]
-        # (group, cached_len, length) of each sequence; padding is one more with no prefix
-        sequences = [(s.group, s.cached_len, s.length) for s in mb.segments]
+        # (group, cached_len, length, node) of each sequence; padding: one more, no prefix
+        sequences = [(s.group, s.cached_len, s.length, s.node) for s in mb.segments]
         if mb.padding:  # [Note: row padding] in planner.py
-            sequences.append((None, 0, mb.padding))
-        slot_groups, slots, lengths, positions = [], [], [], []
-        for group, cached_len, length in sequences:
+            sequences.append((None, 0, mb.padding, 0))
+        slot_groups, slot_keys, slot_reads, slots, lengths, positions = [], [], [], [], [], []
+        for group, cached_len, length, node in sequences:
             group = group if cached_len > 0 else None
-            # consecutive sequences of one cached group share a slot; a dense row has its own
-            if group is None or not slot_groups or slot_groups[-1] != group:
+            tree = group in self._trees
+            key = (group, node, cached_len) if tree else group
+            # consecutive sequences reading one cache slot (a group; in a tree: one node's chain,
+            # same length) share a slot; a dense row has its own
+            if group is None or not slot_keys or slot_keys[-1] != key:
                 slot_groups.append(group)
+                slot_keys.append(key)
+                slot_reads.append((self.plan.chain_chunks(group, node), cached_len) if tree
+                                  else None)
             slots.append(len(slot_groups) - 1)
             lengths.append(length)
             positions.append(torch.arange(cached_len, cached_len + length))
@@ -178,7 +227,8 @@ class ReuseStep:
             slot_groups=tuple(slot_groups),
             meta=PackedMeta.from_lengths(lengths, slots),
             position_ids=torch.cat(positions),
-            max_position=max(cached_len + length - 1 for _, cached_len, length in sequences),
+            max_position=max(cached_len + length - 1 for _, cached_len, length, _ in sequences),
+            slot_reads=tuple(slot_reads) if self._trees else None,
         )
 
     def release_microbatch(self, microbatch: int) -> None:

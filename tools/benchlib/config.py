@@ -84,6 +84,13 @@ class BenchConfig:
     """Seconds the multi-process run may take, start-up included, before it is killed as hung."""
     skip_stock: bool = False
     """Do not time the stock (unfused) dense path; it still gives the one-step gradient reference."""
+    tree: Optional[str] = None
+    """DEPTHxBRANCHING (e.g. 3x4): each group is a prefix tree of DEPTH levels of --node-len
+    tokens (the root, BRANCHING children, BRANCHING children each, ...) with --group-size
+    trajectories of --suffix-len tokens under each leaf node; --prefix-len is then unused.
+    None: one shared prompt per group."""
+    node_len: Optional[int] = None
+    """Tokens per tree node with --tree (default: --prefix-len)."""
 
     def __post_init__(self) -> None:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
@@ -102,10 +109,41 @@ class BenchConfig:
         for name in ("prefix_chunk_tokens", "dense_micro_batch_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}; give an int >= 1")
+        self._check_tree()
         choices = (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES
         if self.attention_backend not in choices:
             raise ValueError(f"--attention-backend={self.attention_backend!r}; choose one of {choices}")
         self._check_layout()
+
+    def _check_tree(self) -> None:
+        if self.tree is None:
+            if self.node_len is not None:
+                raise ValueError("--node-len needs --tree DEPTHxBRANCHING")
+            return
+        parts = self.tree.lower().split("x")
+        if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise ValueError(f"--tree={self.tree!r}; give DEPTHxBRANCHING with ints >= 1, e.g. 3x4")
+        if self.node_len is None:
+            object.__setattr__(self, "node_len", self.prefix_len)
+        if self.node_len < 2:
+            raise ValueError(f"--node-len={self.node_len}; give an int >= 2")
+
+    @property
+    def tree_shape(self) -> Optional[tuple[int, int]]:
+        """(depth, branching) with --tree, else None."""
+        if self.tree is None:
+            return None
+        depth, branching = self.tree.lower().split("x")
+        return int(depth), int(branching)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens before a suffix: the prompt, or a tree's DEPTH nodes."""
+        return self.prefix_len if self.tree is None else self.tree_shape[0] * self.node_len
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.context_len + self.suffix_len
 
     def _check_layout(self) -> None:
         """What Megatron needs of the shape for this layout, said before any process starts."""
@@ -136,13 +174,11 @@ class BenchConfig:
 
     def rows_per_rank(self) -> list:
         """Dense rows (trajectories) of each data-parallel rank's share of the batch."""
-        if self.dp == 1:
-            return [self.num_groups * self.group_size]
-        from benchlib.workload import make_batch
+        from benchlib.measure import config_batch  # the batch the bench runs (trees too)
 
-        batch = make_batch(prefix_len=self.prefix_len, suffix_len=self.suffix_len,
-                           group_size=self.group_size, num_groups=self.num_groups,
-                           vocab_size=self.vocab_size, seed=self.seed)
+        batch = config_batch(self)
+        if self.dp == 1:
+            return [sum(len(g.trajectories) for g in batch.groups)]
         return [sum(len(g.trajectories) for g in r.batch.groups)
                 for r in self.placement(batch).ranks]
 
@@ -153,7 +189,7 @@ class BenchConfig:
     @property
     def row_len(self) -> int:
         """Tokens of one dense [prefix; suffix] row (the last token only predicts)."""
-        return self.prefix_len + self.suffix_len - 1
+        return self.context_len + self.suffix_len - 1
 
     @property
     def dense_rows_per_microbatch(self) -> int:
@@ -180,7 +216,7 @@ class BenchConfig:
             return None
         return place_groups(batch, dp_size=self.dp, dims=self.model_dims(),
                             token_budget=self.token_budget,
-                            max_seq_len=self.prefix_len + self.suffix_len)
+                            max_seq_len=self.max_seq_len)
 
 
 def _field_docs() -> Dict[str, str]:
@@ -203,6 +239,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", help=help_)
         elif field.type == "Optional[int]":
             p.add_argument(flag, type=int, default=None, help=help_)
+        elif field.type == "Optional[str]":
+            p.add_argument(flag, default=None, help=help_)
         elif field.type == "str":
             p.add_argument(flag, default=default, choices=field.metadata.get("choices"), help=help_)
         else:

@@ -23,7 +23,7 @@ from benchlib.config import BenchConfig
 from benchlib.models import build_models, first_param, grads, zero
 from benchlib.steps import dense_step, reuse_step
 from benchlib.timing import RegionTimer
-from benchlib.workload import make_batch
+from benchlib.workload import make_batch, make_tree_batch
 from prefix_schedule.attention import backends as attention_backends
 from prefix_schedule.losses import PolicyLossConfig
 from prefix_schedule.planning.data import GroupBatch
@@ -39,6 +39,12 @@ MEMORY_BASIS = ("bytes autograd holds for backward (saved-tensor storages, each 
 
 
 def config_batch(config: BenchConfig) -> GroupBatch:
+    if config.tree is not None:
+        depth, branching = config.tree_shape
+        return make_tree_batch(depth=depth, branching=branching, node_len=config.node_len,
+                               suffix_len=config.suffix_len, per_leaf=config.group_size,
+                               num_groups=config.num_groups, vocab_size=config.vocab_size,
+                               seed=config.seed)
     return make_batch(prefix_len=config.prefix_len, suffix_len=config.suffix_len,
                       group_size=config.group_size, num_groups=config.num_groups,
                       vocab_size=config.vocab_size, seed=config.seed)
@@ -46,7 +52,7 @@ def config_batch(config: BenchConfig) -> GroupBatch:
 
 def config_plan(config: BenchConfig, batch: GroupBatch) -> StepPlan:
     return plan_microbatches(batch, token_budget=config.token_budget,
-                             max_seq_len=config.prefix_len + config.suffix_len,
+                             max_seq_len=config.max_seq_len,
                              prefix_chunk_tokens=config.prefix_chunk_tokens)
 
 

@@ -92,7 +92,7 @@ def build_models(config: BenchConfig, distributed: bool):
                             ffn_hidden_size=config.ffn_hidden_size,
                             num_attention_heads=config.num_attention_heads,
                             num_query_groups=config.num_query_groups, vocab_size=config.vocab_size,
-                            max_seq_len=config.prefix_len + config.suffix_len)
+                            max_seq_len=config.max_seq_len)
     overrides = _production_overrides(config)
     stages = [None] if config.vpp == 1 else list(range(config.vpp))
     local = [build_model(shape, seed=config.seed, vp_stage=v, **overrides) for v in stages]

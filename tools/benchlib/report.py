@@ -69,7 +69,7 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
             "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
             "num_query_groups", "vocab_size", "gated_linear_unit")},
         "workload": {name: getattr(config, name) for name in (
-            "prefix_len", "suffix_len", "group_size", "num_groups")},
+            "prefix_len", "suffix_len", "group_size", "num_groups", "tree", "node_len")},
         "token_budget": config.token_budget,
         "prefix_chunk_tokens": config.prefix_chunk_tokens,
         "threads": config.threads,
@@ -99,8 +99,11 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
     world = lay["pp"] * lay["tp"] * lay["dp"]
     batched, tokens = result["dense_batched"], result["timing"]["tokens_per_microbatch"]
     lines = [
-        f"workload: {w['num_groups']} groups x {w['group_size']} trajectories, prefix "
-        f"{w['prefix_len']}, suffix {w['suffix_len']}, token budget {result['token_budget']}"
+        (f"workload: {w['num_groups']} groups x {w['group_size']} trajectories, prefix "
+         f"{w['prefix_len']}" if not w.get("tree") else
+         f"workload: {w['num_groups']} prefix trees {w['tree']} (depth x branching) of "
+         f"{w['node_len']}-token nodes, {w['group_size']} trajectories per leaf")
+        + f", suffix {w['suffix_len']}, token budget {result['token_budget']}"
         + (f", prefix chunks of <= {result['prefix_chunk_tokens']} tokens"
            if result["prefix_chunk_tokens"] else ""),
         f"model: {m['num_layers']} layers, hidden {m['hidden_size']}, ffn {m['ffn_hidden_size']}, "

@@ -62,7 +62,8 @@ def _forward_step(loss: PolicyLossConfig, device):
 
 def dense_micro_batch_size(batch: GroupBatch, token_budget: int) -> int:
     """Rows per dense microbatch within `token_budget` tokens (at least 1)."""
-    longest = max(len(g.prefix) - 1 + len(t.suffix) for g in batch.groups for t in g.trajectories)
+    longest = max(g.context_len(i) - 1 + len(t.suffix) for g in batch.groups
+                  for i, t in enumerate(g.trajectories))
     return max(1, token_budget // longest)
 
 

@@ -5,9 +5,9 @@ import math
 
 import torch
 
-from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
+from prefix_schedule.planning.data import Group, GroupBatch, PrefixNode, Trajectory
 
-__all__ = ["make_batch"]
+__all__ = ["make_batch", "make_tree_batch"]
 
 
 def make_batch(*, prefix_len: int, suffix_len: int, group_size: int, num_groups: int,
@@ -34,4 +34,36 @@ def make_batch(*, prefix_len: int, suffix_len: int, group_size: int, num_groups:
             for _ in range(group_size)
         ]
         groups.append(Group(prefix=prefix, trajectories=trajectories))
+    return GroupBatch(groups=groups)
+
+
+def make_tree_batch(*, depth: int, branching: int, node_len: int, suffix_len: int,
+                    per_leaf: int, num_groups: int, vocab_size: int, seed: int) -> GroupBatch:
+    """Prefix trees ([Note: prefix trees] in prefix_schedule/planning/tree.py): per group a root
+    of `node_len` tokens, `depth - 1` more levels of `branching` children each, `per_leaf`
+    trajectories of `suffix_len` tokens under every leaf node; arrays as `make_batch`."""
+    gen = torch.Generator().manual_seed(seed)
+    uniform = -math.log(vocab_size)
+
+    def tokens(n: int) -> torch.Tensor:
+        return torch.randint(0, vocab_size, (n,), generator=gen)
+
+    def near_uniform() -> torch.Tensor:
+        return uniform + 0.1 * torch.randn(suffix_len, generator=gen)
+
+    groups = []
+    for _ in range(num_groups):
+        nodes, level = [], [0]
+        for _ in range(depth - 1):
+            nxt = []
+            for parent in level:
+                for _ in range(branching):
+                    nodes.append(PrefixNode(parent=parent, tokens=tokens(node_len)))
+                    nxt.append(len(nodes))
+            level = nxt
+        trajectories = [Trajectory(suffix=tokens(suffix_len), node=leaf,
+                                   advantages=torch.randn(suffix_len, generator=gen),
+                                   old_logprobs=near_uniform(), ref_logprobs=near_uniform())
+                        for leaf in level for _ in range(per_leaf)]
+        groups.append(Group(prefix=tokens(node_len), nodes=nodes, trajectories=trajectories))
     return GroupBatch(groups=groups)
