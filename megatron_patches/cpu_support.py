@@ -11,7 +11,8 @@ Without CUDA it replaces only things that would raise on this machine anyway:
   `stub_missing_triton()` does only this (the tiny-model builders call it at import).
 * `torch.cuda.current_device()` -> the CPU device (RoPE tables, GlobalMemoryBuffer, TP layers,
   p2p receive buffers); `torch.cuda.synchronize()` -> no-op (p2p with variable sequence lengths);
-  `torch.cuda.current_stream()` -> a stream stand-in (DDP grad buckets).
+  `torch.cuda.current_stream()` / `torch.cuda.Stream()` -> a stream stand-in (DDP grad buckets,
+  the alltoall MoE token dispatcher's side stream); `torch.cuda.stream(s)` -> a no-op context.
 * The model-parallel RNG tracker keeps CPU generator states instead of CUDA ones
   (`model_parallel_cuda_manual_seed` is mandatory even with dropout 0: attention forks it).
 * `device="cuda"` factories inside Megatron functions: the default causal mask, the token
@@ -100,14 +101,30 @@ class _CpuStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, _event=None) -> None:
-        return None
+    def record_event(self, _event=None) -> "_CpuEvent":
+        return _CpuEvent()
+
+
+class _CpuEvent:
+    """Stands in for a CUDA event (the alltoall MoE dispatcher waits on one)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, _stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _patch_torch_cuda() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *_args, **_kwargs: None
     torch.cuda.current_stream = lambda *_args, **_kwargs: _CpuStream()
+    # the alltoall MoE token dispatcher builds a side stream and copies on it
+    torch.cuda.Stream = lambda *_args, **_kwargs: _CpuStream()
+    torch.cuda.stream = lambda _stream=None: contextlib.nullcontext()
     torch.cuda.get_rng_state = lambda *_args, **_kwargs: torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
 

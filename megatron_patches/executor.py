@@ -22,6 +22,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from megatron_patches.config_support import check_config_supported
 from megatron_patches.cpu_support import cpu_support_enabled, refuse_with_nccl
 from megatron_patches.layers import check_layers_supported
+from megatron_patches.moe import check_moe_supported
 from megatron_patches.stage_runner import StageRunner
 
 __all__ = ["forward_backward_prefix_reuse", "check_reuse_supported"]
@@ -45,6 +46,7 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
             "suffix microbatches; pass num_microbatches=step.num_microbatches"
         )
     check_config_supported(config)  # every TransformerConfig field: config_support.py
+    check_moe_supported(config)  # MoE settings that need the process groups to judge
     if model is not None:  # the data against the model: token ids and lengths
         gpt = unwrap_model(model)
         step.batch.validate(max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)

@@ -27,7 +27,10 @@ stub_missing_triton()  # `import megatron.core` needs it where triton is missing
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 from megatron.core.transformer.transformer_block import (  # noqa: E402
     TransformerBlockSubmodules,
@@ -228,9 +231,10 @@ def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig,
 
 def _check_buildable(config: TransformerConfig, fused_attention: bool) -> None:
     """Options this builder's layer spec would not honour: refused, never dropped."""
-    if config.num_moe_experts:
-        raise ValueError("build_model builds dense (non-MoE) models; num_moe_experts is not "
-                         "supported by these builders")
+    if config.num_moe_experts and (fused_attention or config.sequence_parallel):
+        raise ValueError("build_model builds MoE models with Megatron's local decoder block "
+                         "spec only: fused_attention and sequence_parallel are not supported "
+                         "with num_moe_experts")
     if config.multi_latent_attention:
         raise ValueError("build_model builds GQA self-attention; multi_latent_attention is not "
                          "supported by these builders")
@@ -265,9 +269,14 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     config = transformer_config or make_transformer_config(cfg, **config_overrides)
     _check_buildable(config, fused_attention)
-    spec = get_gpt_layer_local_spec(normalization=config.normalization,
-                                    qk_layernorm=config.qk_layernorm,
-                                    qk_l2_norm=config.qk_l2_norm)
+    if config.num_moe_experts:  # MoE layers where config.moe_layer_freq says (Megatron's spec)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=config.normalization,
+                                          qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=config.normalization,
+                                        qk_layernorm=config.qk_layernorm,
+                                        qk_l2_norm=config.qk_l2_norm)
     if fused_attention:
         spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
     if config.sequence_parallel:  # the local spec's norms refuse it

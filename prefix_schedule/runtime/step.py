@@ -140,14 +140,17 @@ class ReuseStep:
 
     # ---- contexts for the hooks
     def prefix_context(self, unit: int, *, stop_after_layer: Optional[int],
-                       recomputing: bool = False, model_chunk: int = 0) -> PrefixForwardContext:
+                       recomputing: bool = False, model_chunk: int = 0,
+                       stop_in_router: bool = False) -> PrefixForwardContext:
         """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
         chunk `model_chunk` of this rank."""
         chunk = self._units[unit]
         return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
                                     position_offset=chunk.start, cache=self.caches[model_chunk],
                                     stop_after_layer=stop_after_layer, recomputing=recomputing,
-                                    padding=chunk.padding)
+                                    padding=chunk.padding,
+                                    multiplicity=self.prefix_multiplicity(chunk.group),
+                                    stop_in_router=stop_in_router)
 
     def suffix_context(self, microbatch: int, model_chunk: int = 0) -> SuffixForwardContext:
         """Context of suffix microbatch `microbatch` (its forward and its backward) on model
@@ -163,9 +166,10 @@ class ReuseStep:
         sequences = [(s.group, s.cached_len, s.length) for s in mb.segments]
         if mb.padding:  # [Note: row padding] in planner.py
             sequences.append((None, 0, mb.padding))
-        slot_groups, slots, lengths, positions = [], [], [], []
+        slot_groups, slots, lengths, positions, sequence_groups = [], [], [], [], []
         for group, cached_len, length in sequences:
             group = group if cached_len > 0 else None
+            sequence_groups.append(group)
             # consecutive sequences of one cached group share a slot; a dense row has its own
             if group is None or not slot_groups or slot_groups[-1] != group:
                 slot_groups.append(group)
@@ -179,7 +183,15 @@ class ReuseStep:
             meta=PackedMeta.from_lengths(lengths, slots),
             position_ids=torch.cat(positions),
             max_position=max(cached_len + length - 1 for _, cached_len, length in sequences),
+            sequence_groups=tuple(sequence_groups),
+            num_padding=mb.padding,
         )
+
+    def prefix_multiplicity(self, group: int) -> int:
+        """Trajectories of the step that read `group`'s cached prefix: dense training routes
+        each of its tokens that many times ([Note: logical prefix tokens])."""
+        return sum(1 for mb in self.plan.microbatches for s in mb.segments
+                   if s.group == group and s.cached_len > 0)
 
     def release_microbatch(self, microbatch: int) -> None:
         """Forget microbatch `microbatch`'s contexts once its last backward here is done."""
