@@ -49,9 +49,8 @@ MOE_RULES: Dict[str, Rule] = _merge(
         "supported", _TEST, allowed=lambda v: v in ("allgather", "alltoall"),
         example="flex", fix="use the allgather or alltoall token dispatcher (flex / DeepEP / "
                             "HybridEP are not verified with prefix reuse)")},
-    refuse("expert_model_parallel_size", "expert parallelism", "expert parallelism is not "
-           "verified with prefix reuse yet; set expert_model_parallel_size=1", 2,
-           allowed=lambda v: v == 1),
+    group("supported", "tests/test_moe_parallel.py (EP=2; EP=2 x PP=2; gloo)",
+          "expert_model_parallel_size"),
     group("irrelevant", "per-token math: the same function of each routed token (expert "
           "kernels, group-limited top-k of one token, permutation fusion)", "moe_grouped_gemm "
           "moe_single_grouped_weight moe_single_grouped_bias moe_permute_fusion "

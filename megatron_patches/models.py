@@ -111,10 +111,12 @@ def initialize_single_process(seed: int = 1234, tp: int = 1, pp: int = 1) -> Non
 
 
 def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1,
-                           vpp: Optional[int] = None, timeout_s: Optional[float] = None) -> None:
+                           vpp: Optional[int] = None, timeout_s: Optional[float] = None,
+                           ep: int = 1) -> None:
     """Megatron parallel state + RNG tracker on an already initialised process group.
 
-    `vpp`: virtual pipeline stages per rank (Megatron's interleaved layout). `timeout_s`: how
+    `vpp`: virtual pipeline stages per rank (Megatron's interleaved layout); `ep`: expert
+    parallel size (carved out of the data-parallel ranks, as Megatron does). `timeout_s`: how
     long a collective or p2p in Megatron's groups waits for its peers before it fails (None:
     `$PREFIX_REUSE_COLLECTIVE_TIMEOUT_S`, which the launchers set, else Megatron's default of
     30 minutes)."""
@@ -125,7 +127,7 @@ def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1,
     extra = {} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, **extra
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep, **extra
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
@@ -156,6 +158,7 @@ def make_transformer_config(cfg: TinyLlamaConfig, **overrides) -> TransformerCon
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=(
             parallel_state.get_virtual_pipeline_model_parallel_world_size()),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

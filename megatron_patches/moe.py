@@ -39,7 +39,7 @@ from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
                                                      switch_load_balancing_loss_func)
 
 __all__ = ["install", "uninstall", "routers", "stops_in_router", "needs_prefix_stats",
-           "check_moe_supported"]
+           "check_moe_supported", "check_expert_parallel_schedule"]
 
 ROUTING_WRAPPER = ("megatron.core.transformer.moe.router.TopKRouter.routing",
                    "(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None)")
@@ -270,3 +270,33 @@ def check_moe_supported(config) -> None:
     if config.recompute_granularity == "selective" and modules - {"core_attn"}:
         raise ValueError(f"recompute_modules={sorted(modules)} with MoE: recomputing the MLP "
                          "re-runs the prefix router outside Phase A; recompute core_attn only")
+
+
+def check_expert_parallel_schedule(step, device) -> None:
+    """ValueError (on every rank alike) unless all expert-parallel ranks run the same sequence of
+    compute actions: each MoE layer's token exchange is a collective over the expert-parallel
+    group, so their forwards and backwards must pair up across ranks (as Megatron's equal
+    microbatch counts make them in dense training). Token counts may differ."""
+    import zlib
+
+    from megatron.core import parallel_state
+
+    from prefix_schedule.pipeline import ActionKind
+
+    group = parallel_state.get_expert_model_parallel_group()
+    if group is None or group.size() == 1:
+        return
+    compute = (ActionKind.PREFIX_FORWARD, ActionKind.SUFFIX_FORWARD, ActionKind.SUFFIX_BACKWARD,
+               ActionKind.PREFIX_BACKWARD)
+    row = step.lowered.actions[parallel_state.get_pipeline_model_parallel_rank()]
+    text = " ".join(f"{a.kind.name}@{step.lowered.model_chunk_of(a)}" for a in row
+                    if a.kind in compute)
+    mine = torch.tensor([zlib.crc32(text.encode()), len(text)], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(group.size())]
+    torch.distributed.all_gather(everyone, mine, group=group)
+    if any(not torch.equal(other, mine) for other in everyone):
+        raise ValueError(
+            "expert parallelism exchanges tokens in every MoE layer of every forward and "
+            "backward, but the expert-parallel ranks' reuse plans run different sequences of "
+            "prefix/suffix forwards and backwards; give every expert-parallel rank the same "
+            "number of groups and microbatches in the same order (e.g. the same group shapes)")
