@@ -234,10 +234,9 @@ def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig,
 
 def _check_buildable(config: TransformerConfig, fused_attention: bool) -> None:
     """Options this builder's layer spec would not honour: refused, never dropped."""
-    if config.num_moe_experts and (fused_attention or config.sequence_parallel):
+    if config.num_moe_experts and config.sequence_parallel:
         raise ValueError("build_model builds MoE models with Megatron's local decoder block "
-                         "spec only: fused_attention and sequence_parallel are not supported "
-                         "with num_moe_experts")
+                         "spec: sequence_parallel is not supported with num_moe_experts")
     if config.multi_latent_attention:
         raise ValueError("build_model builds GQA self-attention; multi_latent_attention is not "
                          "supported by these builders")
@@ -281,7 +280,8 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
                                         qk_layernorm=config.qk_layernorm,
                                         qk_l2_norm=config.qk_l2_norm)
     if fused_attention:
-        spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
+        for layer_spec in getattr(spec, "layer_specs", [spec]):  # an MoE model's block spec
+            layer_spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
     if config.sequence_parallel:  # the local spec's norms refuse it
         spec = _sequence_parallel_block_spec(spec, config, vp_stage)
     model = GPTModel(

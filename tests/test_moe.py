@@ -242,3 +242,14 @@ def test_qwen3_30b_a3b_tiny_twin_trains_reuse_equal_dense(megatron_env):
     assert records[0]["dense_metrics"]["load_balancing_loss"].numel() == spec.num_layers
     for record in records:
         assert max(record[k] for k in ("loss", "grads", "metrics", "weights")) <= TOL, record
+
+
+def test_fused_attention_moe_model_has_the_same_parameters(megatron_env):
+    """The bench's fair dense baseline: MoE layers with the fused-SDPA core attention."""
+    from megatron_patches.models import FusedSDPACoreAttention, TinyLlamaConfig, build_model
+
+    fused = build_model(TinyLlamaConfig(**SMALL), fused_attention=True, **MOE)
+    local = build_model(TinyLlamaConfig(**SMALL), **MOE)
+    assert all(isinstance(layer.self_attention.core_attention, FusedSDPACoreAttention)
+               for layer in fused.decoder.layers)
+    assert fused.state_dict().keys() == local.state_dict().keys()
