@@ -38,9 +38,8 @@ def _merge(*parts: Dict[str, Rule]) -> Dict[str, Rule]:
 MOE_RULES: Dict[str, Rule] = _merge(
     group("supported", _TEST, "num_moe_experts moe_ffn_hidden_size moe_router_topk "
           "moe_aux_loss_coeff moe_z_loss_coeff moe_router_enable_expert_bias "
-          "moe_router_bias_update_rate moe_router_pre_softmax moe_router_topk_scaling_factor "
-          "moe_router_dtype moe_layer_freq moe_shared_expert_intermediate_size "
-          "moe_shared_expert_gate moe_router_score_function"),
+          "moe_router_bias_update_rate moe_layer_freq moe_shared_expert_intermediate_size "
+          "moe_router_score_function"),
     {"moe_router_load_balancing_type": Rule(
         "supported", _TEST, allowed=_load_balancing_ok, example="sinkhorn",
         fix="only " + ", ".join(SUPPORTED_LOAD_BALANCING) + " load balancing equals dense "
@@ -54,6 +53,8 @@ MOE_RULES: Dict[str, Rule] = _merge(
     group("irrelevant", "per-token math: the same function of each routed token (expert "
           "kernels, group-limited top-k of one token, permutation fusion)", "moe_grouped_gemm "
           "moe_single_grouped_weight moe_single_grouped_bias moe_permute_fusion "
+          "moe_router_pre_softmax moe_router_topk_scaling_factor moe_router_dtype "
+          "moe_shared_expert_gate "
           "moe_router_num_groups moe_router_group_topk moe_mlp_glu_interleave_size "
           "use_grouped_gemm_for_shared_expert moe_shared_expert_glu_interleave_size "
           "moe_router_topk_limited_devices"),

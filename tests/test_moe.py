@@ -38,6 +38,8 @@ CASES = {
                                                                "global_aux_loss"],
                                moe_aux_loss_coeff=[0.1, 0.05, 0.02], moe_z_loss_coeff=0.01,
                                moe_token_dispatcher_type="alltoall"),
+    "dense_last_layer": dict(moe_layer_freq=[1, 0], moe_router_load_balancing_type="aux_loss",
+                             moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01),
     "expert_bias": dict(moe_router_load_balancing_type="none", moe_router_score_function="sigmoid",
                         moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.05),
 }
