@@ -30,7 +30,27 @@ def _rel(a, b) -> float:
     return float((a - b).abs().max() / a.abs().max().clamp_min(1e-30))
 
 
-def ep_rank(ep: int, pp: int) -> dict:
+def _qwen3_moe_tiny():
+    """The Qwen3-30B-A3B tiny twin (8 experts, top-2, qk-norm, head_dim 16, 4 layers)."""
+    from megatron_patches.model_configs import MODELS
+    from megatron_patches.models import TinyLlamaConfig
+
+    spec = MODELS["qwen3-30b-a3b-tiny"]
+    cfg = TinyLlamaConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                          ffn_hidden_size=spec.ffn_hidden_size,
+                          num_attention_heads=spec.num_attention_heads,
+                          num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim,
+                          qk_layernorm=spec.qk_norm, rotary_base=spec.rope_theta,
+                          layernorm_epsilon=spec.rms_norm_eps, vocab_size=spec.vocab_size,
+                          max_seq_len=512)
+    moe = dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+               moe_router_topk=spec.moe_router_topk, moe_router_score_function="softmax",
+               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+               moe_token_dispatcher_type="alltoall")
+    return cfg, moe
+
+
+def ep_rank(ep: int, pp: int, qwen: bool = False) -> dict:
     import megatron_patches
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_logging import (destroy_moe_metrics_tracker,
@@ -42,8 +62,8 @@ def ep_rank(ep: int, pp: int) -> dict:
 
     megatron_patches.install()
     initialize_distributed(seed=1234, pp=pp, ep=ep)
-    models = [prepare_for_training(build_model(TinyLlamaConfig(**MODEL), **MOE), ddp=True)
-              for _ in range(2)]
+    cfg, moe = _qwen3_moe_tiny() if qwen else (TinyLlamaConfig(**MODEL), MOE)
+    models = [prepare_for_training(build_model(cfg, **moe), ddp=True) for _ in range(2)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
     ep_rank_ = parallel_state.get_expert_model_parallel_rank()
 
@@ -93,6 +113,12 @@ def test_expert_parallel_2(megatron_env):
     _check(results)
     assert all({"load_balancing_loss", "seq_load_balancing_loss", "z_loss"}
                <= set(out["steps"][0]["metric_names"]) for out in results)
+
+
+def test_qwen3_30b_a3b_tiny_twin_expert_parallel_2(megatron_env):
+    results = run_distributed(ep_rank, world_size=2, kwargs=dict(ep=2, pp=1, qwen=True),
+                              timeout_s=300)
+    _check(results)
 
 
 def test_expert_parallel_2_x_pipeline_2(megatron_env):
