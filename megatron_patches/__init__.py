@@ -44,9 +44,10 @@ def install() -> None:
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import attention
 
-    from megatron_patches import hooks
+    from megatron_patches import hooks, moe
 
     attention._core_attention_hook = hooks.core_attention_hook
+    moe.install()  # TopKRouter.routing: logical prefix-token accounting in reuse contexts
     gpt_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     hybrid_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     schedules._forward_backward_func_hook = _select_schedule
@@ -63,6 +64,9 @@ def uninstall() -> None:
     gpt_model._rotary_pos_emb_hook = None
     hybrid_model._rotary_pos_emb_hook = None
     schedules._forward_backward_func_hook = None
+    from megatron_patches import moe
+
+    moe.uninstall()
 
 
 def prefix_reuse_schedule_enabled() -> bool:

@@ -16,32 +16,12 @@ field is refused unless it holds its default.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional
+from typing import Dict
+
+from megatron_patches.config_rules import Rule, group as _group, refuse as _refuse
+from megatron_patches.config_support_moe import MOE_RULES
 
 __all__ = ["Rule", "FIELD_RULES", "check_config_supported", "unclassified_fields"]
-
-
-@dataclass(frozen=True)
-class Rule:
-    kind: str
-    """"supported", "irrelevant" or "refused"."""
-    why: str
-    """Supported: the test that holds it exact; otherwise the reason."""
-    allowed: Optional[Callable[[Any], bool]] = None
-    """Values accepted (None: all); others are refused with `fix`."""
-    fix: str = ""
-    """What to do when refused."""
-    example: Any = None
-    """A refused value (tests use it)."""
-
-
-def _off(value) -> bool:
-    return not value
-
-
-def _group(kind: str, why: str, names: str, **kw) -> Dict[str, Rule]:
-    return {name: Rule(kind, why, **kw) for name in names.split()}
 
 
 def _merge(*parts: Dict[str, Rule]) -> Dict[str, Rule]:
@@ -52,10 +32,6 @@ def _merge(*parts: Dict[str, Rule]) -> Dict[str, Rule]:
             raise AssertionError(f"classified twice: {sorted(twice)}")
         merged.update(part)
     return merged
-
-
-def _refuse(name: str, why: str, fix: str, example: Any, allowed=_off) -> Dict[str, Rule]:
-    return {name: Rule("refused", why, allowed=allowed, fix=fix, example=example)}
 
 
 _REF = "tests/test_reference.py (float64 reference, Llama / Llama 3.1 / Qwen3)"
@@ -104,8 +80,6 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _refuse("attention_dropout", "dropout masks", "dropout > 0: dense training draws a prefix "
               "dropout mask per trajectory, reuse one per group, so they are different "
               "estimators; set hidden_dropout=attention_dropout=0", 0.1),
-    _refuse("num_moe_experts", "MoE routing", "MoE needs logical prefix-token accounting "
-              "(aux loss, capacity), not supported yet", 8),
     _refuse("context_parallel_size", "CP", "prefix reuse does not support context "
               "parallelism yet; set context_parallel_size=1", 2, allowed=lambda v: v == 1),
     _refuse("multi_latent_attention", "MLA", "prefix reuse does not hook multi-latent "
@@ -170,8 +144,6 @@ FIELD_RULES: Dict[str, Rule] = _merge(
               True),
     _refuse("max_seqlen_per_dp_cp_rank", "CP", "max_seqlen_per_dp_cp_rank (CP packing) is "
               "not supported", 4096, allowed=lambda v: v is None),
-    _refuse("expert_model_parallel_size", "MoE", "expert parallelism needs MoE, which is not "
-              "supported yet", 2, allowed=lambda v: v == 1),
     # tensor_parallel_num_weight_shards = TP x gtp_weight_remat_size (ModelParallelConfig derives
     # the latter from it; Megatron-LM's arguments set it to TP): only gtp_weight_remat_size > 1
     # is weight sharding, and that is refused below.
@@ -245,33 +217,7 @@ FIELD_RULES: Dict[str, Rule] = _merge(
              "linear_num_key_heads linear_num_value_heads mamba_state_dim mamba_head_dim "
              "mamba_num_groups mamba_num_heads mamba_training_ssm_states_dtype "
              "use_mamba_mem_eff_path mrope_section hetereogenous_dist_checkpoint"),
-    _group("irrelevant", "only read with MoE (refused)", "expert_tensor_parallel_size "
-             "expert_tensor_parallel_num_weight_shards expert_gtp_weight_remat_size "
-             "moe_grad_scale_func overlap_moe_expert_parallel_comm "
-             "overlap_dispatch_backward_with_experts_wgrad ep_overlap_early_attn_memory_release "
-             "high_priority_a2a_comm_stream moe_shared_expert_intermediate_size "
-             "moe_shared_expert_gate moe_shared_expert_overlap use_grouped_gemm_for_shared_expert "
-             "moe_shared_expert_glu_interleave_size moe_layer_freq moe_ffn_hidden_size "
-             "moe_router_load_balancing_type moe_router_topk moe_enable_routing_replay "
-             "moe_router_topk_limited_devices moe_router_padding_for_quantization "
-             "moe_router_padding_for_fp8 moe_router_num_groups moe_router_group_topk "
-             "moe_router_pre_softmax moe_router_topk_scaling_factor moe_router_score_function "
-             "moe_router_dtype moe_router_enable_expert_bias moe_router_bias_update_rate "
-             "moe_router_quantile_balancing_ema moe_router_force_load_balancing "
-             "moe_router_force_biased moe_grouped_gemm moe_single_grouped_weight "
-             "moe_single_grouped_bias moe_aux_loss_coeff moe_z_loss_coeff moe_input_jitter_eps "
-             "moe_token_dropping moe_token_dispatcher_type moe_enable_deepep "
-             "moe_flex_dispatcher_backend moe_permute_fusion_into_hybridep "
-             "moe_hybridep_pad_uneven_dispatch_inputs moe_per_layer_logging "
-             "moe_expert_capacity_factor moe_pad_expert_input_to_capacity "
-             "moe_pad_experts_for_cuda_graph_inference moe_token_drop_policy moe_layer_recompute "
-             "moe_permute_fusion moe_router_fusion moe_apply_probs_on_input moe_latent_size "
-             "moe_flex_dispatcher_num_sms moe_deepep_num_sms moe_hybridep_num_sms "
-             "moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute "
-             "moe_hybridep_num_sms_preprocessing moe_ncclep_static_shape moe_ncclep_zero_copy "
-             "moe_mlp_glu_interleave_size moe_expert_rank_capacity_factor moe_paged_stash "
-             "moe_paged_stash_page_size moe_paged_stash_buffer_size_factor_cuda "
-             "moe_paged_stash_buffer_size_factor_cpu"),
+    MOE_RULES,
     _group("irrelevant", "only read with CUDA graphs / offloading (refused)",
              "cuda_graph_use_single_mempool cuda_graph_retain_backward_graph "
              "cuda_graph_warmup_steps cuda_graph_modules inference_cuda_graph_scope "

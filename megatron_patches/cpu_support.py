@@ -11,7 +11,9 @@ Without CUDA it replaces only things that would raise on this machine anyway:
   `stub_missing_triton()` does only this (the tiny-model builders call it at import).
 * `torch.cuda.current_device()` -> the CPU device (RoPE tables, GlobalMemoryBuffer, TP layers,
   p2p receive buffers); `torch.cuda.synchronize()` -> no-op (p2p with variable sequence lengths);
-  `torch.cuda.current_stream()` -> a stream stand-in (DDP grad buckets).
+  `torch.cuda.current_stream()` / `torch.cuda.Stream()` -> a stream stand-in (DDP grad buckets,
+  the alltoall MoE token dispatcher's side stream); `torch.cuda.stream(s)` -> a no-op context;
+  the dispatcher's host copies of its split sizes are numpy arrays, as on a GPU.
 * The model-parallel RNG tracker keeps CPU generator states instead of CUDA ones
   (`model_parallel_cuda_manual_seed` is mandatory even with dropout 0: attention forks it).
 * `device="cuda"` factories inside Megatron functions: the default causal mask, the token
@@ -91,6 +93,9 @@ def stub_missing_triton() -> None:
 class _CpuStream:
     """Stands in for a CUDA stream: every operation is already ordered on the CPU."""
 
+    def __init__(self, *_args, **_kwargs) -> None:
+        pass
+
     def wait_event(self, _event) -> None:
         pass
 
@@ -100,14 +105,30 @@ class _CpuStream:
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, _event=None) -> None:
-        return None
+    def record_event(self, _event=None) -> "_CpuEvent":
+        return _CpuEvent()
+
+
+class _CpuEvent:
+    """Stands in for a CUDA event (the alltoall MoE dispatcher waits on one)."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, _stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
 
 
 def _patch_torch_cuda() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.cuda.synchronize = lambda *_args, **_kwargs: None
     torch.cuda.current_stream = lambda *_args, **_kwargs: _CpuStream()
+    # the alltoall MoE token dispatcher builds a side stream and copies on it
+    torch.cuda.Stream = _CpuStream  # a class: annotations such as `torch.cuda.Stream | None`
+    torch.cuda.stream = lambda _stream=None: contextlib.nullcontext()
     torch.cuda.get_rng_state = lambda *_args, **_kwargs: torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
 
@@ -163,6 +184,13 @@ def _cuda_type_names(init):
     return wrapped
 
 
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu for CPU tensors."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def _patch_megatron_modules() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.pipeline_parallel import schedules
@@ -184,6 +212,12 @@ def _patch_megatron_modules() -> None:
     def _get_rng_state(*_args, clone: bool = False, **_kwargs):
         state = torch.get_rng_state()
         return state.clone() if clone else state
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    # The alltoall MoE dispatcher moves its split sizes to the host as numpy arrays; on a CPU
+    # tensor the stock helper returns the tensor itself, which all_to_all_single refuses.
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
 
     mp_random._get_cuda_rng_state = _get_rng_state
     mp_random._set_cuda_rng_state = lambda state, *_args, **_kwargs: torch.set_rng_state(state)

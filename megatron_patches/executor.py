@@ -22,6 +22,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from megatron_patches.config_support import check_config_supported
 from megatron_patches.cpu_support import cpu_support_enabled, refuse_with_nccl
 from megatron_patches.layers import check_layers_supported
+from megatron_patches.moe import check_expert_parallel_schedule, check_moe_supported
 from megatron_patches.stage_runner import StageRunner
 
 __all__ = ["forward_backward_prefix_reuse", "check_reuse_supported"]
@@ -45,6 +46,12 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
             "suffix microbatches; pass num_microbatches=step.num_microbatches"
         )
     check_config_supported(config)  # every TransformerConfig field: config_support.py
+    check_moe_supported(config)  # MoE settings that need the process groups to judge
+    if config.num_moe_experts and any(w.nodes is not None for w in step.plan.prefixes):
+        raise ValueError("an MoE model with prefix trees: router statistics would have to count "
+                         "a tree node's tokens once per trajectory below it, which is not built "
+                         "yet; plan these groups with one shared prompt each (no nodes), or run "
+                         "them dense")
     if model is not None:  # the data against the model: token ids and lengths
         gpt = unwrap_model(model)
         step.batch.validate(max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
@@ -59,6 +66,8 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
         check_layers_supported(config, model)  # HybridModel layer kinds, MTP
     _check_sequence_parallel_rows(config, step)
     _check_deferred_embedding_wgrad(config, step)
+    if config.num_moe_experts and model is not None:  # last: a collective over the EP group
+        check_expert_parallel_schedule(step, next(unwrap_model(model).parameters()).device)
 
 
 def _check_layout(step, num_model_chunks: int) -> None:

@@ -54,7 +54,7 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
             stored_k, stored_v = (key, value) if not context.padding else (key[:real], value[:real])
             context.cache.store(context.group, module.layer_number, stored_k, stored_v,
                                 chunk=context.chunk)
-            if context.stop_after_layer == module.layer_number:
+            if context.stop_after_layer == module.layer_number and not context.stop_in_router:
                 raise PrefixForwardDone()
         out = _prefix_attention(context, module.layer_number, q, k, v, scale)
     else:

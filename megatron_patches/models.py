@@ -27,7 +27,10 @@ stub_missing_triton()  # `import megatron.core` needs it where triton is missing
 
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 from megatron.core.transformer.transformer_block import (  # noqa: E402
     TransformerBlockSubmodules,
@@ -108,10 +111,12 @@ def initialize_single_process(seed: int = 1234, tp: int = 1, pp: int = 1) -> Non
 
 
 def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1,
-                           vpp: Optional[int] = None, timeout_s: Optional[float] = None) -> None:
+                           vpp: Optional[int] = None, timeout_s: Optional[float] = None,
+                           ep: int = 1) -> None:
     """Megatron parallel state + RNG tracker on an already initialised process group.
 
-    `vpp`: virtual pipeline stages per rank (Megatron's interleaved layout). `timeout_s`: how
+    `vpp`: virtual pipeline stages per rank (Megatron's interleaved layout); `ep`: expert
+    parallel size (carved out of the data-parallel ranks, as Megatron does). `timeout_s`: how
     long a collective or p2p in Megatron's groups waits for its peers before it fails (None:
     `$PREFIX_REUSE_COLLECTIVE_TIMEOUT_S`, which the launchers set, else Megatron's default of
     30 minutes)."""
@@ -122,7 +127,7 @@ def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1,
     extra = {} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, **extra
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep, **extra
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
@@ -153,6 +158,7 @@ def make_transformer_config(cfg: TinyLlamaConfig, **overrides) -> TransformerCon
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         virtual_pipeline_model_parallel_size=(
             parallel_state.get_virtual_pipeline_model_parallel_world_size()),
+        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -228,9 +234,9 @@ def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig,
 
 def _check_buildable(config: TransformerConfig, fused_attention: bool) -> None:
     """Options this builder's layer spec would not honour: refused, never dropped."""
-    if config.num_moe_experts:
-        raise ValueError("build_model builds dense (non-MoE) models; num_moe_experts is not "
-                         "supported by these builders")
+    if config.num_moe_experts and config.sequence_parallel:
+        raise ValueError("build_model builds MoE models with Megatron's local decoder block "
+                         "spec: sequence_parallel is not supported with num_moe_experts")
     if config.multi_latent_attention:
         raise ValueError("build_model builds GQA self-attention; multi_latent_attention is not "
                          "supported by these builders")
@@ -265,11 +271,17 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
     config = transformer_config or make_transformer_config(cfg, **config_overrides)
     _check_buildable(config, fused_attention)
-    spec = get_gpt_layer_local_spec(normalization=config.normalization,
-                                    qk_layernorm=config.qk_layernorm,
-                                    qk_l2_norm=config.qk_l2_norm)
+    if config.num_moe_experts:  # MoE layers where config.moe_layer_freq says (Megatron's spec)
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+                                          normalization=config.normalization,
+                                          qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=config.normalization,
+                                        qk_layernorm=config.qk_layernorm,
+                                        qk_l2_norm=config.qk_l2_norm)
     if fused_attention:
-        spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
+        for layer_spec in getattr(spec, "layer_specs", [spec]):  # an MoE model's block spec
+            layer_spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
     if config.sequence_parallel:  # the local spec's norms refuse it
         spec = _sequence_parallel_block_spec(spec, config, vp_stage)
     model = GPTModel(

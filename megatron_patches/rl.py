@@ -90,7 +90,8 @@ def make_policy_forward_step(loss_config: PolicyLossConfig) -> Callable:
         device = next(model.parameters()).device
         item = {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v
                 for k, v in item.items()}
-        output = model(item["tokens"], item["position_ids"], None)
+        extra = {"padding_mask": item["padding_mask"]} if "padding_mask" in item else {}
+        output = model(item["tokens"], item["position_ids"], None, **extra)
         if item.get("kind") == "prefix" and "loss_index" not in item:
             # Phase A: no loss; the executor ignores loss_func
             return output, None

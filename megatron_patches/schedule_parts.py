@@ -30,8 +30,16 @@ class StopAtPrefixEnd:
         try:
             output, _ = self.forward_step_func(data_iterator, model, *args)
         except PrefixForwardDone:
-            output = None
+            # Megatron's forward_step reads the output's device after the forward (MoE loss
+            # scale): an empty tensor on the model's device, which `stopped` recognises.
+            output = torch.empty(0, device=model_device(model))
+            output.prefix_forward_done = True
         return output, None
+
+    @staticmethod
+    def stopped(output) -> bool:
+        """True for the marker output of a forward that stopped at the last cached K/V."""
+        return getattr(output, "prefix_forward_done", False)
 
 
 class GradSync:

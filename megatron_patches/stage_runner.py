@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 
 from megatron_patches.layers import last_kv_layer_number
+from megatron_patches.moe import stops_in_router
 from megatron_patches.p2p import P2POp, PipelineP2P, Received
 from megatron_patches.schedule_parts import (GradSync, StopAtPrefixEnd, autograd_backward,
                                              model_device)
@@ -134,7 +135,8 @@ class StageRunner:
         offload = (torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
                    if step.offload_prefix_activations else contextlib.nullcontext())
         stop = last_kv_layer_number(self.models[chunk]) if last else None  # HybridModel: last '*'
-        context = step.prefix_context(action.index, model_chunk=chunk, stop_after_layer=stop)
+        context = step.prefix_context(action.index, model_chunk=chunk, stop_after_layer=stop,
+                                      stop_in_router=stops_in_router(self.models[chunk], stop))
         with active_context(context), offload:
             # Megatron's forward_step: first-microbatch flag (FP8 casts), input tensor, autocast
             output, _ = schedules.forward_step(
@@ -143,6 +145,7 @@ class StageRunner:
                 is_first_microbatch=self.is_first_forward(chunk), vp_stage=self.vp_stage(chunk),
                 is_last_stage=False)  # no loss on a prefix row
         step.finish_forward()  # a rank may leave the item unread (TP ranks > 0 in get_batch)
+        output = None if StopAtPrefixEnd.stopped(output) else output
         assert (output is None) == last, (
             f"{action}: the prefix forward must stop at the last layer's K/V exactly on the "
             "last stage")

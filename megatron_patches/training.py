@@ -15,7 +15,7 @@ import torch
 
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.losses import PolicyLossConfig
-from prefix_schedule.planning.inputs import build_dense_inputs
+from prefix_schedule.planning.inputs import build_dense_inputs, build_dense_microbatch_inputs
 from prefix_schedule.planning.planner import StepPlan
 from prefix_schedule.runtime.step import ReuseStep
 
@@ -26,7 +26,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 import megatron_patches
 from megatron_patches.rl import make_policy_forward_step
 
-__all__ = ["StepResult", "dense_items", "row_multiple_for", "dense_step", "reuse_step",
+__all__ = ["StepResult", "dense_items", "dense_packed_items", "row_multiple_for", "dense_step", "reuse_step",
            "scale_grads_by_token_count",
            "prepare_for_training", "zero_grads",
            "param_grads", "max_relative_diff", "max_elementwise_error"]
@@ -97,28 +97,53 @@ def _summarise(reports: List[dict]) -> StepResult:
     return StepResult(loss=loss_sum / max(tokens, 1), num_tokens=tokens, reports=reports)
 
 
+def dense_packed_items(batch: GroupBatch, plan: StepPlan) -> Iterator[Dict[str, torch.Tensor]]:
+    """Data iterator of the dense packing a reuse step with `plan` equals (MoE router
+    statistics are per microbatch): microbatch b holds the full rows of the trajectories of the
+    plan's microbatch b, [n_b, L] with a padding mask (docs/DESIGN.md "MoE")."""
+    for mb in plan.microbatches:
+        item = build_dense_microbatch_inputs(batch, mb)
+        item["kind"] = "dense"
+        yield item
+
+
 def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
-               forward_only: bool = False, row_multiple: Optional[int] = None) -> StepResult:
+               forward_only: bool = False, row_multiple: Optional[int] = None,
+               packing: Optional[StepPlan] = None) -> StepResult:
     """Stock Megatron dense step: every trajectory's full row is one microbatch, right-padded to
     a multiple of `row_multiple` (None: `row_multiple_for` the model, as stock Megatron needs
     under sequence parallelism). `model`: a module, or the rank's model chunks (virtual pipeline
-    stages: Megatron's interleaved schedule, each chunk reading its own copy of the rows)."""
+    stages: Megatron's interleaved schedule, each chunk reading its own copy of the rows).
+    `packing`: a reuse plan whose microbatches the dense microbatches mirror
+    (`dense_packed_items`: the reference of MoE reuse steps)."""
+    if packing is not None:
+        if row_multiple not in (None, 1):
+            raise ValueError("dense_step(packing=...) pads rows to the microbatch's longest; "
+                             "row_multiple is not supported with it")
+        return _dense_forward_backward(model, batch, loss_config, forward_only,
+                                       lambda: dense_packed_items(batch, packing),
+                                       len(packing.microbatches))
+    if row_multiple is None:
+        models = model if isinstance(model, list) else [model]
+        row_multiple = row_multiple_for(get_model_config(models[0]))
     num_rows = sum(len(g.trajectories) for g in batch.groups)
+    return _dense_forward_backward(model, batch, loss_config, forward_only,
+                                   lambda: dense_items(batch, row_multiple), num_rows)
+
+
+def _dense_forward_backward(model, batch, loss_config, forward_only, items, num_microbatches):
     models = model if isinstance(model, list) else [model]
     gpt = unwrap_model(models[0])
     batch.validate(max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
     forward_step_func = make_policy_forward_step(loss_config)
     forward_step_func.check_batch(batch)
-    if row_multiple is None:
-        row_multiple = row_multiple_for(get_model_config(models[0]))
     with megatron_patches.use_prefix_reuse_schedule(False):
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
         forward_step_func=forward_step_func,
-        data_iterator=([dense_items(batch, row_multiple) for _ in models] if len(models) > 1
-                       else dense_items(batch, row_multiple)),
+        data_iterator=[items() for _ in models] if len(models) > 1 else items(),
         model=models,
-        num_microbatches=num_rows,
+        num_microbatches=num_microbatches,
         seq_length=0,
         micro_batch_size=1,
         forward_only=forward_only,

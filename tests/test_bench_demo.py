@@ -37,7 +37,7 @@ FIELDS = {"dense_seconds", "stock_dense_seconds", "reuse_seconds", "speedup", "i
           "ideal_speedup_basis", "efficiency", "attention_backend", "max_grad_rel_diff",
           "loss_dense", "loss_reuse", "layout", "model", "workload", "token_budget",
           "prefix_chunk_tokens", "threads", "threads_per_rank", "steps", "memory", "dense_batched",
-          "timing", "production_settings"}
+          "timing", "production_settings", "ep", "aux_loss_dense", "aux_loss_reuse"}
 MEMORY_FIELDS = {"dense_peak_saved_bytes", "reuse_peak_saved_bytes",
                  "reuse_suffix_phase_peak_bytes", "reuse_cache_bytes", "suffix_phase_reduction",
                  "basis"}
@@ -58,6 +58,9 @@ def runs(tmp_path_factory):
                       "--skip-stock", "--timeout", "200", "--json", str(out / "bench_vpp.json")],
         "bench_tree": [*bench, "--tree", "3x2", "--node-len", "12", "--skip-stock",
                        "--json", str(out / "bench_tree.json")],
+        "bench_moe_ep2": [*bench, "--num-experts", "4", "--ep", "2", "--dp", "2",
+                          "--skip-stock", "--timeout", "200", "--json",
+                          str(out / "bench_moe_ep2.json")],
     }
     procs = {name: subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT,
@@ -83,7 +86,8 @@ def _check_result(result: dict) -> None:
     assert math.isclose(result["loss_dense"], result["loss_reuse"], rel_tol=1e-5, abs_tol=1e-7)
     assert result["model"] == {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128,
                                "num_attention_heads": 4, "num_query_groups": 2,
-                               "vocab_size": 256, "gated_linear_unit": True}
+                               "vocab_size": 256, "gated_linear_unit": True,
+                               "num_experts": None, "moe_router_topk": 0}
     assert result["workload"] == {"prefix_len": 64, "suffix_len": 8, "group_size": 3,
                                   "num_groups": 2, "tree": None, "node_len": None}
     assert (result["token_budget"], result["threads"], result["steps"]) == (3 * 8, 2, 1)
@@ -102,7 +106,9 @@ def test_bench_json_fields_are_consistent(runs):
     result = json.loads((out / "bench.json").read_text())
     assert set(result) == FIELDS
     _check_result(result)
-    assert result["layout"] == {"pp": 1, "tp": 1, "dp": 1, "vpp": 1} and result["threads_per_rank"] == 2
+    assert result["layout"] == {"pp": 1, "tp": 1, "dp": 1, "vpp": 1, "ep": 1}
+    assert result["threads_per_rank"] == 2
+    assert result["aux_loss_dense"] is result["aux_loss_reuse"] is None  # no MoE
     assert result["prefix_chunk_tokens"] is None
     # "auto" records what selection picks for the model's fp32 CPU tensors (head_dim 64 / 4)
     auto = attention_backends.select_backend("auto", device="cpu", dtype=torch.float32, head_dim=16)
@@ -158,7 +164,7 @@ def test_bench_pp2_runs_two_stage_processes(runs):
     result = json.loads((out / "bench_pp2.json").read_text())
     assert set(result) == FIELDS  # no "placement" without DP
     _check_result(result)
-    assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1, "vpp": 1}  # the sizes Megatron ran with
+    assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1, "vpp": 1, "ep": 1}  # the sizes Megatron ran with
     assert result["threads_per_rank"] == 1  # 2 threads over 2 processes
     assert result["attention_backend"] == "math"
     assert result["prefix_chunk_tokens"] == 32  # 63 cached tokens: 2 chunks per group
@@ -177,7 +183,7 @@ def test_bench_virtual_stages_with_production_settings(runs):
     (rc, stdout), out = runs[0]["bench_vpp"], runs[1]
     assert rc == 0, stdout[-3000:]
     result = json.loads((out / "bench_vpp.json").read_text())
-    assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1, "vpp": 2}
+    assert result["layout"] == {"pp": 2, "tp": 1, "dp": 1, "vpp": 2, "ep": 1}
     assert result["production_settings"] is True
     assert result["max_grad_rel_diff"] <= 1e-5
     assert abs(result["loss_dense"] - result["loss_reuse"]) <= 1e-5 * abs(result["loss_dense"])
@@ -257,7 +263,25 @@ REFUSALS = [
     (["--attention-backend", "transformer_engine"], "attention backend 'transformer_engine'"),
     (["--tree", "3x0"], "give DEPTHxBRANCHING"),
     (["--node-len", "8"], "--node-len needs --tree"),
+    (["--ep", "2"], "--ep=2 needs MoE layers"),
+    (["--num-experts", "4", "--ep", "2"], "must divide --dp=1"),
+    (["--num-experts", "2", "--moe-router-topk", "3"], "topk <= experts"),
 ]
+
+
+def test_bench_moe_ep2_reports_equal_aux_losses(runs):
+    """MoE in every layer, EP=2 over the two DP ranks: the aux loss Megatron logs is the same
+    for dense (the plan's packing) and reuse, and so are the gradients."""
+    results, out = runs
+    code, stdout = results["bench_moe_ep2"]
+    assert code == 0, stdout[-3000:]
+    result = json.loads((out / "bench_moe_ep2.json").read_text())
+    assert result["layout"] == {"pp": 1, "tp": 1, "dp": 2, "ep": 2}
+    assert (result["model"]["num_experts"], result["model"]["moe_router_topk"]) == (4, 2)
+    assert result["aux_loss_dense"] > 0
+    assert math.isclose(result["aux_loss_dense"], result["aux_loss_reuse"], rel_tol=1e-5)
+    assert result["max_grad_rel_diff"] <= 1e-5
+    assert "aux loss dense" in stdout
 
 
 def test_bench_refuses_bad_flags_before_compute():

@@ -162,7 +162,6 @@ def test_build_model_honours_qk_layernorm_and_rope_options(megatron_env):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(num_moe_experts=4), "num_moe_experts"),
     (dict(qk_layernorm=True, qk_l2_norm=True), "exclusive"),
     (dict(fused_attention=True, window_size=(4, 0)), "window_size"),
     (dict(fused_attention=True, apply_query_key_layer_scaling=True),

@@ -88,3 +88,22 @@ def test_speedup_rejects_a_plan_of_another_batch():
         ideal_speedup(TINY, batch, plan_microbatches(other, token_budget=16, max_seq_len=8))
     with pytest.raises(ValueError, match="does not match the batch"):
         ideal_speedup(TINY, other, plan_microbatches(batch, token_budget=16, max_seq_len=8))
+
+
+def test_moe_by_hand():
+    # TINY with E=4 experts, top-2, expert width 3, shared width 5 (not gated): per token and
+    # layer the MLP is router 2*4*4 = 32 + 2 experts * (2*4*3 + 2*3*4 = 48) + shared 2*4*5 +
+    # 2*5*4 = 80 -> 208 (instead of 128): layer linear 64 + 32 + 208 = 304.
+    moe = ModelDims(num_layers=2, hidden_size=4, ffn_hidden_size=8, num_attention_heads=2,
+                    num_query_groups=1, vocab_size=10, gated_linear_unit=False, num_experts=4,
+                    moe_router_topk=2, moe_ffn_hidden_size=3, moe_shared_ffn_hidden_size=5)
+    assert dense_flops(moe, [3]) == 3 * (2 * (3 * 304 + 16 * 6) + 3 * 80)
+    # a prefix of 3 cached tokens: layer 1 in full; the last layer up to its router
+    # (QKV 64 + out proj 32 + router 32 per token, and the 6 causal pairs' products)
+    prefix = 3 * 304 + 16 * 6 + 3 * (64 + 32 + 32) + 16 * 6
+    plan = SimpleNamespace(prefixes=[SimpleNamespace(length=3)], microbatches=[])
+    assert reuse_flops(moe, plan) == 3 * prefix
+    with pytest.raises(ValueError, match="topk"):
+        ModelDims(num_layers=1, hidden_size=4, ffn_hidden_size=8, num_attention_heads=2,
+                  num_query_groups=1, vocab_size=10, gated_linear_unit=False, num_experts=4,
+                  moe_router_topk=5)

@@ -7,6 +7,10 @@ d = kv_channels (default h / a), V = vocab_size:
 - QKV projection: 2 * h * (a*d + 2*g*d)
 - attention output projection: 2 * a*d * h
 - MLP: 2 * h * f * (2 if gated_linear_unit else 1) for fc1 (the gated unit doubles it) + 2 * f * h
+- MoE layers (`num_experts` set: every layer is MoE): the MLP becomes the router 2 * h * E, plus
+  k routed experts and the shared expert, each an MLP as above with its own inner width
+  (`moe_ffn_hidden_size`, `moe_shared_ffn_hidden_size`); dropless top-k routing, so every token
+  costs exactly k experts whatever the load
 - output layer (once per token, not per layer): 2 * h * V
 - attention products QK^T and PV: 2 * a*d per (query, key) pair each, i.e. 4 * a*d per pair.
   Only unmasked pairs count: a causal row of s tokens has s*(s+1)/2 pairs (the diagonal
@@ -24,6 +28,8 @@ runs once over its ancestors' keys (pairs n*c + n*(n+1)/2 as for a suffix row).
 Reuse: each cached prefix (P-1 tokens) runs forward and backward only through what the K/V of
 every layer need (DESIGN.md "[Note: prefix forward stops at the last cached K/V]"): layers 1..L-1
 fully and the last layer's QKV projection; no last-layer attention or MLP, no output layer.
+With MoE the prefix forward stops after the last layer's router instead (its statistics count,
+DESIGN.md "MoE"): its attention, output projection and router are counted too (no experts).
 Every suffix row runs through the whole model, its attention also reading the group's cached keys;
 a segment run dense is just its dense row. Row padding (planner.py, [Note: row padding]) counts as
 overhead: a microbatch's padding as a row of its own, a prefix unit's as tokens over that unit's
@@ -62,6 +68,14 @@ class ModelDims:
     """Whether fc1 has two branches (SwiGLU), doubling its FLOPs."""
     kv_channels: int | None = None
     """Per-head width d; None = hidden_size // num_attention_heads."""
+    num_experts: int | None = None
+    """MoE: routed experts E in every layer (None: dense MLP layers)."""
+    moe_router_topk: int = 0
+    """MoE: experts per token k."""
+    moe_ffn_hidden_size: int | None = None
+    """MoE: inner width of one routed expert (None: ffn_hidden_size)."""
+    moe_shared_ffn_hidden_size: int = 0
+    """MoE: inner width of the shared expert (0: none)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -81,17 +95,38 @@ class ModelDims:
             object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
         elif isinstance(self.kv_channels, bool) or not isinstance(self.kv_channels, int) or self.kv_channels < 1:
             raise ValueError(f"ModelDims.kv_channels={self.kv_channels!r}; give an int >= 1 or None")
+        if self.num_experts is not None:
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ValueError(f"moe_router_topk={self.moe_router_topk} with num_experts="
+                                 f"{self.num_experts}; give 1 <= topk <= num_experts")
+            if self.moe_ffn_hidden_size is None:
+                object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
 
 
 def _qkv(dims: ModelDims) -> int:
     return 2 * dims.hidden_size * (dims.num_attention_heads + 2 * dims.num_query_groups) * dims.kv_channels
 
 
+def _mlp(dims: ModelDims, f: int) -> int:
+    return 2 * dims.hidden_size * f * (2 if dims.gated_linear_unit else 1) + 2 * f * dims.hidden_size
+
+
+def _router(dims: ModelDims) -> int:
+    return 2 * dims.hidden_size * dims.num_experts if dims.num_experts else 0
+
+
+def _layer_mlp(dims: ModelDims) -> int:
+    """Forward matmul FLOPs of one token through one layer's MLP (MoE: router, k experts, shared)."""
+    if not dims.num_experts:
+        return _mlp(dims, dims.ffn_hidden_size)
+    shared = _mlp(dims, dims.moe_shared_ffn_hidden_size) if dims.moe_shared_ffn_hidden_size else 0
+    return _router(dims) + dims.moe_router_topk * _mlp(dims, dims.moe_ffn_hidden_size) + shared
+
+
 def _layer_linear(dims: ModelDims) -> int:
     """Forward matmul FLOPs of one token through one layer, attention products excluded."""
-    h, f, ad = dims.hidden_size, dims.ffn_hidden_size, dims.num_attention_heads * dims.kv_channels
-    fc1 = 2 * h * f * (2 if dims.gated_linear_unit else 1)
-    return _qkv(dims) + 2 * ad * h + fc1 + 2 * f * h
+    ad = dims.num_attention_heads * dims.kv_channels
+    return _qkv(dims) + 2 * ad * dims.hidden_size + _layer_mlp(dims)
 
 
 def _attention_pairs(length: int, cached: int) -> int:
@@ -107,10 +142,14 @@ def _row_forward(dims: ModelDims, length: int, cached: int) -> int:
 
 def _prefix_forward(dims: ModelDims, length: int, cached: int = 0) -> int:
     """Forward FLOPs of a cached prefix (a tree node: over its `cached` ancestor keys): layers
-    1..L-1 in full, then the last layer's QKV."""
-    per_layer = length * _layer_linear(dims) + 4 * dims.num_attention_heads * dims.kv_channels * \
-        _attention_pairs(length, cached)
-    return (dims.num_layers - 1) * per_layer + length * _qkv(dims)
+    1..L-1 in full, then the last layer's QKV (MoE: up to its router)."""
+    attention = 4 * dims.num_attention_heads * dims.kv_channels * _attention_pairs(length, cached)
+    per_layer = length * _layer_linear(dims) + attention
+    last = length * _qkv(dims)
+    if dims.num_experts:
+        ad = dims.num_attention_heads * dims.kv_channels
+        last += attention + length * (2 * ad * dims.hidden_size + _router(dims))
+    return (dims.num_layers - 1) * per_layer + last
 
 
 def dense_flops(dims: ModelDims, seq_lens: Iterable[int]) -> float:

@@ -12,7 +12,8 @@ from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.planner import (PrefixChunk, PrefixWork, Segment, SuffixMicrobatch,
                                               _check_int, _padding)
 
-__all__ = ["build_suffix_inputs", "build_prefix_inputs", "build_prefix_loss", "build_dense_inputs"]
+__all__ = ["build_suffix_inputs", "build_prefix_inputs", "build_prefix_loss", "build_dense_inputs",
+           "build_dense_microbatch_inputs"]
 
 
 def _dense_row(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torch.Tensor]:
@@ -138,3 +139,24 @@ def build_dense_inputs(batch: GroupBatch, group: int, trajectory: int, *,
     _check_int(row_multiple, "row_multiple", 1)
     row = _dense_row(batch, group, trajectory)
     return _as_batch_dim(_pad(row, _padding(row["tokens"].numel(), row_multiple)))
+
+
+def build_dense_microbatch_inputs(batch: GroupBatch, mb: SuffixMicrobatch) -> dict[str, torch.Tensor]:
+    """The dense microbatch a reuse microbatch equals: one full row per trajectory it holds
+    (prefix included), right-padded to the longest, [n, L] tensors plus, when a row is padded,
+    `padding_mask` (bool, True at padding: Megatron's MoE routers count no padding). See
+    docs/DESIGN.md "MoE": router statistics are per microbatch, so this packing is the dense
+    reference of an MoE reuse step."""
+    batch._check_logprob_presence()
+    rows = [_dense_row(batch, s.group, s.trajectory) for s in mb.segments]
+    longest = max(r["tokens"].numel() for r in rows)
+    padded = []
+    for row in rows:
+        padding = longest - row["tokens"].numel()
+        row = _pad(row, padding)
+        row["padding_mask"] = torch.arange(longest) >= longest - padding
+        padded.append(row)
+    item = {name: torch.stack([r[name] for r in padded]) for name in padded[0]}
+    if not item["padding_mask"].any():  # no padding: no mask (as a stock dense batch)
+        del item["padding_mask"]
+    return item

@@ -22,6 +22,8 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
+from prefix_schedule.runtime.router_stats import PrefixRouterRead, RouterStats, read_stats
+
 __all__ = ["PrefixKVCache", "CacheProtocolError"]
 
 
@@ -77,6 +79,8 @@ class PrefixKVCache:
         """Declare `group`'s chunk tree (chunk -> parent chunk; None for the root). Without it
         chunk c continues chunk c-1."""
         self._parents[group] = dict(parents)
+        # MoE: (group, chunk) -> layer -> prefix router statistics ([Note: logical prefix tokens])
+        self._router: Dict[Tuple[int, int], Dict[int, RouterStats]] = {}
 
     # ---- Phase A
     def store(self, group: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
@@ -95,6 +99,29 @@ class PrefixKVCache:
         k_leaf = k.detach().reshape(k.shape[0], *k.shape[-2:]).requires_grad_(True)
         v_leaf = v.detach().reshape(v.shape[0], *v.shape[-2:]).requires_grad_(True)
         layers[layer] = _Entry(k_graph=k, v_graph=v, k_leaf=k_leaf, v_leaf=v_leaf)
+
+    def store_router_stats(self, group: int, layer: int, stats: RouterStats, *,
+                           chunk: int = 0) -> None:
+        """Keep the prefix router statistics of `group`'s chunk `chunk` at MoE layer `layer`
+        (after that layer's K/V: the attention hook stored them first)."""
+        self._live_layers(group, chunk)
+        layers = self._router.setdefault((group, chunk), {})
+        if layer in layers:
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: router statistics "
+                                     "stored twice")
+        layers[layer] = stats
+
+    def read_router_stats(self, group: int, layer: int) -> PrefixRouterRead:
+        """`group`'s prefix router statistics at `layer`, all chunks summed; the gradients of
+        the returned sums accumulate per chunk for Phase C."""
+        entries = []
+        for chunk in self._chunks(group):
+            stats = self._router.get((group, chunk), {}).get(layer)
+            if stats is None:
+                raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: no router "
+                                         "statistics stored (Phase A did not record them)")
+            entries.append(stats)
+        return read_stats(entries)
 
     # ---- Phase B (and chunk forwards)
     def read(self, group: int, layer: int, *, before_chunk: Optional[int] = None,
@@ -154,6 +181,10 @@ class PrefixKVCache:
                 if grad is not None and graph.requires_grad:
                     tensors.append(graph)
                     grads.append(grad.to(graph.dtype).reshape(graph.shape))
+        for stats in self._router.get((group, chunk), {}).values():
+            for graph, grad in stats.backward_pairs():
+                tensors.append(graph)
+                grads.append(grad)
         if tensors:
             backward_fn(tensors, grads)
         self._free_chunk(group, chunk)
@@ -200,6 +231,7 @@ class PrefixKVCache:
 
     def _free_chunk(self, group: int, chunk: int) -> None:
         del self._entries[(group, chunk)]
+        self._router.pop((group, chunk), None)
         self._freed.add((group, chunk))
 
     def _chunks(self, group: int) -> range:

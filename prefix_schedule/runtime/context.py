@@ -57,9 +57,15 @@ class PrefixForwardContext:
     reads: Optional[tuple] = None
     """The chunks this chunk attends to, root first (a prefix tree: its ancestors); None: the
     group's chunks < chunk."""
+    multiplicity: int = 1
+    """How many trajectories of the step read this prefix (dense training routes each prefix
+    token that many times): [Note: logical prefix tokens] in router_stats.py."""
+    stop_in_router: bool = False
+    """The forward stops after the router of layer `stop_after_layer` instead of after its K/V
+    (an MoE last layer whose prefix router statistics count: aux losses, z-loss, expert bias)."""
 
     def __post_init__(self) -> None:
-        for name in ("group", "chunk", "position_offset", "padding"):
+        for name in ("group", "chunk", "position_offset", "padding", "multiplicity"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"PrefixForwardContext.{name} must be an int >= 0, got {value!r}")
@@ -88,6 +94,11 @@ class SuffixForwardContext:
     """Per slot, None (read all of the group's chunks) or (chunks, length): the chain of a
     prefix-tree node and how many of its cached tokens the slot attends to
     ([Note: prefix trees] in planning/tree.py)."""
+    sequence_groups: tuple = ()
+    """Per packed sequence: the group whose cached prefix it continues, or None (a sequence run
+    whole, or the row's padding)."""
+    num_padding: int = 0
+    """Padding tokens at the row's end ([Note: row padding]): no router statistic counts them."""
 
 
 Context = Union[PrefixForwardContext, SuffixForwardContext]

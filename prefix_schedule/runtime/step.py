@@ -172,7 +172,8 @@ class ReuseStep:
 
     # ---- contexts for the hooks
     def prefix_context(self, unit: int, *, stop_after_layer: Optional[int],
-                       recomputing: bool = False, model_chunk: int = 0) -> PrefixForwardContext:
+                       recomputing: bool = False, model_chunk: int = 0,
+                       stop_in_router: bool = False) -> PrefixForwardContext:
         """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
         chunk `model_chunk` of this rank."""
         chunk = self._units[unit]
@@ -182,7 +183,9 @@ class ReuseStep:
         return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
                                     position_offset=chunk.start, cache=self.caches[model_chunk],
                                     stop_after_layer=stop_after_layer, recomputing=recomputing,
-                                    padding=chunk.padding, reads=reads)
+                                    padding=chunk.padding, reads=reads,
+                                    multiplicity=self.prefix_multiplicity(chunk.group),
+                                    stop_in_router=stop_in_router)
 
     def _ancestors(self, chunk: PrefixChunk) -> tuple:
         by_chunk = {c.chunk: c for c in self._units.values() if c.group == chunk.group}
@@ -207,8 +210,10 @@ class ReuseStep:
         if mb.padding:  # [Note: row padding] in planner.py
             sequences.append((None, 0, mb.padding, 0))
         slot_groups, slot_keys, slot_reads, slots, lengths, positions = [], [], [], [], [], []
+        sequence_groups = []
         for group, cached_len, length, node in sequences:
             group = group if cached_len > 0 else None
+            sequence_groups.append(group)
             tree = group in self._trees
             key = (group, node, cached_len) if tree else group
             # consecutive sequences reading one cache slot (a group; in a tree: one node's chain,
@@ -229,7 +234,15 @@ class ReuseStep:
             position_ids=torch.cat(positions),
             max_position=max(cached_len + length - 1 for _, cached_len, length, _ in sequences),
             slot_reads=tuple(slot_reads) if self._trees else None,
+            sequence_groups=tuple(sequence_groups),
+            num_padding=mb.padding,
         )
+
+    def prefix_multiplicity(self, group: int) -> int:
+        """Trajectories of the step that read `group`'s cached prefix: dense training routes
+        each of its tokens that many times ([Note: logical prefix tokens])."""
+        return sum(1 for mb in self.plan.microbatches for s in mb.segments
+                   if s.group == group and s.cached_len > 0)
 
     def release_microbatch(self, microbatch: int) -> None:
         """Forget microbatch `microbatch`'s contexts once its last backward here is done."""

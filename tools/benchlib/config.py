@@ -91,12 +91,20 @@ class BenchConfig:
     None: one shared prompt per group."""
     node_len: Optional[int] = None
     """Tokens per tree node with --tree (default: --prefix-len)."""
+    num_experts: Optional[int] = None
+    """MoE in every layer with this many experts (each ffn_hidden_size wide), dropless top-k
+    softmax routing, aux_loss (coefficient 0.01), alltoall dispatcher; None: dense MLPs. Dense
+    paths then pack each microbatch as the reuse plan's (docs/DESIGN.md "MoE")."""
+    moe_router_topk: int = 2
+    """MoE: experts per token."""
+    ep: int = 1
+    """MoE: expert-parallel ranks (carved out of the --dp ranks, as Megatron does)."""
 
     def __post_init__(self) -> None:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
                         hidden_size=1, ffn_hidden_size=1, num_attention_heads=1,
                         num_query_groups=1, vocab_size=2, steps=1, warmup=0, threads=1, seed=0,
-                        pp=1, tp=1, dp=1, vpp=1, timeout=1)
+                        pp=1, tp=1, dp=1, vpp=1, timeout=1, moe_router_topk=1, ep=1)
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -114,6 +122,25 @@ class BenchConfig:
         if self.attention_backend not in choices:
             raise ValueError(f"--attention-backend={self.attention_backend!r}; choose one of {choices}")
         self._check_layout()
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.num_experts is None:
+            if self.ep > 1:
+                raise ValueError(f"--ep={self.ep} needs MoE layers: give --num-experts")
+            return
+        if self.num_experts < 1 or self.moe_router_topk > self.num_experts:
+            raise ValueError(f"--num-experts={self.num_experts} --moe-router-topk="
+                             f"{self.moe_router_topk}; give 1 <= topk <= experts")
+        if self.dp % self.ep or self.num_experts % self.ep:
+            raise ValueError(f"--ep={self.ep} must divide --dp={self.dp} (expert-parallel ranks "
+                             f"are data-parallel ranks) and --num-experts={self.num_experts}")
+        if self.tp > 1:
+            raise ValueError("MoE reuse steps run with --tp 1 (see docs/DESIGN.md \"MoE\")")
+        if self.tree is not None:
+            raise ValueError("--tree with --num-experts: MoE router statistics over prefix trees "
+                             "(a node's tokens counted once per trajectory below it) are not "
+                             "supported yet; drop one of them")
 
     def _check_tree(self) -> None:
         if self.tree is None:
@@ -208,7 +235,17 @@ class BenchConfig:
                          ffn_hidden_size=self.ffn_hidden_size,
                          num_attention_heads=self.num_attention_heads,
                          num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
-                         gated_linear_unit=True)
+                         gated_linear_unit=True, num_experts=self.num_experts,
+                         moe_router_topk=self.moe_router_topk if self.num_experts else 0)
+
+    def moe_overrides(self) -> dict:
+        """TransformerConfig fields of the MoE layers ({} without --num-experts)."""
+        if self.num_experts is None:
+            return {}
+        return dict(num_moe_experts=self.num_experts, moe_router_topk=self.moe_router_topk,
+                    moe_ffn_hidden_size=self.ffn_hidden_size, moe_aux_loss_coeff=0.01,
+                    moe_router_load_balancing_type="aux_loss",
+                    moe_token_dispatcher_type="alltoall", expert_model_parallel_size=self.ep)
 
     def placement(self, batch: GroupBatch) -> Optional[Placement]:
         """The DP placement of `batch` (None without DP); every rank computes the same one."""

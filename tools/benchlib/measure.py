@@ -72,18 +72,48 @@ def _reduce_max(value: float) -> float:
     return float(t)
 
 
+def _dense_run(config: BenchConfig, plan: StepPlan):
+    """The dense step of the paths: one row per microbatch, or with MoE the dense packing the
+    reuse plan equals (its aux loss is per microbatch: docs/DESIGN.md "MoE")."""
+    if not config.num_experts:
+        return lambda model, batch: dense_step(model, batch, LOSS)
+    from megatron_patches.training import dense_step as packed_dense_step
+
+    return lambda model, batch: packed_dense_step(model, batch, LOSS, packing=plan)
+
+
+def _aux_loss(num_microbatches: int) -> Optional[float]:
+    """Megatron's logged load_balancing_loss of the step (mean over MoE layers of the
+    microbatch sum / num_microbatches; summed over pipeline stages, averaged over DP), then the
+    tracker is reset."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_logging import (destroy_moe_metrics_tracker,
+                                                           get_moe_metrics_tracker)
+
+    entry = get_moe_metrics_tracker().metrics.get("load_balancing_loss")
+    destroy_moe_metrics_tracker()
+    if entry is None:
+        return None
+    total = torch.tensor([float(entry.values.sum()) / num_microbatches], dtype=torch.float64)
+    if torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(total)
+        total /= parallel_state.get_data_parallel_world_size()
+    return float(total) / entry.values.numel()
+
+
 def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
                 plan: StepPlan) -> tuple[Dict[str, List[float]], Dict[str, List[float]]]:
     """(wall seconds, process CPU seconds) per timed step and path; with several ranks a step's
     time is the slowest rank's."""
     rows = config.dense_rows_per_microbatch
+    dense = _dense_run(config, plan)
     runs = {
-        "dense": (fused, lambda: dense_step(fused, batch, LOSS)),
+        "dense": (fused, lambda: dense(fused, batch)),
         "dense_batched": (fused, lambda: dense_step(fused, batch, LOSS, micro_batch_size=rows)),
-        "stock_dense": (local, lambda: dense_step(local, batch, LOSS)),
+        "stock_dense": (local, lambda: dense(local, batch)),
         "reuse": (local, lambda: reuse_step(local, batch, plan, LOSS)),
     }
-    if rows == 1:
+    if rows == 1 or config.num_experts:  # MoE: dense microbatches are the plan's already
         del runs["dense_batched"]
     if config.skip_stock:
         del runs["stock_dense"]
@@ -117,12 +147,17 @@ def _check_step(config: BenchConfig, local, batch: GroupBatch, plan: StepPlan) -
         zero(local)
         return result, result_grads
 
-    dense, reference = grads_of(lambda: dense_step(local, batch, LOSS))
+    dense_run = _dense_run(config, plan)
+    _aux_loss(1)  # drop what the timed steps logged
+    dense, reference = grads_of(lambda: dense_run(local, batch))
+    aux_dense = _aux_loss(len(plan.microbatches))
     reuse, reuse_grads = grads_of(lambda: reuse_step(local, batch, plan, LOSS))
+    aux_reuse = _aux_loss(len(plan.microbatches))
     check = {"loss_dense": _global_loss(dense), "loss_reuse": _global_loss(reuse),
-             "max_grad_rel_diff": _reduce_max(max_relative_diff(reference, reuse_grads))}
+             "max_grad_rel_diff": _reduce_max(max_relative_diff(reference, reuse_grads)),
+             "aux_loss_dense": aux_dense, "aux_loss_reuse": aux_reuse}
     rows = config.dense_rows_per_microbatch
-    if rows > 1:
+    if rows > 1 and not config.num_experts:
         _, batched = grads_of(lambda: dense_step(local, batch, LOSS, micro_batch_size=rows))
         check["dense_batched_grad_rel_diff"] = _reduce_max(max_relative_diff(reference, batched))
     return check
@@ -149,7 +184,7 @@ def _memory(local, fused, batch: GroupBatch, plan: StepPlan) -> Dict[str, float]
     from prefix_schedule.runtime.step import ReuseStep
 
     zero(fused)
-    dense = memory_probe.measure_dense(fused, lambda: dense_step(fused, batch, LOSS))
+    dense = memory_probe.measure_dense(fused, lambda: dense_step(fused, batch, LOSS))  # 1 row/mb
     zero(local)
     reuse = memory_probe.measure_reuse(
         local, ReuseStep(batch, plan), lambda step: reuse_step(local, batch, plan, LOSS, step=step))
@@ -170,7 +205,8 @@ def _megatron_layout() -> Dict[str, int]:
     return {"pp": ps.get_pipeline_model_parallel_world_size(),
             "tp": ps.get_tensor_model_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(),
-            "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+            "ep": ps.get_expert_model_parallel_world_size()}
 
 
 def measure(config: BenchConfig, distributed: bool = False) -> dict:

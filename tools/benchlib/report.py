@@ -67,7 +67,9 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
         **measured,
         "model": {name: getattr(dims, name) for name in (
             "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-            "num_query_groups", "vocab_size", "gated_linear_unit")},
+            "num_query_groups", "vocab_size", "gated_linear_unit", "num_experts",
+            "moe_router_topk")},
+        "ep": config.ep,
         "workload": {name: getattr(config, name) for name in (
             "prefix_len", "suffix_len", "group_size", "num_groups", "tree", "node_len")},
         "token_budget": config.token_budget,
@@ -135,6 +137,8 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         + (f" (vs batched dense {cpu['dense_batched'] / cpu['reuse']:.3f}x)" if batched else ""),
         f"loss dense {result['loss_dense']:.6f}  reuse {result['loss_reuse']:.6f}  "
         f"max grad rel diff vs stock dense {result['max_grad_rel_diff']:.2e}"
+        + (f"  aux loss dense {result['aux_loss_dense']:.6f}  reuse "
+           f"{result['aux_loss_reuse']:.6f}" if result.get("aux_loss_dense") is not None else "")
         + (f" (batched dense {batched['max_grad_rel_diff_vs_stock_dense']:.2e})" if batched else ""),
         f"timing: {result['timing']['basis']}",
         _memory_line(result["memory"]),

@@ -1,0 +1,302 @@
+"""MoE routers in prefix-reuse steps: logical prefix-token accounting.
+
+[Note: logical prefix tokens] (prefix_schedule/runtime/router_stats.py) says what is counted;
+docs/DESIGN.md "MoE" says which dense packing a reuse step equals. Here is the Megatron side.
+
+`install()` wraps megatron-core's `TopKRouter.routing` (a runtime wrapper, declared in
+`ROUTING_WRAPPER`; the signature is checked at install, `tools/snapshot_signatures.py` keeps it):
+with no reuse context it calls the stock method unchanged, so dense training is stock. In a
+reuse context it runs the stock routing with the router's statistics switched off (the top-k
+choice, scores and expert-bias routing are Megatron's own) and then:
+- Phase A (prefix rows): records the prefix's aux-loss counts, score sums and z-loss sums per
+  MoE layer in the cache, and adds `multiplicity` x the prefix's routed counts to the expert-bias
+  statistics (never in a Phase C recompute); on the last stage an MoE last layer stops the
+  forward here (`PrefixForwardContext.stop_in_router`);
+- Phase B (suffix rows): computes Megatron's aux_loss / seq_aux_loss / global_aux_loss and
+  z-loss with every prefix token of the row's trajectories counted with its multiplicity, and
+  attaches them with Megatron's own `attach_and_log_load_balancing_loss` (loss scale, per-token
+  scaling, logging): the prefix's share of the gradient lands in the cache (Phase C applies it).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+from typing import Dict, List, Optional
+
+import torch
+
+from prefix_schedule.runtime.context import (PrefixForwardContext, PrefixForwardDone,
+                                              current_context)
+from prefix_schedule.runtime.router_stats import RouterStats
+
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.transformer.moe import router as router_module
+from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
+                                                     compute_routing_scores_for_aux_loss,
+                                                     switch_load_balancing_loss_func)
+
+__all__ = ["install", "uninstall", "routers", "stops_in_router", "needs_prefix_stats",
+           "check_moe_supported", "check_expert_parallel_schedule"]
+
+ROUTING_WRAPPER = ("megatron.core.transformer.moe.router.TopKRouter.routing",
+                   "(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None)")
+"""The one Megatron method wrapped at run time, and the signature it was written against."""
+
+_STOCK_ROUTING = router_module.TopKRouter.routing
+
+
+def install() -> None:
+    """Wrap `TopKRouter.routing` (idempotent); refuses a signature it was not written for."""
+    signature = str(inspect.signature(_STOCK_ROUTING))
+    if signature != ROUTING_WRAPPER[1]:
+        raise RuntimeError(f"{ROUTING_WRAPPER[0]} has signature {signature}, not "
+                           f"{ROUTING_WRAPPER[1]}: this megatron-core is not supported by "
+                           "megatron_patches.moe")
+    router_module.TopKRouter.routing = _routing
+
+
+def uninstall() -> None:
+    router_module.TopKRouter.routing = _STOCK_ROUTING
+
+
+def routers(model) -> List["router_module.TopKRouter"]:
+    return [m for m in model.modules() if isinstance(m, router_module.TopKRouter)]
+
+
+def needs_prefix_stats(router) -> bool:
+    """Whether a router's statistics see the prefix tokens: aux losses, z-loss, expert bias."""
+    return (router.is_aux_loss_enabled() or router.config.moe_z_loss_coeff is not None
+            or router.enable_expert_bias)
+
+
+def stops_in_router(model, layer_number: Optional[int]) -> bool:
+    """True when the prefix forward must stop after layer `layer_number`'s router (an MoE layer
+    whose router statistics count the prefix), not after its K/V."""
+    return layer_number is not None and any(
+        r.layer_number == layer_number and needs_prefix_stats(r) for r in routers(model))
+
+
+@contextlib.contextmanager
+def _statistics_off(router):
+    """Stock routing without aux losses, z-loss and expert-bias counting (we do those)."""
+    training, bias = router.training, router.enable_expert_bias
+    router.training, router.enable_expert_bias = False, False
+    try:
+        yield
+    finally:
+        router.training, router.enable_expert_bias = training, bias
+
+
+def _routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+    context = current_context()
+    if context is None:
+        return _STOCK_ROUTING(self, logits, padding_mask)
+    if padding_mask is not None:
+        raise ValueError("reuse rows take no padding_mask: the step plan says where padding is")
+    with _statistics_off(self):
+        probs, routing_map = _STOCK_ROUTING(self, logits, None)
+    flat = logits.view(-1, self.config.num_moe_experts)
+    if isinstance(context, PrefixForwardContext):
+        _prefix_routing(self, flat, routing_map, context)
+        return probs, routing_map
+    return _suffix_routing(self, flat, probs, routing_map, context), routing_map
+
+
+def _counting(router) -> bool:
+    """Megatron's gate for aux losses and z-loss (stock `routing` / `apply_z_loss`)."""
+    return router.training and torch.is_grad_enabled() and (
+        router.is_aux_loss_enabled() or router.config.moe_z_loss_coeff is not None)
+
+
+def _prefix_routing(router, flat, routing_map, context: PrefixForwardContext) -> None:
+    if context.recomputing:  # Phase C recompute: everything was counted in Phase A
+        return
+    real = flat.shape[0] - context.padding
+    if _counting(router):
+        map_aux, scores = compute_routing_scores_for_aux_loss(
+            flat[:real], router.topk, router.score_function, fused=router.config.moe_router_fusion)
+        stats = RouterStats(counts=map_aux.sum(0), probs_graph=scores.sum(0),
+                            lse2_graph=torch.logsumexp(flat[:real], dim=-1).square().sum(),
+                            num_tokens=real)
+        context.cache.store_router_stats(context.group, router.layer_number, stats,
+                                         chunk=context.chunk)
+    if router.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():  # dense routes each prefix token `multiplicity` times
+            router.local_tokens_per_expert += context.multiplicity * routing_map[:real].sum(0)
+    if context.stop_in_router and context.stop_after_layer == router.layer_number:
+        raise PrefixForwardDone()
+
+
+class _Row:
+    """A suffix row's sequences with their prefixes' statistics at one layer."""
+
+    def __init__(self, router, flat, context):
+        cu = context.meta.cu_seqlens
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        groups = list(context.sequence_groups)
+        if context.num_padding:  # the row's padding sequence counts nowhere
+            assert groups[-1] is None and lengths[-1] == context.num_padding
+            lengths, groups = lengths[:-1], groups[:-1]
+        self.lengths, self.groups = lengths, groups
+        self.valid = sum(lengths)
+        self.logits = flat[:self.valid]
+        self.prefix = {g: context.cache.read_router_stats(g, router.layer_number)
+                       for g in dict.fromkeys(g for g in groups if g is not None)}
+        self.multiplicity: Dict[int, int] = collections.Counter(g for g in groups if g is not None)
+        self.num_tokens = self.valid + sum(n * self.prefix[g].num_tokens
+                                           for g, n in self.multiplicity.items())
+
+    def prefix_sum(self, field: str):
+        return sum(n * getattr(self.prefix[g], field) for g, n in self.multiplicity.items())
+
+
+def _suffix_routing(router, flat, probs, routing_map, context):
+    row = _Row(router, flat, context) if _counting(router) else None
+    if row is not None:
+        if router.config.moe_z_loss_coeff is not None:
+            probs = _z_loss(router, probs, row)
+        if router.is_aux_loss_enabled():
+            map_aux, scores = compute_routing_scores_for_aux_loss(
+                row.logits, router.topk, router.score_function,
+                fused=router.config.moe_router_fusion)
+            probs = _aux_loss(router, probs, row, map_aux, scores)
+            probs = _seq_aux_loss(router, probs, row, map_aux, scores)
+            probs = _global_aux_loss(router, probs, row, map_aux, scores)
+    if router.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            valid = context.meta.total_len - context.num_padding
+            router.local_tokens_per_expert += routing_map[:valid].sum(0)
+    return probs
+
+
+def _per_token(router, loss, num_tokens):
+    """Megatron's scaling of an aux term under calculate_per_token_loss (router.py)."""
+    if router.calculate_per_token_loss:
+        return loss * num_tokens * router.tp_cp_group.size()
+    return loss
+
+
+def _z_loss(router, probs, row: _Row):
+    coeff = router.config.moe_z_loss_coeff / router.tp_cp_group.size()
+    lse2 = torch.logsumexp(row.logits, dim=-1).square().sum() + row.prefix_sum("lse2")
+    z_loss = lse2 / row.num_tokens * coeff
+    # stock attaches to the logits; the probabilities carry it back to them alike
+    probs = MoEAuxLossAutoScaler.apply(probs, _per_token(router, z_loss, row.num_tokens))
+    get_moe_metrics_tracker().record("z_loss", z_loss / coeff, router.layer_number,
+                                     router.config.num_layers, avg_group=router.tp_dp_cp_group)
+    return probs
+
+
+def _aux_loss(router, probs, row: _Row, map_aux, scores):
+    coeff = router.get_aux_loss_coeff("aux_loss")
+    if coeff == 0:
+        return probs
+    counts = map_aux.sum(0).float() + row.prefix_sum("counts")
+    counts = reduce_from_tensor_model_parallel_region(counts, router.tp_cp_group)
+    prob_sums = scores.sum(0) + row.prefix_sum("probs")
+    aux = switch_load_balancing_loss_func(
+        probs=prob_sums[None], tokens_per_expert=counts, total_num_tokens=counts.sum() / router.topk,
+        topk=router.topk, num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff)
+    return router.attach_and_log_load_balancing_loss(
+        probs, coeff, aux, "load_balancing_loss", router.tp_cp_group,
+        valid_token_count=row.num_tokens)
+
+
+def _seq_aux_loss(router, probs, row: _Row, map_aux, scores):
+    """Dense packing: one trajectory per row of the microbatch (bsz = trajectories), so
+    Megatron's per-sequence loss is per trajectory, prefix included."""
+    coeff = router.get_aux_loss_coeff("seq_aux_loss")
+    if coeff == 0:
+        return probs
+    prob_rows, count_rows, start = [], [], 0
+    for length, group in zip(row.lengths, row.groups):
+        p = scores[start:start + length].sum(0)
+        c = map_aux[start:start + length].sum(0).float()
+        if group is not None:
+            p, c = p + row.prefix[group].probs, c + row.prefix[group].counts
+        prob_rows.append(p)
+        count_rows.append(c)
+        start += length
+    bsz = len(prob_rows)
+    counts = reduce_from_tensor_model_parallel_region(torch.cat(count_rows), router.tp_cp_group)
+    aux = switch_load_balancing_loss_func(
+        probs=torch.cat(prob_rows)[None], tokens_per_expert=counts,
+        total_num_tokens=counts.sum() / (router.topk * bsz), topk=router.topk,
+        num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff) / bsz
+    return router.attach_and_log_load_balancing_loss(
+        probs, coeff, aux, "seq_load_balancing_loss", router.tp_cp_group,
+        valid_token_count=row.num_tokens)
+
+
+def _global_aux_loss(router, probs, row: _Row, map_aux, scores):
+    coeff = router.get_aux_loss_coeff("global_aux_loss")
+    if coeff == 0:
+        return probs
+    counts = map_aux.sum(0).float() + row.prefix_sum("counts")
+    counts = reduce_from_tensor_model_parallel_region(counts, router.tp_dp_cp_group)
+    router.global_tokens_per_expert += counts
+    router.ga_steps += 1
+    prob_sums = scores.sum(0) + row.prefix_sum("probs")
+    aux = switch_load_balancing_loss_func(
+        probs=prob_sums[None], tokens_per_expert=router.global_tokens_per_expert / router.ga_steps,
+        total_num_tokens=counts.sum() / router.topk, topk=router.topk,
+        num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff)
+    return router.attach_and_log_load_balancing_loss(
+        probs, coeff, aux, "global_load_balancing_loss", router.tp_dp_cp_group,
+        needs_dp_avg=False, valid_token_count=row.num_tokens)
+
+
+def check_moe_supported(config) -> None:
+    """ValueErrors, before any compute, for MoE settings whose reuse step would not equal dense
+    and that need the process groups to tell (the fields alone: config_support_moe.py)."""
+    if not config.num_moe_experts:
+        return
+    from megatron.core import parallel_state
+
+    types = config.moe_router_load_balancing_type
+    types = types if isinstance(types, list) else [types]
+    if "global_aux_loss" in types and parallel_state.get_data_parallel_world_size() > 1:
+        raise ValueError("global_aux_loss all-reduces expert counts over the data-parallel ranks "
+                         "once per microbatch, but reuse plans give data-parallel ranks different "
+                         "numbers of microbatches; use aux_loss or seq_aux_loss with DP > 1")
+    if config.tensor_model_parallel_size > 1 or config.context_parallel_size > 1:
+        raise ValueError("MoE in prefix-reuse steps is verified with TP=1 and CP=1 (router "
+                         "statistics over a sequence-parallel row are not yet accounted); set "
+                         "tensor_model_parallel_size=1")
+    modules = set(config.recompute_modules or ()) if config.recompute_granularity else set()
+    if config.recompute_granularity == "selective" and modules - {"core_attn"}:
+        raise ValueError(f"recompute_modules={sorted(modules)} with MoE: recomputing the MLP "
+                         "re-runs the prefix router outside Phase A; recompute core_attn only")
+
+
+def check_expert_parallel_schedule(step, device) -> None:
+    """ValueError (on every rank alike) unless all expert-parallel ranks run the same sequence of
+    compute actions: each MoE layer's token exchange is a collective over the expert-parallel
+    group, so their forwards and backwards must pair up across ranks (as Megatron's equal
+    microbatch counts make them in dense training). Token counts may differ."""
+    import zlib
+
+    from megatron.core import parallel_state
+
+    from prefix_schedule.pipeline import ActionKind
+
+    group = parallel_state.get_expert_model_parallel_group()
+    if group is None or group.size() == 1:
+        return
+    compute = (ActionKind.PREFIX_FORWARD, ActionKind.SUFFIX_FORWARD, ActionKind.SUFFIX_BACKWARD,
+               ActionKind.PREFIX_BACKWARD)
+    row = step.lowered.actions[parallel_state.get_pipeline_model_parallel_rank()]
+    text = " ".join(f"{a.kind.name}@{step.lowered.model_chunk_of(a)}" for a in row
+                    if a.kind in compute)
+    mine = torch.tensor([zlib.crc32(text.encode()), len(text)], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(group.size())]
+    torch.distributed.all_gather(everyone, mine, group=group)
+    if any(not torch.equal(other, mine) for other in everyone):
+        raise ValueError(
+            "expert parallelism exchanges tokens in every MoE layer of every forward and "
+            "backward, but the expert-parallel ranks' reuse plans run different sequences of "
+            "prefix/suffix forwards and backwards; give every expert-parallel rank the same "
+            "number of groups and microbatches in the same order (e.g. the same group shapes)")
