@@ -54,6 +54,8 @@ class PrefixForwardContext:
     padding: int = 0
     """Padding tokens at the row's end ([Note: row padding] in planner.py): their K/V are never
     cached."""
+    cp: Optional["object"] = None
+    """runtime.cp.CPRow when the row runs context-parallel (this rank's zigzag rows of it)."""
 
     def __post_init__(self) -> None:
         for name in ("group", "chunk", "position_offset", "padding"):
@@ -81,6 +83,9 @@ class SuffixForwardContext:
     """[T] position of every row token (suffixes continue at their cached prefix length)."""
     max_position: int
     """Largest entry of position_ids (host int: no device sync in the RoPE hook)."""
+    cp: Optional["object"] = None
+    """runtime.cp.CPRow when the row runs context-parallel (position_ids then are the full
+    row's; the hook reads the CPRow's local ones)."""
 
 
 Context = Union[PrefixForwardContext, SuffixForwardContext]

@@ -1,0 +1,147 @@
+"""Context parallelism with a shared prefix ([Note: zigzag CP layout], runtime/cp.py).
+
+- Layout: Megatron's zigzag sharding (2*CP chunks per sequence, rank r holds r and 2CP-1-r).
+- Attention: every CP rank's zigzag_attention, put back together, equals the float64 dense-mask
+  oracle over the whole packed row (outputs and gradients, cached prefix included).
+- Megatron (gloo, strict p2p): reuse at CP=2 equals STOCK Megatron dense at CP=1 on the same
+  data and weights (loss, every gradient, fp32 within 1e-5), with prefix and suffix lengths not
+  divisible by 2*CP, groups over several microbatches, a group run dense, prefix chunks; also
+  CP=2 x TP=2 and CP=2 x PP=2 (4 processes, tiny models).
+"""
+
+import pytest
+import torch
+
+from dist_harness import run_distributed
+from prefix_schedule.attention import PackedMeta, reference_attention
+from prefix_schedule.attention.cp import zigzag_attention
+from prefix_schedule.runtime.cp import ZigzagLayout
+
+TOL = 1e-5
+TIMEOUT_S = 240
+# cached prefixes P-1 = 33, 17, 22 and suffix rows 6, 9, 3, 5, 7, ...: most not multiples of 4;
+# the last group runs dense (dense_groups: no cache), in the same packed rows as cached ones.
+SHAPES = [(34, [6, 9, 3]), (18, [5, 7]), (23, [4, 6, 2, 5]), (13, [7])]
+BUDGET = 16
+
+
+# ---- layout and attention, one process ---------------------------------------------------------
+
+def test_zigzag_layout_is_megatrons():
+    layout = ZigzagLayout((5, 8), cp_size=2, rank=0)
+    assert layout.padded == (8, 8) and layout.local_len == 8
+    # chunks of 2: rank 0 holds chunks 0 and 3 of each sequence, rank 1 chunks 1 and 2
+    assert layout.local_index().tolist() == [0, 1, 6, 7, 8, 9, 14, 15]
+    assert ZigzagLayout((5, 8), 2, 1).local_index().tolist() == [2, 3, 4, 5, 10, 11, 12, 13]
+    assert sorted(layout.gather_index().tolist()) == list(range(16))
+    assert layout.real_index().tolist() == [0, 1, 2, 3, 4] + list(range(8, 16))
+    row = torch.arange(1, 14)
+    assert layout.shard(row).tolist() == [1, 2, 0, 0, 6, 7, 12, 13]  # padding 0 at 5..7
+    assert layout.positions([10, 0]).tolist() == [10, 11, 16, 17, 0, 1, 6, 7]
+    with pytest.raises(ValueError, match="13 entries"):
+        layout.shard(torch.arange(12))
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp):
+    torch.manual_seed(0)
+    hq, hkv, d = 4, 2, 8
+    lengths, prefixes = (7, 3, 10), (5, 0, 9)  # sequence 1 has no cached prefix (a dense row)
+    layouts = [ZigzagLayout(lengths, cp, r) for r in range(cp)]
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, d, dtype=torch.float64, requires_grad=True)
+               for h in (hq, hkv, hkv))
+    pk = [torch.randn(p, hkv, d, dtype=torch.float64, requires_grad=True) for p in prefixes]
+    pv = [torch.randn(p, hkv, d, dtype=torch.float64, requires_grad=True) for p in prefixes]
+    meta = PackedMeta.from_lengths(lengths, range(len(lengths)))
+    reference = reference_attention(q, k, v, pk, pv, meta, scale=0.3)
+    grad_out = torch.randn_like(reference)
+    expected = torch.autograd.grad(reference, [q, k, v, *pk, *pv], grad_out)
+
+    full_len = layouts[0].full_len
+    padded = [torch.zeros(full_len, *t.shape[1:], dtype=t.dtype) for t in (q, k, v)]
+    for t, p in zip((q, k, v), padded):
+        p[layouts[0].real_index()] = t  # differentiable scatter of the real rows
+    out = torch.zeros(full_len, hq, d, dtype=torch.float64)
+    for layout in layouts:
+        local = [p[layout.local_index()] for p in padded]
+        cached_k = [x if x.shape[0] else None for x in pk]
+        cached_v = [x if x.shape[0] else None for x in pv]
+        out = out.index_put((layout.local_index(),),
+                            zigzag_attention(*local, padded[1], padded[2], layout, cached_k,
+                                             cached_v, scale=0.3))
+    got = out[layouts[0].real_index()]
+    assert torch.allclose(got, reference, atol=1e-12)
+    grads = torch.autograd.grad(got, [q, k, v, *pk, *pv], grad_out, allow_unused=True)
+    for name, e, g in zip(["q", "k", "v"] + [f"prefix{i}" for i in range(6)], expected, grads):
+        g = torch.zeros_like(e) if g is None else g
+        assert torch.allclose(g, e, atol=1e-12), name
+
+
+# ---- Megatron, multi-process --------------------------------------------------------------------
+
+def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7):
+    """Reuse at CP=`cp` (x TP, x PP), then stock dense at CP=1 with the same TP/PP and weights
+    on the whole batch (every rank: each pipeline / TP group runs it), compared on this rank."""
+    import megatron_patches
+    from megatron.core import parallel_state
+    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
+                                           reuse_step, scale_grads_by_token_count)
+    from prefix_schedule.planning.planner import plan_microbatches
+    from test_equivalence import LOSS, make_batch
+
+    megatron_patches.install()
+    cfg = TinyLlamaConfig(num_layers=2 * pp, hidden_size=32, ffn_hidden_size=64,
+                          num_attention_heads=4, num_query_groups=2, vocab_size=256,
+                          max_seq_len=256)
+    batch = make_batch(seed, SHAPES)
+    plan = plan_microbatches(batch, token_budget=BUDGET, max_seq_len=cfg.max_seq_len,
+                             prefix_chunk_tokens=prefix_chunk_tokens, dense_groups=(3,))
+
+    def run(cp_size, reuse):
+        initialize_distributed(seed=1234, tp=tp, pp=pp, cp=cp_size)
+        model = build_model(cfg)
+        model.config.finalize_model_grads_func = scale_grads_by_token_count
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        result = (reuse_step(model, batch, plan, LOSS) if reuse else dense_step(model, batch, LOSS))
+        return result, param_grads(model), weights
+
+    reuse, reuse_grads, reuse_weights = run(cp, True)
+    cp_group = parallel_state.get_context_parallel_group()
+    totals = torch.tensor([reuse.loss * reuse.num_tokens, float(reuse.num_tokens)],
+                          dtype=torch.float64)
+    torch.distributed.all_reduce(totals, group=cp_group)  # the loss of the CP ranks' parts
+    last = parallel_state.is_pipeline_last_stage()
+    dense, dense_grads, dense_weights = run(1, False)
+    return dict(
+        last_stage=last, tokens=(dense.num_tokens, int(totals[1])),
+        loss=abs(float(totals[0] / totals[1]) - dense.loss) / abs(dense.loss) if last else 0.0,
+        weights=max_relative_diff(dense_weights, reuse_weights),
+        grads=max_relative_diff(dense_grads, reuse_grads),
+        nonzero=all(bool(g.abs().max() > 0) for g in dense_grads.values()),
+        num_microbatches=len(plan.microbatches), num_units=len(plan.prefix_units()))
+
+
+def _check(results, min_units=None):
+    for r in results:
+        assert r["weights"] == 0.0, "the CP and dense models do not hold the same weights"
+        assert r["nonzero"], "a parameter got no gradient"
+        assert r["grads"] <= TOL, r
+        if r["last_stage"]:
+            assert r["tokens"][0] == r["tokens"][1] > 0, r
+            assert r["loss"] <= TOL, r
+        assert r["num_microbatches"] > 2
+        if min_units:
+            assert r["num_units"] >= min_units, r
+
+
+@pytest.mark.megatron
+def test_cp2_reuse_equals_stock_dense_cp1():
+    _check(run_distributed(_cp_rank, world_size=2, timeout_s=TIMEOUT_S))
+
+
+@pytest.mark.megatron
+def test_cp2_reuse_with_prefix_chunks():
+    _check(run_distributed(_cp_rank, world_size=2, kwargs={"prefix_chunk_tokens": 10},
+                           timeout_s=TIMEOUT_S), min_units=8)
