@@ -119,6 +119,10 @@ def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
     a multiple of `row_multiple` (None: `row_multiple_for` the model, as stock Megatron needs
     under sequence parallelism). `model`: a module, or the rank's model chunks (virtual pipeline
     stages: Megatron's interleaved schedule, each chunk reading its own copy of the rows)."""
+    if parallel_state.get_context_parallel_world_size() > 1:
+        raise ValueError("dense_step feeds whole rows; stock Megatron at context_parallel_size > "
+                         "1 needs each rank's zigzag shard and Transformer Engine's CP attention: "
+                         "run the dense reference at CP=1 (reuse steps run CP themselves)")
     num_rows = sum(len(g.trajectories) for g in batch.groups)
     models = model if isinstance(model, list) else [model]
     gpt = unwrap_model(models[0])

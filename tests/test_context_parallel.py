@@ -21,7 +21,7 @@ TOL = 1e-5
 TIMEOUT_S = 240
 # cached prefixes P-1 = 33, 17, 22 and suffix rows 6, 9, 3, 5, 7, ...: most not multiples of 4;
 # the last group runs dense (dense_groups: no cache), in the same packed rows as cached ones.
-SHAPES = [(34, [6, 9, 3]), (18, [5, 7]), (23, [4, 6, 2, 5]), (13, [7])]
+SHAPES = [(34, [6, 9, 3]), (18, [5, 7]), (23, [4, 6, 2, 5]), (9, [6])]
 BUDGET = 16
 
 
@@ -80,14 +80,16 @@ def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp):
 
 # ---- Megatron, multi-process --------------------------------------------------------------------
 
-def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7):
+def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, overrides=None):
     """Reuse at CP=`cp` (x TP, x PP), then stock dense at CP=1 with the same TP/PP and weights
-    on the whole batch (every rank: each pipeline / TP group runs it), compared on this rank."""
+    on the whole batch (every rank: each pipeline / TP group runs it), compared on this rank.
+    `ddp`: the reuse model in Megatron's DDP with finalize_model_grads (gradients and the token
+    count reduced over the DP x CP group), else the plain CP-summing finalize."""
     import megatron_patches
     from megatron.core import parallel_state
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
-                                           reuse_step, scale_grads_by_token_count)
+                                           prepare_for_training, reuse_step)
     from prefix_schedule.planning.planner import plan_microbatches
     from test_equivalence import LOSS, make_batch
 
@@ -101,11 +103,12 @@ def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7):
 
     def run(cp_size, reuse):
         initialize_distributed(seed=1234, tp=tp, pp=pp, cp=cp_size)
-        model = build_model(cfg)
-        model.config.finalize_model_grads_func = scale_grads_by_token_count
+        model = build_model(cfg, **(overrides or {}))
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+        model = prepare_for_training(model, ddp=ddp and reuse)
         result = (reuse_step(model, batch, plan, LOSS) if reuse else dense_step(model, batch, LOSS))
-        return result, param_grads(model), weights
+        grads = {n.removeprefix("module."): g for n, g in param_grads(model).items()}
+        return result, grads, weights
 
     reuse, reuse_grads, reuse_weights = run(cp, True)
     cp_group = parallel_state.get_context_parallel_group()
@@ -145,3 +148,63 @@ def test_cp2_reuse_equals_stock_dense_cp1():
 def test_cp2_reuse_with_prefix_chunks():
     _check(run_distributed(_cp_rank, world_size=2, kwargs={"prefix_chunk_tokens": 10},
                            timeout_s=TIMEOUT_S), min_units=8)
+
+
+@pytest.mark.megatron
+def test_cp2_x_tp2_reuse_equals_stock_dense_tp2_cp1():
+    _check(run_distributed(_cp_rank, world_size=4, kwargs={"tp": 2}, timeout_s=TIMEOUT_S))
+
+
+@pytest.mark.megatron
+def test_cp2_x_pp2_reuse_equals_stock_dense_pp2_cp1():
+    _check(run_distributed(_cp_rank, world_size=4, timeout_s=TIMEOUT_S, kwargs={
+        "pp": 2, "prefix_chunk_tokens": 10, "overrides": {"deallocate_pipeline_outputs": True}}))
+
+
+@pytest.mark.megatron
+def test_cp2_reuse_in_megatron_ddp_equals_stock_dense_cp1():
+    """Megatron's DDP + finalize_model_grads reduce gradients and the token count over DP x CP."""
+    _check(run_distributed(_cp_rank, world_size=2, kwargs={"ddp": True}, timeout_s=TIMEOUT_S))
+
+
+def _refusals_rank():
+    import megatron_patches
+    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.training import (context_parallel_group, dense_step,
+                                           prepare_for_training, reuse_step)
+    from prefix_schedule.planning.planner import plan_microbatches
+    from prefix_schedule.runtime.step import ReuseStep
+    from test_equivalence import LOSS, make_batch
+
+    megatron_patches.install()
+    initialize_distributed(seed=1234, cp=2)
+    cfg = TinyLlamaConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                          num_query_groups=2, vocab_size=256, max_seq_len=256)
+    model = prepare_for_training(build_model(cfg), ddp=False)
+    batch = make_batch(7, SHAPES)
+    plan = plan_microbatches(batch, token_budget=BUDGET, max_seq_len=256)
+    errors = {}
+    for name, call in {
+        "step_without_cp": lambda: reuse_step(model, batch, plan, LOSS,
+                                              step=ReuseStep(batch, plan)),
+        "row_multiple": lambda: ReuseStep(batch, plan_microbatches(
+            batch, token_budget=BUDGET, max_seq_len=256, row_multiple=2),
+            cp_group=context_parallel_group()),
+        "dense_at_cp2": lambda: dense_step(model, batch, LOSS),
+    }.items():
+        try:
+            call()
+            errors[name] = None
+        except ValueError as error:
+            errors[name] = str(error)
+    errors["untouched"] = all(p.grad is None for p in model.parameters())
+    return errors
+
+
+@pytest.mark.megatron
+def test_cp_refusals_are_value_errors_before_compute():
+    for errors in run_distributed(_refusals_rank, world_size=2, timeout_s=TIMEOUT_S):
+        assert "the step runs CP=1" in errors["step_without_cp"], errors
+        assert "row_multiple=1" in errors["row_multiple"], errors
+        assert "Transformer Engine" in errors["dense_at_cp2"], errors
+        assert errors["untouched"], errors
