@@ -14,7 +14,7 @@ import torch
 
 from dist_harness import run_distributed
 from prefix_schedule.attention import PackedMeta, reference_attention
-from prefix_schedule.attention.cp import zigzag_attention
+from prefix_schedule.attention.cp import all_ranks_attention
 from prefix_schedule.runtime.cp import ZigzagLayout
 
 TOL = 1e-5
@@ -46,36 +46,23 @@ def test_zigzag_layout_is_megatrons():
 def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp):
     torch.manual_seed(0)
     hq, hkv, d = 4, 2, 8
-    lengths, prefixes = (7, 3, 10), (5, 0, 9)  # sequence 1 has no cached prefix (a dense row)
-    layouts = [ZigzagLayout(lengths, cp, r) for r in range(cp)]
-    total = sum(lengths)
-    q, k, v = (torch.randn(total, h, d, dtype=torch.float64, requires_grad=True)
+    # slots: two sequences share group 0's prefix, one has none (a dense row), one group 2's
+    meta = PackedMeta.from_lengths((7, 1, 3, 10), (0, 0, 1, 2))
+    prefixes = (5, 0, 9)
+    q, k, v = (torch.randn(meta.total_len, h, d, dtype=torch.float64, requires_grad=True)
                for h in (hq, hkv, hkv))
     pk = [torch.randn(p, hkv, d, dtype=torch.float64, requires_grad=True) for p in prefixes]
     pv = [torch.randn(p, hkv, d, dtype=torch.float64, requires_grad=True) for p in prefixes]
-    meta = PackedMeta.from_lengths(lengths, range(len(lengths)))
+    leaves = [q, k, v, *pk, *pv]
     reference = reference_attention(q, k, v, pk, pv, meta, scale=0.3)
     grad_out = torch.randn_like(reference)
-    expected = torch.autograd.grad(reference, [q, k, v, *pk, *pv], grad_out)
-
-    full_len = layouts[0].full_len
-    padded = [torch.zeros(full_len, *t.shape[1:], dtype=t.dtype) for t in (q, k, v)]
-    for t, p in zip((q, k, v), padded):
-        p[layouts[0].real_index()] = t  # differentiable scatter of the real rows
-    out = torch.zeros(full_len, hq, d, dtype=torch.float64)
-    for layout in layouts:
-        local = [p[layout.local_index()] for p in padded]
-        cached_k = [x if x.shape[0] else None for x in pk]
-        cached_v = [x if x.shape[0] else None for x in pv]
-        out = out.index_put((layout.local_index(),),
-                            zigzag_attention(*local, padded[1], padded[2], layout, cached_k,
-                                             cached_v, scale=0.3))
-    got = out[layouts[0].real_index()]
+    expected = torch.autograd.grad(reference, leaves, grad_out)
+    got = all_ranks_attention(q, k, v, pk, pv, meta, cp=cp, scale=0.3)
     assert torch.allclose(got, reference, atol=1e-12)
-    grads = torch.autograd.grad(got, [q, k, v, *pk, *pv], grad_out, allow_unused=True)
-    for name, e, g in zip(["q", "k", "v"] + [f"prefix{i}" for i in range(6)], expected, grads):
+    grads = torch.autograd.grad(got, leaves, grad_out, allow_unused=True)
+    for i, (e, g) in enumerate(zip(expected, grads)):
         g = torch.zeros_like(e) if g is None else g
-        assert torch.allclose(g, e, atol=1e-12), name
+        assert torch.allclose(g, e, atol=1e-12), i
 
 
 # ---- Megatron, multi-process --------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 
 from prefix_schedule.attention.core import PackedMeta, shared_prefix_attention
 
-__all__ = ["zigzag_attention"]
+__all__ = ["zigzag_attention", "all_ranks_attention"]
 
 
 def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -52,3 +52,32 @@ def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         lengths.append(b - a)
     meta = PackedMeta.from_lengths(lengths, range(len(lengths)))
     return shared_prefix_attention(q, k, v, keys, values, meta, scale=scale, backend=backend)
+
+
+def all_ranks_attention(q, k, v, prefix_k, prefix_v, meta, *, cp: int, scale=None,
+                        backend=None) -> torch.Tensor:
+    """Every CP rank's zigzag_attention in one process, put back together: the inputs and output
+    of shared_prefix_attention (whole packed row, one cached prefix per group slot of `meta`).
+
+    The all-gather is emulated by padding the whole row (differentiable), so this checks the
+    layout and the per-rank kernel calls against the oracle on any device (tests, gpu_check)."""
+    from prefix_schedule.runtime.cp import ZigzagLayout
+
+    lengths = [b - a for a, b in zip(meta.cu_seqlens, meta.cu_seqlens[1:])]
+    layouts = [ZigzagLayout(tuple(lengths), cp, r) for r in range(cp)]
+    real = layouts[0].real_index().to(q.device)
+
+    def padded(t):
+        return t.new_zeros((layouts[0].full_len, *t.shape[1:])).index_put((real,), t)
+
+    q_full, k_full, v_full = padded(q), padded(k), padded(v)
+    cached_k = [prefix_k[s] for s in meta.seq_slot]  # an empty prefix stays in the graph
+    cached_v = [prefix_v[s] for s in meta.seq_slot]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = q.new_zeros(q_full.shape)
+    for layout in layouts:
+        local = layout.local_index().to(q.device)
+        out = out.index_put((local,), zigzag_attention(
+            q_full[local], k_full[local], v_full[local], k_full, v_full, layout, cached_k,
+            cached_v, scale=scale, backend=backend))
+    return out[real]
