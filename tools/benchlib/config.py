@@ -68,6 +68,9 @@ class BenchConfig:
     """Tensor-parallel ranks."""
     dp: int = 1
     """Data-parallel ranks (groups placed by prefix_schedule.planning.placement.place_groups)."""
+    cp: int = 1
+    """Context-parallel ranks of the reuse path (benchlib/cp.py: dense then runs CP=1 x DP=cp
+    on the same processes; the JSON adds the bytes each phase moves across the CP group)."""
     attention_backend: str = dataclasses.field(default="auto", metadata={
         "choices": (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES})
     """Shared-prefix attention kernel of the reuse path: auto or a name of
@@ -81,7 +84,7 @@ class BenchConfig:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
                         hidden_size=1, ffn_hidden_size=1, num_attention_heads=1,
                         num_query_groups=1, vocab_size=2, steps=1, warmup=0, threads=1, seed=0,
-                        pp=1, tp=1, dp=1, timeout=1)
+                        pp=1, tp=1, dp=1, cp=1, timeout=1)
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -108,13 +111,15 @@ class BenchConfig:
             if getattr(self, name) % self.tp:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} is not a multiple "
                                  f"of --tp={self.tp}")
+        if self.cp > 1 and self.dp > 1:
+            raise ValueError("--cp > 1 with --dp > 1 is not benchmarked yet; use --dp 1")
         if self.num_query_groups % self.tp and self.tp % self.num_query_groups:
             raise ValueError(f"--num-query-groups={self.num_query_groups} must be a multiple or a "
                              f"divisor of --tp={self.tp}")
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.tp * self.dp
+        return self.pp * self.tp * self.dp * self.cp
 
     @property
     def row_len(self) -> int:
