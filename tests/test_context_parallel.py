@@ -195,3 +195,42 @@ def test_cp_refusals_are_value_errors_before_compute():
         assert "row_multiple=1" in errors["row_multiple"], errors
         assert "Transformer Engine" in errors["dense_at_cp2"], errors
         assert errors["untouched"], errors
+
+
+# ---- tools/bench.py --cp 2 ------------------------------------------------------------------------
+
+@pytest.mark.megatron
+def test_bench_cp2_records_layout_and_bytes_per_phase(tmp_path):
+    """A tiny `bench.py --cp 2` (prompt and response lengths not multiples of 4): reuse's
+    gradients equal stock dense's, the JSON names the layout, and Phase A's K/V all-gather moves
+    exactly its ring share: 2 groups x 2 layers x (K, V) x 44 padded rows x 2 heads x 16 dims x
+    4 bytes x (CP-1)/CP."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cp.json"
+    flags = ["--cp", "2", "--prefix-len", "43", "--suffix-len", "9", "--group-size", "3",
+             "--num-groups", "2", "--num-layers", "2", "--hidden-size", "64",
+             "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--num-query-groups", "2",
+             "--vocab-size", "256", "--steps", "1", "--warmup", "0", "--skip-stock",
+             "--timeout", "200", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(root / "tools" / "bench.py"), *flags], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["layout"] == {"pp": 1, "tp": 1, "dp": 1, "cp": 2}
+    assert result["max_grad_rel_diff"] <= TOL
+    assert abs(result["loss_dense"] - result["loss_reuse"]) <= TOL * abs(result["loss_dense"])
+    reuse = result["cp_traffic"]["reuse_bytes_per_rank"]
+    assert reuse["A.all_gather"] == 2 * 2 * 2 * 44 * 2 * 16 * 4 // 2
+    assert reuse["B.all_gather"] == reuse["B.reduce_scatter"] > 0
+    assert reuse["C.reduce_scatter"] > 0
+    dense = result["cp_traffic"]["dense_cp_bytes_per_rank_model"]
+    # 6 dense rows of 51 tokens, padded to 52
+    assert dense["all_gather"] == dense["reduce_scatter"] == 6 * 2 * 52 * 2 * 16 * 4 * 2 // 2
+    assert "cp 2 = 2 process(es)" in proc.stdout and "CP MiB per rank" in proc.stdout
