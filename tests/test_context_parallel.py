@@ -127,8 +127,14 @@ def _check(results, min_units=None):
 
 
 @pytest.mark.megatron
-def test_cp2_reuse_equals_stock_dense_cp1():
-    _check(run_distributed(_cp_rank, world_size=2, timeout_s=TIMEOUT_S))
+@pytest.mark.parametrize("overrides", [None, {"recompute_granularity": "selective",
+                                              "recompute_modules": ["core_attn"]}],
+                         ids=["plain", "core_attn_recompute"])
+def test_cp2_reuse_equals_stock_dense_cp1(overrides):
+    """Also with selective core-attention recompute: the hook then runs again inside backward,
+    its K/V all-gather and that gather's reduce-scatter included, on every CP rank alike."""
+    _check(run_distributed(_cp_rank, world_size=2, kwargs={"overrides": overrides},
+                           timeout_s=TIMEOUT_S))
 
 
 @pytest.mark.megatron
