@@ -47,11 +47,18 @@ def zigzag_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     for i, a, b in layout.chunks(layout.rank):
         parts_k = [t for t in (prefix_k[i], k_full[starts[i]:starts[i] + a]) if t is not None]
         parts_v = [t for t in (prefix_v[i], v_full[starts[i]:starts[i] + a]) if t is not None]
-        keys.append(torch.cat(parts_k) if parts_k else empty)
-        values.append(torch.cat(parts_v) if parts_v else empty)
+        keys.append(_joined(parts_k, empty))
+        values.append(_joined(parts_v, empty))
         lengths.append(b - a)
     meta = PackedMeta.from_lengths(lengths, range(len(lengths)))
     return shared_prefix_attention(q, k, v, keys, values, meta, scale=scale, backend=backend)
+
+
+def _joined(parts, empty):
+    """One key block (no copy for a single part: a slice of the gathered row, or the cache's)."""
+    if not parts:
+        return empty
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def all_ranks_attention(q, k, v, prefix_k, prefix_v, meta, *, cp: int, scale=None,
