@@ -240,3 +240,15 @@ def test_bench_cp2_records_layout_and_bytes_per_phase(tmp_path):
     # 6 dense rows of 51 tokens, padded to 52
     assert dense["all_gather"] == dense["reduce_scatter"] == 6 * 2 * 52 * 2 * 16 * 4 * 2 // 2
     assert "cp 2 = 2 process(es)" in proc.stdout and "CP MiB per rank" in proc.stdout
+
+
+def test_bench_cp_config():
+    from tools_import import tool
+
+    bench = tool("bench")
+    config, _ = bench.parse_args(["--cp", "2", "--tp", "2"])
+    assert config.world_size == 4
+    with pytest.raises(ValueError, match="--cp > 1 with --dp > 1"):
+        bench.parse_args(["--cp", "2", "--dp", "2"])
+    with pytest.raises(ValueError, match="--cp=0"):
+        bench.parse_args(["--cp", "0"])
