@@ -97,8 +97,11 @@ class ZigzagLayout:
         return full[self.local_index()]
 
     def positions(self, offsets: Sequence[int]) -> torch.Tensor:
-        """Local position ids: sequence i's token t is at offsets[i] + t (padding continues)."""
-        full = torch.cat([torch.arange(o, o + p) for o, p in zip(offsets, self.padded)])
+        """Local position ids: sequence i's token t is at offsets[i] + t; its padding repeats
+        the last real position (no real token sees padding, and no position passes the real
+        ones: a learned position table need not be longer)."""
+        full = torch.cat([o + torch.arange(p).clamp(max=n - 1)
+                          for o, p, n in zip(offsets, self.padded, self.lengths)])
         return full[self.local_index()]
 
 
@@ -189,4 +192,4 @@ class CPRow:
     position_ids: torch.Tensor
     """[local_len] position of each local token (suffixes continue at their prefix length)."""
     max_position: int
-    """Largest position of the padded full row (host int)."""
+    """Largest entry of position_ids over the whole row (host int)."""

@@ -112,12 +112,12 @@ class ReuseStep:
 
     def _cp_row(self, layout: ZigzagLayout, offsets) -> CPRow:
         return CPRow(group=self.cp, layout=layout, position_ids=layout.positions(offsets),
-                     max_position=max(o + p - 1 for o, p in zip(offsets, layout.padded)))
+                     max_position=max(o + n - 1 for o, n in zip(offsets, layout.lengths)))
 
     def _shard(self, item: Dict[str, torch.Tensor], layout: ZigzagLayout,
                offsets) -> Dict[str, torch.Tensor]:
         """This rank's zigzag rows of a [1, L] item; padding: 0 everywhere (no loss), positions
-        continuing their sequence."""
+        as ZigzagLayout.positions gives them."""
         out = {name: layout.shard(value[0]).unsqueeze(0) for name, value in item.items()
                if name != "position_ids"}
         out["position_ids"] = layout.positions(offsets).unsqueeze(0)
