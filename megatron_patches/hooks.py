@@ -88,7 +88,7 @@ def _cp_attention(context, layer, q, k, v, key, value, scale):
     v_full = cp.all_gather_rows(v, layout, *phases)
     if prefix:
         if not context.recomputing:
-            real = layout.real_index().to(k.device)
+            real = cp.index(layout, "real", k.device)
             context.cache.store(
                 context.group, layer, key, value, chunk=context.chunk,
                 full=(k_full.detach()[real], v_full.detach()[real]),

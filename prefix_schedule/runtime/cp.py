@@ -118,6 +118,18 @@ class CPGroup:
         self.size = dist.get_world_size(group) if size is None else size
         self.rank = dist.get_rank(group) if rank is None else rank
         self.traffic: Dict[str, int] = {}
+        self._indices: Dict[tuple, torch.Tensor] = {}
+
+    def index(self, layout: ZigzagLayout, kind: str, device) -> torch.Tensor:
+        """layout's "local", "gather" or "real" index on `device`, built and copied once per
+        (layout, device) for the group's lifetime (a step): no host work or pageable
+        host-to-device copy per layer."""
+        key = (layout, kind, str(device))
+        if key not in self._indices:
+            build = {"local": layout.local_index, "gather": layout.gather_index,
+                     "real": layout.real_index}[kind]
+            self._indices[key] = build().to(device)
+        return self._indices[key]
 
     def layout(self, lengths: Sequence[int]) -> ZigzagLayout:
         return ZigzagLayout(tuple(int(n) for n in lengths), self.size, self.rank)
@@ -152,12 +164,12 @@ class CPGroup:
         dist.all_gather(parts, x, group=self.group)
         self._count(phase + ".all_gather", x.numel() * x.element_size() * self.size)
         full = x.new_empty((layout.full_len, *x.shape[1:]))
-        full[layout.gather_index().to(x.device)] = torch.cat(parts)
+        full[self.index(layout, "gather", x.device)] = torch.cat(parts)
         return full
 
     def _reduce_scatter(self, full: torch.Tensor, layout: ZigzagLayout,
                         phase: str) -> torch.Tensor:
-        ranked = full[layout.gather_index().to(full.device)].contiguous()  # rank-major
+        ranked = full[self.index(layout, "gather", full.device)].contiguous()  # rank-major
         self._count(phase + ".reduce_scatter", ranked.numel() * ranked.element_size())
         if dist.get_backend(self.group) == "nccl":
             out = ranked.new_empty((layout.local_len, *ranked.shape[1:]))
