@@ -69,6 +69,10 @@ FIELD_RULES: Dict[str, Rule] = _merge(
         "supported", _VARIANTS + " (core_attn, mlp)",
         allowed=lambda v: v is None or set(v) <= {"core_attn", "mlp"}, example=["layernorm"],
         fix="only recompute_modules 'core_attn' and 'mlp' are verified with prefix reuse")},
+    {"context_parallel_size": Rule(
+        "supported", "tests/test_context_parallel.py (CP=2 reuse == CP=1 stock dense; x TP, x PP)",
+        allowed=lambda v: isinstance(v, int) and v >= 1, example=0,
+        fix="context_parallel_size must be an int >= 1")},
     {"calculate_per_token_loss": Rule(
         "supported", "every reuse test", allowed=bool, example=False,
         fix="prefix reuse needs calculate_per_token_loss=True (a token mean over the global "
@@ -80,8 +84,6 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _refuse("attention_dropout", "dropout masks", "dropout > 0: dense training draws a prefix "
               "dropout mask per trajectory, reuse one per group, so they are different "
               "estimators; set hidden_dropout=attention_dropout=0", 0.1),
-    _refuse("context_parallel_size", "CP", "prefix reuse does not support context "
-              "parallelism yet; set context_parallel_size=1", 2, allowed=lambda v: v == 1),
     _refuse("multi_latent_attention", "MLA", "prefix reuse does not hook multi-latent "
               "attention (MLA) yet", True),
     _refuse("window_size", "sliding window", "sliding-window attention (window_size) is not "
@@ -189,7 +191,8 @@ FIELD_RULES: Dict[str, Rule] = _merge(
              "tp_comm_bulk_dgrad tp_comm_overlap_ag tp_comm_overlap_rs tp_comm_overlap_rs_dgrad "
              "tp_comm_split_ag tp_comm_atomic_ag tp_comm_split_rs tp_comm_atomic_rs "
              "tp_comm_overlap_disable_qkv tp_comm_overlap_disable_fc1 tp_comm_bootstrap_backend"),
-    _group("irrelevant", "only read with context parallelism (refused)",
+    _group("irrelevant", "the dense CP kernel's choice: reuse steps gather K/V over the CP "
+             "group themselves (runtime/cp.py), whatever TE's cp_comm_type",
              "hierarchical_context_parallel_sizes cp_comm_type"),
     _group("irrelevant", "only read with full recompute (refused)", "recompute_method "
              "recompute_num_layers distribute_saved_activations"),

@@ -18,6 +18,8 @@ Without CUDA it replaces only things that would raise on this machine anyway:
   (`model_parallel_cuda_manual_seed` is mandatory even with dropout 0: attention forks it).
 * `device="cuda"` factories inside Megatron functions: the default causal mask, the token
   counter in every schedule, and the optimizer's flags / grad-norm buffers are created on the CPU.
+* `get_pos_emb_on_this_cp_rank` (RoPE table of a CP rank) sends a pinned host index to the GPU:
+  a CPU version selects the same zigzag chunks.
 * The distributed optimizer sorts parameters by `param.type() == 'torch.cuda.FloatTensor'`
   (distrib_optimizer.py:401-481, 758): while it is built, CPU tensors report CUDA type names.
 See ../shared/notes/megatron-on-cpu.md for where each was measured.
@@ -191,6 +193,17 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor
 
 
+def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
+    """rope_utils.get_pos_emb_on_this_cp_rank without its pinned host index sent to the GPU:
+    rank r's zigzag chunks r and 2*CP-1-r of the table (stock dense forwards at CP > 1 build
+    it before the reuse RoPE hook replaces it)."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    shape = pos_emb.shape
+    chunks = pos_emb.view(*shape[:seq_dim], 2 * cp_size, -1, *shape[seq_dim + 1:])
+    chunks = chunks.index_select(seq_dim, torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1]))
+    return chunks.view(*shape[:seq_dim], -1, *shape[seq_dim + 1:])
+
+
 def _patch_megatron_modules() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.pipeline_parallel import schedules
@@ -202,6 +215,10 @@ def _patch_megatron_modules() -> None:
     from megatron.core.optimizer import distrib_optimizer
     from megatron.core.optimizer import optimizer as megatron_optimizer
 
+    from megatron.core.models.common.embeddings import rope_utils, rotary_pos_embedding
+
+    rope_utils.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
+    rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
     for module in (schedules, megatron_optimizer, clip_grads, core_utils, distrib_optimizer):

@@ -64,6 +64,7 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
     _check_layout(step, num_model_chunks)
     if model is not None:
         check_layers_supported(config, model)  # HybridModel layer kinds, MTP
+    _check_context_parallel(config, step)
     _check_sequence_parallel_rows(config, step)
     _check_deferred_embedding_wgrad(config, step)
     if config.num_moe_experts and model is not None:  # last: a collective over the EP group
@@ -84,6 +85,19 @@ def _check_layout(step, num_model_chunks: int) -> None:
             f"model has {num_model_chunks} and the virtual pipeline size is {vpp}; build the "
             f"step with ReuseStep(batch, plan, num_stages={pp}, num_model_chunks={vpp}) and "
             "pass the rank's model chunks as a list")
+
+
+def _check_context_parallel(config, step) -> None:
+    cp = parallel_state.get_context_parallel_world_size()
+    planned = 1 if step.cp is None else step.cp.size
+    if planned != cp or config.context_parallel_size != cp:
+        raise ValueError(
+            f"the context-parallel size is {cp} (config: {config.context_parallel_size}) but the "
+            f"step runs CP={planned}; build it with ReuseStep(batch, plan, cp_group="
+            "megatron_patches.training.context_parallel_group())")
+    if cp > 1 and config.sequence_parallel:
+        raise ValueError("sequence_parallel=True with context parallelism is not supported by "
+                         "prefix reuse yet; set sequence_parallel=False")
 
 
 def _check_deferred_embedding_wgrad(config, step) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from prefix_schedule.attention import PackedMeta, causal_attention, shared_prefix_attention
+from prefix_schedule.attention.cp import zigzag_attention
 from prefix_schedule.runtime.context import (
     PrefixForwardContext,
     PrefixForwardDone,
@@ -48,7 +49,9 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
         raise AssertionError("reuse rows are packed into batch size 1")
     scale = _softmax_scale(module, query.shape[-1])
     q, k, v = query[:, 0], key[:, 0], value[:, 0]
-    if isinstance(context, PrefixForwardContext):
+    if context.cp is not None:
+        out = _cp_attention(context, module.layer_number, q, k, v, key, value, scale)
+    elif isinstance(context, PrefixForwardContext):
         if not context.recomputing:
             real = key.shape[0] - context.padding  # never cache the padding at the row's end
             stored_k, stored_v = (key, value) if not context.padding else (key[:real], value[:real])
@@ -76,6 +79,47 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
     return out.reshape(out.shape[0], 1, -1)
 
 
+def _cp_attention(context, layer, q, k, v, key, value, scale):
+    """A zigzag local row ([Note: zigzag CP layout], runtime/cp.py): the row's K/V are
+    all-gathered over the CP group (backward: reduce-scatter), local queries attend through
+    attention/cp.py. A prefix row caches its local K/V with the gathered whole
+    ([Note: CP prefix cache], cache.py)."""
+    cp, layout = context.cp.group, context.cp.layout
+    prefix = isinstance(context, PrefixForwardContext)
+    phases = ("A", "C") if prefix else ("B", "B")
+    k_full = cp.all_gather_rows(k, layout, *phases)
+    v_full = cp.all_gather_rows(v, layout, *phases)
+    if prefix:
+        if not context.recomputing:
+            real = cp.index(layout, "real", k.device)
+            context.cache.store(
+                context.group, layer, key, value, chunk=context.chunk,
+                full=(k_full.detach()[real], v_full.detach()[real]),
+                to_local=lambda grads: cp.reduce_scatter_rows(
+                    [_pad_rows(g, layout, real) for g in grads], layout, "C"))
+            if context.stop_after_layer == layer:
+                raise PrefixForwardDone()
+        cached = ([context.cache.read(context.group, layer, before_chunk=context.chunk)]
+                  if context.chunk > 0 else [(None, None)])
+    else:
+        reads = {}
+        cached = []
+        for slot in context.meta.seq_slot:
+            group = context.slot_groups[slot]
+            if group is not None and group not in reads:
+                reads[group] = context.cache.read(group, layer)
+            cached.append(reads[group] if group is not None else (None, None))
+    return zigzag_attention(q, k, v, k_full, v_full, layout, [c[0] for c in cached],
+                            [c[1] for c in cached], scale=scale)
+
+
+def _pad_rows(grad, layout, real):
+    """A whole-prefix gradient [L, ...] placed at its real rows of the padded full row."""
+    full = grad.new_zeros((layout.full_len, *grad.shape[1:]))
+    full[real] = grad
+    return full
+
+
 def _prefix_attention(context, layer, q, k, v, scale):
     if context.chunk == 0:
         return causal_attention(q, k, v, scale=scale)
@@ -97,6 +141,9 @@ def rotary_pos_emb_hook(model, rotary_pos_emb):
     context = current_context()
     if rotary_pos_emb is None or context is None:
         return rotary_pos_emb
+    if context.cp is not None:  # local zigzag rows: the un-sharded table at their positions
+        table = model.rotary_pos_emb(context.cp.max_position + 1, packed_seq=True)
+        return torch.index_select(table, 0, context.cp.position_ids.to(table.device))
     if isinstance(context, PrefixForwardContext):
         offset = context.position_offset
         if offset == 0:

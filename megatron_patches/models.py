@@ -41,6 +41,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig  # no
 __all__ = [
     "TinyLlamaConfig",
     "FusedSDPACoreAttention",
+    "ContextParallelReuseCoreAttention",
     "SequenceParallelTorchNorm",
     "initialize_single_process",
     "initialize_distributed",
@@ -112,11 +113,12 @@ def initialize_single_process(seed: int = 1234, tp: int = 1, pp: int = 1) -> Non
 
 def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1,
                            vpp: Optional[int] = None, timeout_s: Optional[float] = None,
-                           ep: int = 1) -> None:
+                           ep: int = 1, cp: int = 1) -> None:
     """Megatron parallel state + RNG tracker on an already initialised process group.
 
     `vpp`: virtual pipeline stages per rank (Megatron's interleaved layout); `ep`: expert
-    parallel size (carved out of the data-parallel ranks, as Megatron does). `timeout_s`: how
+    parallel size (carved out of the data-parallel ranks, as Megatron does); `cp`: context
+    parallel size. `timeout_s`: how
     long a collective or p2p in Megatron's groups waits for its peers before it fails (None:
     `$PREFIX_REUSE_COLLECTIVE_TIMEOUT_S`, which the launchers set, else Megatron's default of
     30 minutes)."""
@@ -127,7 +129,8 @@ def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1,
     extra = {} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep, **extra
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+        context_parallel_size=cp, **extra
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
@@ -156,6 +159,7 @@ def make_transformer_config(cfg: TinyLlamaConfig, **overrides) -> TransformerCon
         calculate_per_token_loss=True,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        context_parallel_size=parallel_state.get_context_parallel_world_size(),
         virtual_pipeline_model_parallel_size=(
             parallel_state.get_virtual_pipeline_model_parallel_world_size()),
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
@@ -201,6 +205,25 @@ class FusedSDPACoreAttention(MegatronModule):
         )
         s, b = query.shape[0], query.shape[1]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+class ContextParallelReuseCoreAttention(MegatronModule):
+    """Core attention of a CP > 1 model on the local spec (whose DotProductAttention refuses CP:
+    stock dense CP needs Transformer Engine). Reuse steps never reach it -- the reuse hook runs
+    every attention of a reuse step, CP included (runtime/cp.py) -- so it only refuses dense
+    forwards. No parameters: the model's weights are the local spec's."""
+
+    def __init__(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None):
+        super().__init__(config=config)
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale
+
+    def forward(self, *args, **kwargs):
+        raise ValueError("this CPU model was built with context_parallel_size > 1, which stock "
+                         "Megatron runs only on Transformer Engine's attention; run dense steps "
+                         "at CP=1 (prefix-reuse steps run CP themselves)")
 
 
 class SequenceParallelTorchNorm:
@@ -282,6 +305,10 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     if fused_attention:
         for layer_spec in getattr(spec, "layer_specs", [spec]):  # an MoE model's block spec
             layer_spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention
+    if config.context_parallel_size > 1:  # the local DotProductAttention refuses CP
+        for layer_spec in getattr(spec, "layer_specs", [spec]):
+            layer_spec.submodules.self_attention.submodules.core_attention = (
+                ContextParallelReuseCoreAttention)
     if config.sequence_parallel:  # the local spec's norms refuse it
         spec = _sequence_parallel_block_spec(spec, config, vp_stage)
     model = GPTModel(

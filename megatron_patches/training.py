@@ -17,6 +17,7 @@ from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.losses import PolicyLossConfig
 from prefix_schedule.planning.inputs import build_dense_inputs, build_dense_microbatch_inputs
 from prefix_schedule.planning.planner import StepPlan
+from prefix_schedule.runtime.cp import CPGroup
 from prefix_schedule.runtime.step import ReuseStep
 
 from megatron.core import parallel_state
@@ -26,7 +27,8 @@ from megatron.core.utils import get_model_config, unwrap_model
 import megatron_patches
 from megatron_patches.rl import make_policy_forward_step
 
-__all__ = ["StepResult", "dense_items", "dense_packed_items", "row_multiple_for", "dense_step", "reuse_step",
+__all__ = ["StepResult", "dense_items", "dense_packed_items", "row_multiple_for", "dense_step",
+           "reuse_step", "context_parallel_group",
            "scale_grads_by_token_count",
            "prepare_for_training", "zero_grads",
            "param_grads", "max_relative_diff", "max_elementwise_error"]
@@ -58,11 +60,25 @@ def scale_grads_by_token_count(models, num_tokens, **_kwargs) -> None:
         num_tokens = num_tokens.clone()
         torch.distributed.broadcast(num_tokens, src=parallel_state.get_pipeline_model_parallel_last_rank(),
                                     group=parallel_state.get_pipeline_model_parallel_group())
+    cp_group = parallel_state.get_context_parallel_group()
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:  # CP ranks hold parts of the same rows: sum tokens and gradients (as DDP does)
+        num_tokens = num_tokens.clone()
+        torch.distributed.all_reduce(num_tokens, group=cp_group)
     count = max(int(num_tokens), 1)
     for model in models:
         for p in model.parameters():
             if p.grad is not None:
+                if cp > 1:
+                    torch.distributed.all_reduce(p.grad, group=cp_group)
                 p.grad.div_(count)
+
+
+def context_parallel_group() -> Optional[CPGroup]:
+    """This rank's CP group for a ReuseStep (None at CP=1)."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return None
+    return CPGroup(parallel_state.get_context_parallel_group())
 
 
 def _check_plain_finalize(config) -> None:
@@ -116,6 +132,10 @@ def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
     stages: Megatron's interleaved schedule, each chunk reading its own copy of the rows).
     `packing`: a reuse plan whose microbatches the dense microbatches mirror
     (`dense_packed_items`: the reference of MoE reuse steps)."""
+    if parallel_state.get_context_parallel_world_size() > 1:
+        raise ValueError("dense_step feeds whole rows; stock Megatron at context_parallel_size > "
+                         "1 needs each rank's zigzag shard and Transformer Engine's CP attention: "
+                         "run the dense reference at CP=1 (reuse steps run CP themselves)")
     if packing is not None:
         if row_multiple not in (None, 1):
             raise ValueError("dense_step(packing=...) pads rows to the microbatch's longest; "
@@ -163,7 +183,7 @@ def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss_config: PolicyLoss
     if step is None:
         step = ReuseStep(batch, plan,
                          num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
-                         num_model_chunks=len(models))
+                         num_model_chunks=len(models), cp_group=context_parallel_group())
     with megatron_patches.use_prefix_reuse_schedule():
         forward_backward = get_forward_backward_func()
     reports = forward_backward(

@@ -16,7 +16,7 @@ from prefix_schedule.attention.backends import _reset, get_backend
 ROOT = Path(__file__).resolve().parents[1]
 CPU, F64 = torch.device("cpu"), torch.float64
 TOP = {"schema", "mode", "device", "capability", "libraries", "sizes", "availability", "correctness",
-       "timing", "e2e", "env", "claims", "failures", "elapsed_s"}
+       "cp_correctness", "timing", "e2e", "env", "claims", "failures", "elapsed_s"}
 E2E = {"claim", "ok", "settings", "model", "workload", "grad_rel_err_vs_fp32",
        "grad_rel_diff_reuse_vs_dense", "losses", "phases"}
 PHASES = ["reference_fp32_dense", "dense_bf16", "reuse_bf16", "reuse_bf16_offload_prefix_activations"]
@@ -55,7 +55,11 @@ def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
     assert set(e2e) == E2E and e2e["ok"] and [p["phase"] for p in e2e["phases"]] == PHASES
     errors = e2e["grad_rel_err_vs_fp32"]
     assert 0 < errors["dense_bf16"] < 0.2 and errors["reuse_bf16"] <= 1.5 * errors["dense_bf16"]
-    assert [c["status"] for c in report["claims"]] == ["proved"] * 4
+    cp_rows = report["cp_correctness"]
+    assert {(r["backend"], r["cp"], r["layout"]) for r in cp_rows} == {
+        (b, 2, lay) for b in ("torch", "math") for lay in ("3groups", "empty_slot")}
+    assert all(r["ok"] and r["dprefix_k"] <= r["tol"] for r in cp_rows)
+    assert [c["status"] for c in report["claims"]] == ["proved"] * 5
     assert "[proved]" in proc.stdout and "0 failure(s)" in proc.stdout
 
 

@@ -4,6 +4,10 @@
    the float64 oracle in bf16 and fp16 -- output, dq, dk, dv, prefix gK/gV -- on packed rows of
    3 groups with GQA (H=32/8, D=128): with a slot without a prefix, with only 1-token suffixes,
    and one over 1024 query rows (TE's bucketed softmax stats: 1300 rows -> 2048).
+   Context parallelism: every CP rank's zigzag pieces (attention/cp.py all_ranks_attention, the
+   CP=2 / CP=4 layouts of the same rows) on each backend against the same oracle: the non-CP
+   kernel calls a CP reuse step makes on each rank (TE's own CP attention is never used: it
+   disables every backend for bottom-right masks; docs/DESIGN.md "Context parallelism").
 2. Attention timings (CUDA events, warm-up first) and peak memory (torch.cuda.max_memory_allocated,
    reset per phase) for every backend x mode: prefix 4096, 16 suffixes x 512, bf16.
 3. End to end (tools/gpu_check_e2e.py): one training step, dense vs prefix reuse, bf16, with
@@ -41,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, gpu_check_
 from benchlib.timing import PhaseMemory, RegionTimer  # noqa: E402
 from prefix_schedule.attention import PackedMeta, reference_attention, shared_prefix_attention  # noqa: E402
 from prefix_schedule.attention.backends import availability  # noqa: E402
+from prefix_schedule.attention.cp import all_ranks_attention  # noqa: E402
 
 SCHEMA = 1
 GRADS = ("out", "dq", "dk", "dv", "dprefix_k", "dprefix_v")
@@ -60,10 +65,11 @@ class Sizes:
     timing: tuple  # (prefix, suffixes, suffix length)
     dtypes: tuple[str, ...]
     backends: tuple[str, ...]
+    cp_sizes: tuple[int, ...] = (2,)
 
 
 GPU = Sizes(heads=(32, 8), head_dim=128, timing=(4096, 16, 512), dtypes=("bfloat16", "float16"),
-            backends=GPU_BACKENDS, layouts={
+            backends=GPU_BACKENDS, cp_sizes=(2, 4), layouts={
                 "3groups": ([37, 1, 64, 1, 129, 90, 1], [0, 0, 1, 1, 1, 2, 2], [300, 129, 257]),
                 "empty_slot": ([37, 1, 64, 1, 129, 90, 1], [0, 0, 1, 1, 1, 2, 2], [300, 0, 257]),
                 # every query entry has one token: flash-attn's max_seqlen_q == 1 GQA path
@@ -149,6 +155,31 @@ def check_correctness(device, sizes: Sizes, names):
     return rows
 
 
+def check_cp_correctness(device, sizes: Sizes, names):
+    """Every CP rank's zigzag pieces through `name`'s kernels == the float64 oracle."""
+    rows = []
+    for layout_name, layout in sizes.layouts.items():
+        base, meta, grad_out = make_case(layout, *sizes.heads, sizes.head_dim, device)
+        dtype_name = sizes.dtypes[0]
+        dtype = getattr(torch, dtype_name)
+        rounded = leaves(base, dtype)
+        want = out_and_grads(reference_attention, leaves(rounded, torch.float64), meta,
+                             grad_out.to(dtype).double())
+        for name in names:
+            for cp in sizes.cp_sizes:
+                row = dict(backend=name, cp=cp, dtype=dtype_name, layout=layout_name,
+                           tol=TOL[dtype_name])
+                try:
+                    got = out_and_grads(all_ranks_attention, leaves(rounded, dtype), meta,
+                                        grad_out, cp=cp, backend=name)
+                    row.update({g: rel_err(a, b) for g, a, b in zip(GRADS, got, want)})
+                    row["ok"] = all(row[g] <= TOL[dtype_name] for g in GRADS)
+                except Exception as e:  # noqa: BLE001 -- report and go on
+                    row.update(ok=False, error=f"{type(e).__name__}: {e}")
+                rows.append(row)
+    return rows
+
+
 def time_attention(name, mode, device, sizes: Sizes, repeats, warmup):
     prefix, count, length = sizes.timing
     base, meta, grad_out = make_case(([length] * count, [0] * count, [prefix]), *sizes.heads,
@@ -202,6 +233,12 @@ def claims(report, checked_backends, dry_run) -> list[dict]:
         status = ("not run: " + report["availability"][name] if name not in checked_backends
                   else "proved" if all(r["ok"] for r in mine) else "failed")
         out.append(dict(claim=what, status=status))
+    cp_rows = report["cp_correctness"]
+    out.append(dict(claim="context parallelism: every CP rank's zigzag pieces (CP "
+                    f"{sorted({r['cp'] for r in cp_rows})}) on "
+                    f"{sorted({r['backend'] for r in cp_rows})} match the float64 oracle",
+                    status="proved" if cp_rows and all(r["ok"] for r in cp_rows)
+                    else "failed" if cp_rows else "not run: no backend available"))
     timing = report["timing"]
     out.append(dict(claim="attention fwd+bwd time (synchronized) and peak memory per backend x mode",
                     status="proved" if timing and all(t["ok"] for t in timing)
@@ -239,6 +276,7 @@ def main(argv=None) -> int:
     report["availability"] = {n: a.reason or "available" for n, a in avail.items()}
     names = [n for n in sizes.backends if avail[n]]
     report["correctness"] = check_correctness(device, sizes, names)
+    report["cp_correctness"] = check_cp_correctness(device, sizes, names)
     _save(args.json, report)
     report["timing"] = []
     for name in names:
@@ -267,13 +305,14 @@ def main(argv=None) -> int:
     report["env"] = {k: os.environ.get(k) for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN",
                                                      "NVTE_UNFUSED_ATTN")}  # as the run left them
     report["claims"] = claims(report, names, dry_run=not cuda)
-    failures = sum(not r.get("ok", True) for r in report["correctness"] + report["timing"])
+    failures = sum(not r.get("ok", True) for r in report["correctness"] + report["timing"]
+                   + report["cp_correctness"])
     failures += int(bool(report["e2e"]) and report["e2e"].get("ok") is False)
     report["failures"], report["elapsed_s"] = failures, time.monotonic() - started
     _save(args.json, report)
     for claim in report["claims"]:
         print(f"[{claim['status']}] {claim['claim']}")
-    for row in report["correctness"] + report["timing"]:
+    for row in report["correctness"] + report["cp_correctness"] + report["timing"]:
         if not row.get("ok", True):
             print(f"FAILED {row}")
     print(f"{failures} failure(s) in {report['elapsed_s']:.0f} s")

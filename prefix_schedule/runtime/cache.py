@@ -6,6 +6,15 @@ a detached copy that suffix microbatches read, and fp32 gradient buffers that ev
 backward adds into. A chunk's entries are consumed once by `backward(group, chunk=c)` and then
 freed; any use after that is a protocol error and raises. Unchunked prefixes are chunk 0.
 
+[Note: CP prefix cache]
+With context parallelism a rank runs only its zigzag rows of a prefix unit, but every suffix
+query needs the whole prefix. Phase A's attention all-gathers each layer's K/V anyway; the entry
+keeps that whole (real-token) K/V as the detached leaf that reads return, and its fp32 gK/gV
+buffers are whole-prefix too: each rank accumulates what its own queries gave every prefix
+token. Once, before the chunk's Phase C, one reduce-scatter over the CP group sums them and
+hands each rank the rows it owns; the prefix backward then runs from those. No K/V moves in
+Phase B beyond the suffix's own.
+
 Chunks ([Note: prefix chunks] in units.py): a read of chunks 0..n-1 returns their K/V
 concatenated along the tokens, each chunk through its own accumulator, so a gradient slice lands
 in the buffer of the chunk it belongs to; chunk c's forward reads chunks < c that way, so chunk
@@ -74,21 +83,28 @@ class PrefixKVCache:
         self._entries: Dict[Tuple[int, int], Dict[int, _Entry]] = {}  # (group, chunk) -> layers
         self._freed: set = set()  # (group, chunk)
         self._parents: Dict[int, Dict[int, Optional[int]]] = {}  # group -> chunk -> parent
+        # MoE: (group, chunk) -> layer -> prefix router statistics ([Note: logical prefix tokens])
+        self._router: Dict[Tuple[int, int], Dict[int, RouterStats]] = {}
+        self._to_local: Dict[Tuple[int, int], Optional[Callable]] = {}  # CP: gK/gV -> local
 
     def set_tree(self, group: int, parents: Dict[int, Optional[int]]) -> None:
         """Declare `group`'s chunk tree (chunk -> parent chunk; None for the root). Without it
         chunk c continues chunk c-1."""
         self._parents[group] = dict(parents)
-        # MoE: (group, chunk) -> layer -> prefix router statistics ([Note: logical prefix tokens])
-        self._router: Dict[Tuple[int, int], Dict[int, RouterStats]] = {}
 
     # ---- Phase A
     def store(self, group: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
-              chunk: int = 0) -> None:
+              chunk: int = 0, full: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+              to_local: Optional[Callable] = None) -> None:
         """Keep `k`, `v` (carrying the prefix graph) of `group`'s chunk `chunk` at `layer`.
 
         Megatron gives [L, 1, H, D] (sbhd, one row); they are read back as [L, H, D].
+        Context parallel ([Note: CP prefix cache]): `k`, `v` are this rank's zigzag rows, `full`
+        the chunk's whole gathered K/V [L, H, D] (what reads return) and `to_local(grads)` the
+        CP group's reduce-scatter of the whole-chunk gK/gV to this rank's rows.
         """
+        if (full is None) != (to_local is None):
+            raise ValueError("a CP cache entry needs both `full` and `to_local`")
         self._check_live(group, chunk)
         layers = self._entries.setdefault((group, chunk), {})
         if layer in layers:
@@ -96,8 +112,12 @@ class PrefixKVCache:
                                      "twice")
         if k.dim() == 4:
             assert k.shape[1] == 1 and v.shape[1] == 1, "prefix rows are run one group at a time"
-        k_leaf = k.detach().reshape(k.shape[0], *k.shape[-2:]).requires_grad_(True)
-        v_leaf = v.detach().reshape(v.shape[0], *v.shape[-2:]).requires_grad_(True)
+        source_k, source_v = (k, v) if full is None else full
+        k_leaf = source_k.detach().reshape(source_k.shape[0], *k.shape[-2:]).requires_grad_(True)
+        v_leaf = source_v.detach().reshape(source_v.shape[0], *v.shape[-2:]).requires_grad_(True)
+        if layers and (to_local is None) != (self._to_local.get((group, chunk)) is None):
+            raise CacheProtocolError(f"{_name(group, chunk)}: CP and non-CP layers mixed")
+        self._to_local[(group, chunk)] = to_local
         layers[layer] = _Entry(k_graph=k, v_graph=v, k_leaf=k_leaf, v_leaf=v_leaf)
 
     def store_router_stats(self, group: int, layer: int, stats: RouterStats, *,
@@ -176,12 +196,19 @@ class PrefixKVCache:
         if output is not None and output_grad is not None and output.requires_grad:
             tensors.append(output)
             grads.append(output_grad)
-        for entry in layers.values():
-            for graph, grad in ((entry.k_graph, entry.grad_k), (entry.v_graph, entry.grad_v)):
-                if grad is not None and graph.requires_grad:
-                    tensors.append(graph)
-                    grads.append(grad.to(graph.dtype).reshape(graph.shape))
-        for stats in self._router.get((group, chunk), {}).values():
+        pairs = [(graph, grad) for entry in layers.values()
+                 for graph, grad in ((entry.k_graph, entry.grad_k), (entry.v_graph, entry.grad_v))]
+        to_local = self._to_local.get((group, chunk))
+        if to_local is not None:  # [Note: CP prefix cache]: one collective, every CP rank
+            leaves = [leaf for e in layers.values() for leaf in (e.k_leaf, e.v_leaf)]
+            full = [torch.zeros(leaf.shape, dtype=torch.float32, device=leaf.device)
+                    if grad is None else grad for (_, grad), leaf in zip(pairs, leaves)]
+            pairs = [(graph, local) for (graph, _), local in zip(pairs, to_local(full))]
+        for graph, grad in pairs:
+            if grad is not None and graph.requires_grad:
+                tensors.append(graph)
+                grads.append(grad.to(graph.dtype).reshape(graph.shape))
+        for stats in self._router.get((group, chunk), {}).values():  # MoE prefix router share
             for graph, grad in stats.backward_pairs():
                 tensors.append(graph)
                 grads.append(grad)
@@ -232,6 +259,7 @@ class PrefixKVCache:
     def _free_chunk(self, group: int, chunk: int) -> None:
         del self._entries[(group, chunk)]
         self._router.pop((group, chunk), None)
+        self._to_local.pop((group, chunk), None)
         self._freed.add((group, chunk))
 
     def _chunks(self, group: int) -> range:

@@ -63,6 +63,8 @@ class PrefixForwardContext:
     stop_in_router: bool = False
     """The forward stops after the router of layer `stop_after_layer` instead of after its K/V
     (an MoE last layer whose prefix router statistics count: aux losses, z-loss, expert bias)."""
+    cp: Optional["object"] = None
+    """runtime.cp.CPRow when the row runs context-parallel (this rank's zigzag rows of it)."""
 
     def __post_init__(self) -> None:
         for name in ("group", "chunk", "position_offset", "padding", "multiplicity"):
@@ -99,6 +101,9 @@ class SuffixForwardContext:
     whole, or the row's padding)."""
     num_padding: int = 0
     """Padding tokens at the row's end ([Note: row padding]): no router statistic counts them."""
+    cp: Optional["object"] = None
+    """runtime.cp.CPRow when the row runs context-parallel (position_ids then are the full
+    row's; the hook reads the CPRow's local ones)."""
 
 
 Context = Union[PrefixForwardContext, SuffixForwardContext]

@@ -21,6 +21,7 @@ import torch
 from prefix_schedule.attention import PackedMeta
 from prefix_schedule.runtime.cache import PrefixKVCache
 from prefix_schedule.runtime.context import PrefixForwardContext, SuffixForwardContext
+from prefix_schedule.runtime.cp import CPGroup, CPRow, ZigzagLayout
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.inputs import (build_prefix_inputs, build_prefix_loss,
                                              build_suffix_inputs)
@@ -35,16 +36,29 @@ class ReuseStep:
     """Data, plan, schedule and prefix cache of one step (one per rank)."""
 
     def __init__(self, batch: GroupBatch, plan: StepPlan, *, num_stages: int = 1,
-                 num_model_chunks: int = 1, offload_prefix_activations: bool = False) -> None:
+                 num_model_chunks: int = 1, offload_prefix_activations: bool = False,
+                 cp_group: Optional[CPGroup] = None) -> None:
         """`num_stages`: the pipeline size (ranks); `num_model_chunks`: Megatron's virtual
-        pipeline size V (each rank holds V model chunks: [Note: virtual stages] in ir.py)."""
+        pipeline size V (each rank holds V model chunks: [Note: virtual stages] in ir.py);
+        `cp_group`: this rank's context-parallel group (None or size 1: no CP); each row then
+        runs as this rank's zigzag rows ([Note: zigzag CP layout] in runtime/cp.py)."""
         self.batch = batch
         self.plan = plan
+        self.cp = cp_group if cp_group is not None and cp_group.size > 1 else None
+        if self.cp is not None and plan.row_multiple != 1:
+            raise ValueError(f"context parallelism pads every sequence to a multiple of 2*CP "
+                             f"itself; plan the step with row_multiple=1 (got "
+                             f"{plan.row_multiple}: sequence parallelism with CP is not "
+                             "supported)")
         self.offload_prefix_activations = offload_prefix_activations
         """Keep what Phase A saves for backward in pinned host memory until Phase C: during the
         suffix phase only the prefix K/V and gK/gV stay on the device (a no-op on CPU)."""
         self._units: Dict[int, PrefixChunk] = plan.prefix_units()
         self._trees = {w.group for w in plan.prefixes if w.nodes is not None}
+        if self.cp is not None and self._trees:
+            raise ValueError("context parallelism with prefix trees is not supported yet (a tree "
+                             "node's chain read is not sharded over the CP group); plan these "
+                             "groups with one shared prompt each, or run with CP=1")
         self._unit_loss = {u: build_prefix_loss(batch, c) for u, c in self._units.items()}
         """Loss entries of prefix-tree units ([Note: loss inside shared nodes] in tree.py)."""
         unit_of = {(c.group, c.chunk): u for u, c in self._units.items()}
@@ -111,13 +125,38 @@ class ReuseStep:
         """Length of prefix unit `unit`'s row (the whole cached prefix unchunked), padding
         included: a multiple of `plan.row_multiple`. Under sequence parallelism a stage's
         hidden states are this / TP long."""
+        if self.cp is not None:
+            return self.prefix_layout(unit).local_len
         return self._units[unit].row_length
 
     def microbatch_length(self, microbatch: int) -> int:
         """Length of suffix microbatch `microbatch`'s packed row, padding included: a multiple of
         `plan.row_multiple`. Under sequence parallelism a stage's hidden states are this / TP
         long."""
+        if self.cp is not None:
+            return self.microbatch_layout(microbatch).local_len
         return self.plan.microbatches[microbatch].row_length
+
+    def prefix_layout(self, unit: int) -> ZigzagLayout:
+        """CP layout of prefix unit `unit`'s row: one sequence (CP steps only)."""
+        return self.cp.layout([self._units[unit].length])
+
+    def microbatch_layout(self, microbatch: int) -> ZigzagLayout:
+        """CP layout of suffix microbatch `microbatch`'s row: its packed sequences."""
+        return self.cp.layout([s.length for s in self.plan.microbatches[microbatch].segments])
+
+    def _cp_row(self, layout: ZigzagLayout, offsets) -> CPRow:
+        return CPRow(group=self.cp, layout=layout, position_ids=layout.positions(offsets),
+                     max_position=max(o + n - 1 for o, n in zip(offsets, layout.lengths)))
+
+    def _shard(self, item: Dict[str, torch.Tensor], layout: ZigzagLayout,
+               offsets) -> Dict[str, torch.Tensor]:
+        """This rank's zigzag rows of a [1, L] item; padding: 0 everywhere (no loss), positions
+        as ZigzagLayout.positions gives them."""
+        out = {name: layout.shard(value[0]).unsqueeze(0) for name, value in item.items()
+               if name != "position_ids"}
+        out["position_ids"] = layout.positions(offsets).unsqueeze(0)
+        return out
 
     @property
     def num_loss_tokens(self) -> int:
@@ -131,9 +170,16 @@ class ReuseStep:
         if action.kind is ActionKind.PREFIX_FORWARD:
             item = build_prefix_inputs(self.batch, self._units[action.index])
             item.update(self._unit_loss.get(action.index) or {})
+            if self.cp is not None:
+                item = self._shard(item, self.prefix_layout(action.index),
+                                   [self._units[action.index].start])
             item["kind"] = "prefix"
         elif action.kind is ActionKind.SUFFIX_FORWARD:
-            item = build_suffix_inputs(self.batch, self.plan.microbatches[action.index])
+            mb = self.plan.microbatches[action.index]
+            item = build_suffix_inputs(self.batch, mb)
+            if self.cp is not None:
+                item = self._shard(item, self.microbatch_layout(action.index),
+                                   [s.cached_len for s in mb.segments])
             item["kind"] = "suffix"
         else:
             raise AssertionError(f"{action} has no inputs")
@@ -180,12 +226,14 @@ class ReuseStep:
         reads = None
         if chunk.group in self._trees and chunk.chunk > 0:  # its ancestors ([Note: prefix trees])
             reads = self._ancestors(chunk)
+        cp = (None if self.cp is None
+              else self._cp_row(self.prefix_layout(unit), [chunk.start]))
         return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
                                     position_offset=chunk.start, cache=self.caches[model_chunk],
                                     stop_after_layer=stop_after_layer, recomputing=recomputing,
                                     padding=chunk.padding, reads=reads,
                                     multiplicity=self.prefix_multiplicity(chunk.group),
-                                    stop_in_router=stop_in_router)
+                                    stop_in_router=stop_in_router, cp=cp)
 
     def _ancestors(self, chunk: PrefixChunk) -> tuple:
         by_chunk = {c.chunk: c for c in self._units.values() if c.group == chunk.group}
@@ -236,6 +284,8 @@ class ReuseStep:
             slot_reads=tuple(slot_reads) if self._trees else None,
             sequence_groups=tuple(sequence_groups),
             num_padding=mb.padding,
+            cp=(None if self.cp is None else self._cp_row(
+                self.microbatch_layout(microbatch), [s.cached_len for s in mb.segments])),
         )
 
     def prefix_multiplicity(self, group: int) -> int:

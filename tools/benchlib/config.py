@@ -76,6 +76,9 @@ class BenchConfig:
     tests/megatron_lm_args.py): deallocate_pipeline_outputs=True, batch_p2p_comm (overlap_p2p_comm
     with --vpp > 1), and Megatron's DDP on every path with overlap_grad_reduce, the distributed
     optimizer's reduce-scatter layout and grad_sync_func (align_grad_reduce)."""
+    cp: int = 1
+    """Context-parallel ranks of the reuse path (benchlib/cp.py: dense then runs CP=1 x DP=cp
+    on the same processes; the JSON adds the bytes each phase moves across the CP group)."""
     attention_backend: str = dataclasses.field(default="auto", metadata={
         "choices": (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES})
     """Shared-prefix attention kernel of the reuse path: auto or a name of
@@ -104,7 +107,7 @@ class BenchConfig:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
                         hidden_size=1, ffn_hidden_size=1, num_attention_heads=1,
                         num_query_groups=1, vocab_size=2, steps=1, warmup=0, threads=1, seed=0,
-                        pp=1, tp=1, dp=1, vpp=1, timeout=1, moe_router_topk=1, ep=1)
+                        pp=1, tp=1, dp=1, vpp=1, cp=1, timeout=1, moe_router_topk=1, ep=1)
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -183,6 +186,15 @@ class BenchConfig:
             if getattr(self, name) % self.tp:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)} is not a multiple "
                                  f"of --tp={self.tp}")
+        if self.cp > 1 and self.dp > 1:
+            raise ValueError("--cp > 1 with --dp > 1 is not benchmarked yet; use --dp 1")
+        if self.cp > 1:
+            others = [flag for flag, on in (("--vpp", self.vpp > 1), ("--production", self.production),
+                                            ("--tree", self.tree is not None),
+                                            ("--num-experts", self.num_experts is not None)) if on]
+            if others:
+                raise ValueError(f"--cp > 1 runs its own paths (benchlib/cp.py), not with "
+                                 f"{', '.join(others)}; drop them or use --cp 1")
         if self.num_query_groups % self.tp and self.tp % self.num_query_groups:
             raise ValueError(f"--num-query-groups={self.num_query_groups} must be a multiple or a "
                              f"divisor of --tp={self.tp}")
@@ -211,7 +223,7 @@ class BenchConfig:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.tp * self.dp
+        return self.pp * self.tp * self.dp * self.cp
 
     @property
     def row_len(self) -> int:

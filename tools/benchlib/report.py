@@ -30,9 +30,11 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
         torch.set_num_threads(config.threads)
         measured = measure(config)
     else:
+        from benchlib.cp import measure_cp
         from megatron_patches.launch import launch
 
-        measured = launch(measure, world_size=config.world_size, args=(config, True),
+        measured = launch(measure_cp if config.cp > 1 else measure,
+                          world_size=config.world_size, args=(config, True),
                           timeout_s=config.timeout, threads_per_rank=threads)[0]
     times, cpu_times = measured.pop("times"), measured.pop("cpu_times")
     if raw_times is not None:
@@ -98,7 +100,7 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         spread = f"{min(values):>10.4f}{max(values):>10.4f}" if values else ""
         return f"{label:<34}{seconds:>12.4f}{spread}{cpu[name]:>10.4f}"
 
-    world = lay["pp"] * lay["tp"] * lay["dp"]
+    world = lay["pp"] * lay["tp"] * lay["dp"] * lay.get("cp", 1)
     batched, tokens = result["dense_batched"], result["timing"]["tokens_per_microbatch"]
     lines = [
         (f"workload: {w['num_groups']} groups x {w['group_size']} trajectories, prefix "
@@ -113,7 +115,8 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         f"{result['threads']} threads, median of {result['steps']} steps after "
         f"{result['timing']['warmup_steps_per_path']} warm-up step(s) per path",
         f"layout: pp {lay['pp']}" + (f" (x {lay['vpp']} virtual)" if lay.get("vpp", 1) > 1 else "")
-        + f" x tp {lay['tp']} x dp {lay['dp']} = {world} process(es), "
+        + f" x tp {lay['tp']} x dp {lay['dp']}"
+        + (f" x cp {lay['cp']}" if lay.get("cp", 1) > 1 else "") + f" = {world} process(es), "
         + ("Megatron-LM production settings, " if result.get("production_settings") else "") +
         f"{result['threads_per_rank']} thread(s) each; attention backend "
         f"{result['attention_backend']}",
@@ -142,8 +145,24 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         + (f" (batched dense {batched['max_grad_rel_diff_vs_stock_dense']:.2e})" if batched else ""),
         f"timing: {result['timing']['basis']}",
         _memory_line(result["memory"]),
+        *_cp_lines(result),
     ]
     return "\n".join(lines)
+
+
+def _cp_lines(result: dict) -> List[str]:
+    traffic = result.get("cp_traffic")
+    if not traffic:
+        return []
+    mib = 2.0 ** 20
+    reuse = ", ".join(f"{k} {v / mib:.2f}" for k, v in sorted(
+        traffic["reuse_bytes_per_rank"].items()))
+    dense = traffic["dense_cp_bytes_per_rank_model"]
+    return [f"dense timed as: {result['dense_layout']}",
+            f"CP MiB per rank per step: reuse {reuse} (total "
+            f"{sum(traffic['reuse_bytes_per_rank'].values()) / mib:.2f}); dense CP would move "
+            f"all_gather {dense['all_gather'] / mib:.2f}, reduce_scatter "
+            f"{dense['reduce_scatter'] / mib:.2f} (total {sum(dense.values()) / mib:.2f})"]
 
 
 def _memory_line(memory: Optional[dict]) -> str:

@@ -118,8 +118,10 @@ def dense_step(model, batch: GroupBatch, loss: PolicyLossConfig, micro_batch_siz
 
 
 def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss: PolicyLossConfig,
-               offload_prefix_activations: bool = False, step: Optional[ReuseStep] = None):
-    """Prefix-reuse step through get_forward_backward_func with reuse selected (a StepResult)."""
+               offload_prefix_activations: bool = False, step: Optional[ReuseStep] = None,
+               cp_group=None):
+    """Prefix-reuse step through get_forward_backward_func with reuse selected (a StepResult);
+    `cp_group`: a prefix_schedule.runtime.cp.CPGroup when Megatron runs with CP > 1."""
     import megatron_patches
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -128,7 +130,8 @@ def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss: PolicyLossConfig,
     if step is None:
         step = ReuseStep(batch, plan, num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
                          num_model_chunks=len(models),
-                         offload_prefix_activations=offload_prefix_activations)
+                         offload_prefix_activations=offload_prefix_activations,
+                         cp_group=cp_group)
     with megatron_patches.use_prefix_reuse_schedule():
         forward_backward = get_forward_backward_func()
     reports = forward_backward(forward_step_func=_forward_step(loss, _device(model)),

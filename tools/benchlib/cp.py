@@ -1,0 +1,140 @@
+"""tools/bench.py --cp N: prefix reuse at CP=N against stock dense on the same processes.
+
+Stock Megatron runs dense CP only on Transformer Engine's attention, which this CPU machine
+lacks (and TE's CP attention cannot serve reuse rows: docs/DESIGN.md "Context parallelism"). So
+each rank of the pp*tp*cp processes:
+1. times the reuse step at CP=N (its CPGroup counts the bytes every phase moves, per rank);
+2. re-initialises Megatron at CP=1 -- the same processes now form N data-parallel replicas --
+   and times the fused-SDPA dense step on its share of the rows (place_groups, Megatron DDP): the
+   dense layout stock Megatron can run on these processes;
+3. checks gradients: stock dense (local spec, CP=1) over the whole batch against reuse at CP=N.
+`cp_traffic` gives reuse's measured bytes per phase and collective next to what dense CP
+(K/V all-gather per layer per row in forward, reduce-scatter in backward, rows padded to
+2*CP) would move for the same rows: the same ring accounting, computed from the dense rows.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from benchlib.config import BenchConfig
+from benchlib.measure import LOSS, _reduce_max, config_batch, config_plan, selected_backend
+from benchlib.steps import dense_step, reuse_step
+from benchlib.timing import RegionTimer
+from prefix_schedule.runtime.cp import ZigzagLayout
+
+__all__ = ["measure_cp", "dense_cp_traffic"]
+
+
+def _shape(config: BenchConfig):
+    from megatron_patches.models import TinyLlamaConfig
+
+    return TinyLlamaConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                           ffn_hidden_size=config.ffn_hidden_size,
+                           num_attention_heads=config.num_attention_heads,
+                           num_query_groups=config.num_query_groups, vocab_size=config.vocab_size,
+                           max_seq_len=config.prefix_len + config.suffix_len)
+
+
+def _time(config: BenchConfig, model, run) -> tuple[List[float], List[float]]:
+    from megatron_patches.training import zero_grads
+
+    times, cpu = [], []
+    device = next(model.parameters()).device
+    for step in range(config.warmup + config.steps):
+        zero_grads(model)
+        with RegionTimer(device) as timer:
+            run()
+        seconds, cpu_seconds = _reduce_max(timer.seconds), _reduce_max(timer.cpu_seconds)
+        if step >= config.warmup:
+            times.append(seconds)
+            cpu.append(cpu_seconds)
+    return times, cpu
+
+
+def dense_cp_traffic(config: BenchConfig, batch, bytes_per_element: int = 4) -> Dict[str, int]:
+    """Bytes per rank dense CP would move for `batch`'s rows (each padded to 2*CP): K and V of
+    every layer all-gathered in forward and reduce-scattered in backward, ring accounting."""
+    kv_heads = max(1, config.num_query_groups // config.tp)
+    head_dim = config.hidden_size // config.num_attention_heads
+    rows = [len(g.prefix) + len(t.suffix) - 1 for g in batch.groups for t in g.trajectories]
+    full = sum(ZigzagLayout((n,), config.cp, 0).full_len for n in rows)
+    per_direction = (2 * full * kv_heads * head_dim * bytes_per_element
+                     * (config.num_layers // config.pp) * (config.cp - 1) // config.cp)
+    return {"all_gather": per_direction, "reduce_scatter": per_direction}
+
+
+def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
+    """Each rank of the pp*tp*cp layout: steps 1-3 of the module docstring."""
+    import megatron_patches
+
+    megatron_patches.enable_cpu_support()
+    from megatron.core import parallel_state as ps
+    from megatron_patches.models import build_model, initialize_distributed
+    from megatron_patches.training import (max_relative_diff, param_grads, prepare_for_training,
+                                           zero_grads)
+    from megatron_patches.training import dense_step as stock_dense_step
+    from prefix_schedule.planning.placement import place_groups
+    from prefix_schedule.runtime.cp import CPGroup
+
+    megatron_patches.install()
+    batch = config_batch(config)
+    plan = config_plan(config, batch)
+    initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=config.cp)
+    local = prepare_for_training(build_model(_shape(config), seed=config.seed), ddp=False)
+    param = next(local.parameters())
+    backend = selected_backend(config, param.device, param.dtype)
+    groups: List[CPGroup] = []
+
+    def run_reuse():
+        groups.append(CPGroup(ps.get_context_parallel_group()))
+        return reuse_step(local, batch, plan, LOSS, cp_group=groups[-1])
+
+    reuse_times, reuse_cpu = _time(config, local, run_reuse)
+    zero_grads(local)
+    reuse = run_reuse()
+    reuse_grads = param_grads(local)
+    traffic = groups[-1].traffic
+    layout = {"pp": config.pp, "tp": config.tp, "dp": 1, "cp": config.cp}
+
+    initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=1)  # DP = cp
+    stock = prepare_for_training(build_model(_shape(config), seed=config.seed), ddp=False)
+    dense = stock_dense_step(stock, batch, LOSS)  # the reference: whole batch, CP=1
+    check = {"loss_dense": dense.loss, "max_grad_rel_diff": _reduce_max(
+        max_relative_diff(param_grads(stock), reuse_grads))}
+    fused = build_model(_shape(config), fused_attention=True, seed=config.seed)
+    fused = prepare_for_training(fused, ddp=True)
+    share = place_groups(batch, dp_size=config.cp, token_budget=config.token_budget,
+                         max_seq_len=config.prefix_len + config.suffix_len)
+    mine = share.ranks[ps.get_data_parallel_rank()].batch
+    dense_times, dense_cpu = _time(config, fused, lambda: dense_step(fused, mine, LOSS))
+    check["loss_reuse"] = _cp_loss(reuse, config)
+    return {"times": {"dense": dense_times, "reuse": reuse_times},
+            "cpu_times": {"dense": dense_cpu, "reuse": reuse_cpu},
+            "attention_backend": backend, **check, "memory": None, "layout": layout,
+            "timing_basis": RegionTimer(param.device).basis,
+            "reuse_microbatch_tokens": [m.num_tokens for m in plan.microbatches],
+            "dense_layout": f"CP=1 x DP={config.cp} on the same processes (Megatron DDP, "
+                            "place_groups shares; stock dense CP needs Transformer Engine)",
+            "cp_traffic": {"reuse_bytes_per_rank": traffic,
+                           "dense_cp_bytes_per_rank_model": dense_cp_traffic(config, batch),
+                           "basis": "bytes each rank sends per step, ring accounting: "
+                                    "(CP-1)/CP x the full tensor per all-gather or "
+                                    "reduce-scatter; fp32; reuse measured (A: Phase A K/V "
+                                    "all-gather, B: suffix K/V, C: Phase C reduce-scatters), "
+                                    "dense computed for the same rows"}}
+
+
+def _cp_loss(result, config: BenchConfig) -> float:
+    """Token-mean loss of the whole batch from the CP ranks' parts (the last stage's values),
+    all-reduced over the world: ranks off the last stage or off TP rank 0 add nothing."""
+    from megatron.core import parallel_state as ps
+
+    totals = torch.zeros(2, dtype=torch.float64)
+    # the parallel state is CP=1 now; the reuse result was the last stage's, TP rank 0 counts
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        totals += torch.tensor([result.loss * result.num_tokens, float(result.num_tokens)],
+                               dtype=torch.float64)
+    torch.distributed.all_reduce(totals)
+    return float(totals[0] / totals[1])
