@@ -176,3 +176,15 @@ def test_subgroup_lifts_a_one_token_leaf_into_the_suffix(with_loss):
     a = build_dense_inputs(GroupBatch(groups=[group]), 0, 0)
     b = build_dense_inputs(GroupBatch(groups=[part]), 0, 0)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_context_parallelism_with_trees_is_refused_before_compute():
+    """CP x prefix trees: a node's chain read is not sharded over the CP group; ReuseStep refuses
+    it (a CPGroup of size 2 stands in: the refusal comes before any collective)."""
+    from prefix_schedule.runtime.cp import CPGroup
+
+    batch = make_tree_batch(5, [dict(depth=2, branching=2, node_len=6, suffix_len=4)])
+    plan = plan_microbatches(batch, token_budget=16, max_seq_len=512)
+    ReuseStep(batch, plan, cp_group=CPGroup(None, size=1, rank=0))  # CP=1: no refusal
+    with pytest.raises(ValueError, match="context parallelism with prefix trees"):
+        ReuseStep(batch, plan, cp_group=CPGroup(None, size=2, rank=0))
