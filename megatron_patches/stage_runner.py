@@ -10,12 +10,14 @@ chunks (Megatron's interleaved layout) and each action names the chunk it runs o
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
 from prefix_schedule.pipeline import Action, ActionKind
 from prefix_schedule.runtime.context import active_context
+from prefix_schedule.runtime.offload import (PinnedHostPool, PrefixActivationOffloader,
+                                             prefetch_points)
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
@@ -62,10 +64,31 @@ class StageRunner:
         self.outputs: Dict[tuple, torch.Tensor] = {}
         self.output_grads: Dict[tuple, object] = {}
         self.input_grads: Dict[tuple, Optional[torch.Tensor]] = {}
+        step.in_flight = self.in_flight_tensors  # memory accounting (runtime/memory.py)
+        if step.offload_prefix_activations and not forward_only:
+            step.offloader = self._offloader()
         self.handlers = {  # every other kind is a send, receive or exchange: self.post
             K.PREFIX_FORWARD: self.prefix_forward, K.SUFFIX_FORWARD: self.suffix_forward,
             K.SUFFIX_BACKWARD: self.suffix_backward, K.PREFIX_BACKWARD: self.prefix_backward,
             K.REDUCE_GRAD: self.reduce_grad}
+
+    def _offloader(self) -> PrefixActivationOffloader:
+        """[Note: prefix activation offload] (runtime/offload.py): never the parameters, nor the
+        K/V storages the caches keep on the device anyway."""
+        caches = self.step.caches
+        return PrefixActivationOffloader(
+            self.device, params=[p for m in self.models for p in m.parameters()],
+            keep=lambda t: any(c.holds_storage(t) for c in caches),
+            pool=PinnedHostPool(self.step.offload_pool_bytes, pin=self.device.type == "cuda"))
+
+    def in_flight_tensors(self) -> Iterator[torch.Tensor]:
+        """Pipeline tensors held between actions (received inputs, outputs, gradients)."""
+        for store in (self.inputs, self.outputs, self.output_grads, self.input_grads):
+            for value in store.values():
+                if isinstance(value, Received):
+                    value = value._buffer
+                if isinstance(value, torch.Tensor):
+                    yield value
 
     # ---- layout and shapes (every rank derives them from the shared plan; nothing is exchanged)
     def chunk(self, action: Action) -> int:
@@ -129,8 +152,8 @@ class StageRunner:
         last = self.is_last_stage(action)
         step.prepare(action)
         # Dormant prefix activations (needed again only in Phase C) can live in host memory.
-        offload = (torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
-                   if step.offload_prefix_activations else contextlib.nullcontext())
+        offload = (step.offloader.capture(key[1:]) if step.offloader is not None
+                   else contextlib.nullcontext())
         stop = last_kv_layer_number(self.models[chunk]) if last else None  # HybridModel: last '*'
         context = step.prefix_context(action.index, model_chunk=chunk, stop_after_layer=stop)
         with active_context(context), offload:
@@ -194,14 +217,25 @@ class StageRunner:
 
     def run(self) -> None:
         """Execute this rank's actions in order (backwards under no_sync until REDUCE_GRAD)."""
+        compute = [a for a in self.actions if a.kind in self.handlers]
+        prefetch = (prefetch_points([a.kind.value for a in compute],
+                                    [self.key(a)[1:] for a in compute])
+                    if self.step.offloader is not None else {})
+        position = 0  # of the action among this row's compute actions
         self.grad_sync.disable()
         try:
             for action in self.actions:
+                if action.kind in self.handlers:
+                    self.step.notify(action)
+                    for unit in prefetch.get(position, ()):
+                        self.step.offloader.prefetch(unit)  # as its Phase C starts
+                    position += 1
                 self.handlers.get(action.kind, self.post)(action)
                 self.p2p.release_completed()
             self.p2p.wait_all()
         finally:
             self.grad_sync.enable()
+            self.step.notify(None)
         if self.forward_only:
             self.outputs.clear()
         assert not (self.outputs or self.output_grads or self.input_grads), (

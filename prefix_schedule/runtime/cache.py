@@ -68,6 +68,7 @@ class PrefixKVCache:
     def __init__(self) -> None:
         self._entries: Dict[Tuple[int, int], Dict[int, _Entry]] = {}  # (group, chunk) -> layers
         self._freed: set = set()  # (group, chunk)
+        self._storages: Dict[int, int] = {}  # data_ptr of a stored K/V storage -> entries using it
 
     # ---- Phase A
     def store(self, group: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
@@ -86,6 +87,9 @@ class PrefixKVCache:
         k_leaf = k.detach().reshape(k.shape[0], *k.shape[-2:]).requires_grad_(True)
         v_leaf = v.detach().reshape(v.shape[0], *v.shape[-2:]).requires_grad_(True)
         layers[layer] = _Entry(k_graph=k, v_graph=v, k_leaf=k_leaf, v_leaf=v_leaf)
+        for t in (k, v):
+            ptr = t.untyped_storage().data_ptr()
+            self._storages[ptr] = self._storages.get(ptr, 0) + 1
 
     # ---- Phase B (and chunk forwards)
     def read(self, group: int, layer: int, *,
@@ -173,7 +177,17 @@ class PrefixKVCache:
         """Bytes held by live K/V copies and gradient buffers (excluding the prefix graphs)."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
+    def holds_storage(self, t: torch.Tensor) -> bool:
+        """True if `t` shares its storage with live cached K/V (they stay on the device)."""
+        return t.untyped_storage().data_ptr() in self._storages
+
     def _free_chunk(self, group: int, chunk: int) -> None:
+        for entry in self._entries[(group, chunk)].values():
+            for t in (entry.k_graph, entry.v_graph):
+                ptr = t.untyped_storage().data_ptr()
+                self._storages[ptr] -= 1
+                if not self._storages[ptr]:
+                    del self._storages[ptr]
         del self._entries[(group, chunk)]
         self._freed.add((group, chunk))
 

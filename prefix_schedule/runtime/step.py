@@ -34,14 +34,27 @@ class ReuseStep:
     """Data, plan, schedule and prefix cache of one step (one per rank)."""
 
     def __init__(self, batch: GroupBatch, plan: StepPlan, *, num_stages: int = 1,
-                 num_model_chunks: int = 1, offload_prefix_activations: bool = False) -> None:
+                 num_model_chunks: int = 1, offload_prefix_activations: bool = False,
+                 offload_pool_bytes: Optional[int] = None) -> None:
         """`num_stages`: the pipeline size (ranks); `num_model_chunks`: Megatron's virtual
         pipeline size V (each rank holds V model chunks: [Note: virtual stages] in ir.py)."""
         self.batch = batch
         self.plan = plan
         self.offload_prefix_activations = offload_prefix_activations
-        """Keep what Phase A saves for backward in pinned host memory until Phase C: during the
-        suffix phase only the prefix K/V and gK/gV stay on the device (a no-op on CPU)."""
+        """Keep what Phase A saves for backward in (pinned) host memory until Phase C, parameters
+        and the cached K/V excepted ([Note: prefix activation offload] in runtime/offload.py)."""
+        if offload_pool_bytes is not None and offload_pool_bytes < 0:
+            raise ValueError(f"offload_pool_bytes={offload_pool_bytes}; give bytes >= 0 or None")
+        self.offload_pool_bytes = offload_pool_bytes
+        """Bound of the host pool that offloaded activations take (None: unbounded); what does
+        not fit stays on the device."""
+        self.offloader = None
+        """The step's PrefixActivationOffloader, set by the executor when offloading."""
+        self.observers: list = []
+        """(on_action, on_release) pairs told of every compute action (None after the last) and
+        every released suffix microbatch: memory accounting (runtime/memory.watch_step)."""
+        self.in_flight = lambda: ()
+        """Pipeline tensors the executor holds between actions (set by the executor)."""
         self._units: Dict[int, PrefixChunk] = plan.prefix_units()
         self.schedule: Schedule = build_schedule(
             num_stages=num_stages * num_model_chunks,
@@ -185,3 +198,18 @@ class ReuseStep:
         """Forget microbatch `microbatch`'s contexts once its last backward here is done."""
         for key in [k for k in self._suffix_contexts if k[0] == microbatch]:
             del self._suffix_contexts[key]
+        for _, on_release in self.observers:
+            on_release(microbatch)
+
+    # ---- observation (memory accounting)
+    def notify(self, action: Optional[Action]) -> None:
+        """The executor starts compute action `action` (None: the step's actions are done)."""
+        for on_action, _ in self.observers:
+            on_action(action)
+
+    def resident_tensors(self):
+        """Tensors held outside autograd besides the caches: pipeline tensors in flight and
+        offloaded prefix activations brought back for Phase C."""
+        yield from self.in_flight()
+        if self.offloader is not None:
+            yield from self.offloader.resident_tensors()
