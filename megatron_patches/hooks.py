@@ -49,7 +49,13 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
     scale = _softmax_scale(module, query.shape[-1])
     q, k, v = query[:, 0], key[:, 0], value[:, 0]
     if isinstance(context, PrefixForwardContext):
-        if not context.recomputing:
+        if context.replay:  # [Note: prefix full recompute]: same K/V, now with their graph
+            real = key.shape[0] - context.padding
+            context.cache.rebind(context.group, module.layer_number, key[:real], value[:real],
+                                 chunk=context.chunk)
+            if context.stop_after_layer == module.layer_number:
+                raise PrefixForwardDone()
+        elif not context.recomputing:
             real = key.shape[0] - context.padding  # never cache the padding at the row's end
             stored_k, stored_v = (key, value) if not context.padding else (key[:real], value[:real])
             context.cache.store(context.group, module.layer_number, stored_k, stored_v,

@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import schedules
 from megatron_patches.layers import last_kv_layer_number
 from megatron_patches.p2p import P2POp, PipelineP2P, Received
 from megatron_patches.schedule_parts import (GradSync, StopAtPrefixEnd, autograd_backward,
-                                             model_device)
+                                             model_device, without_full_recompute)
 
 __all__ = ["StageRunner"]
 
@@ -65,6 +65,7 @@ class StageRunner:
         self.output_grads: Dict[tuple, object] = {}
         self.input_grads: Dict[tuple, Optional[torch.Tensor]] = {}
         step.in_flight = self.in_flight_tensors  # memory accounting (runtime/memory.py)
+        self.full_recompute = config.recompute_granularity == "full" and not forward_only
         if step.offload_prefix_activations and not forward_only:
             step.offloader = self._offloader()
         self.handlers = {  # every other kind is a send, receive or exchange: self.post
@@ -148,16 +149,29 @@ class StageRunner:
 
     # ---- compute
     def prefix_forward(self, action: Action) -> None:
+        step, key = self.step, self.key(action)
+        if self.full_recompute:  # [Note: prefix full recompute]: no graph until Phase C
+            memory = torch.no_grad()
+        elif step.offloader is not None:  # dormant until Phase C: in host memory meanwhile
+            memory = step.offloader.capture(key[1:])
+        else:
+            memory = contextlib.nullcontext()
+        with memory:
+            output = self.run_prefix_forward(action, replay=False)
+        if output is not None:
+            self.outputs[key] = output
+
+    def run_prefix_forward(self, action: Action, *, replay: bool) -> Optional[torch.Tensor]:
+        """A prefix row through Megatron's forward_step (first-microbatch flag for FP8 casts,
+        input tensor, autocast); None on the last stage, which stops at the last cached K/V.
+        Prefix rows never run Megatron's full recompute (see [Note: prefix full recompute])."""
         step, config, key, chunk = self.step, self.config, self.key(action), self.chunk(action)
         last = self.is_last_stage(action)
         step.prepare(action)
-        # Dormant prefix activations (needed again only in Phase C) can live in host memory.
-        offload = (step.offloader.capture(key[1:]) if step.offloader is not None
-                   else contextlib.nullcontext())
         stop = last_kv_layer_number(self.models[chunk]) if last else None  # HybridModel: last '*'
-        context = step.prefix_context(action.index, model_chunk=chunk, stop_after_layer=stop)
-        with active_context(context), offload:
-            # Megatron's forward_step: first-microbatch flag (FP8 casts), input tensor, autocast
+        context = step.prefix_context(action.index, model_chunk=chunk, stop_after_layer=stop,
+                                      replay=replay)
+        with active_context(context), without_full_recompute(config):
             output, _ = schedules.forward_step(
                 StopAtPrefixEnd(self.forward_step_func), step, self.models[chunk],
                 step.num_microbatches, self.arrived(self.inputs, key), [], config, self.cp_size,
@@ -167,8 +181,7 @@ class StageRunner:
         assert (output is None) == last, (
             f"{action}: the prefix forward must stop at the last layer's K/V exactly on the "
             "last stage")
-        if output is not None:
-            self.outputs[key] = output
+        return output
 
     def suffix_forward(self, action: Action) -> None:
         step, key, chunk = self.step, self.key(action), self.chunk(action)
@@ -197,13 +210,16 @@ class StageRunner:
 
     def prefix_backward(self, action: Action) -> None:
         step, key, chunk = self.step, self.key(action), self.chunk(action)
+        output = self.outputs.pop(key, None)
+        if self.full_recompute:  # Phase A kept the K/V only: re-run the forward with its graph
+            output = self.run_prefix_forward(action, replay=True)
         input_tensor = self.inputs.pop(key, None)
         context = step.prefix_context(action.index, stop_after_layer=None, recomputing=True,
                                       model_chunk=chunk)
         unit = step.prefix_unit(action.index)
         with active_context(context):
             step.caches[chunk].backward(
-                unit.group, chunk=unit.chunk, output=self.outputs.pop(key, None),
+                unit.group, chunk=unit.chunk, output=output,
                 output_grad=self.arrived(self.output_grads, key, pop=True),
                 backward_fn=self.backward_fn)
         if not self.is_first_stage(action):

@@ -46,25 +46,60 @@ def _compare(model, batch, plan, num_stages=1, **step_options):
     return max_relative_diff(dense, got), max_relative_diff(plain, got), step
 
 
-def _pp_rank_offload(pp, seed, chunk_tokens, pool_bytes):
+FULL = {"uniform": dict(recompute_granularity="full", recompute_method="uniform",
+                        recompute_num_layers=2),
+        "block": dict(recompute_granularity="full", recompute_method="block",
+                      recompute_num_layers=1)}
+
+
+@pytest.mark.parametrize("method", sorted(FULL))
+@pytest.mark.parametrize("chunk_tokens", [None, 12], ids=["whole", "chunks"])
+def test_full_recompute_equals_dense(megatron_env, method, chunk_tokens):
+    """[Note: prefix full recompute]: Phase A keeps the K/V only, Phase C re-runs the prefix
+    forward with its graph; suffix microbatches recompute as Megatron does."""
+    model = _model(num_layers=4, **FULL[method])
+    batch = make_batch(5, [(30, [6, 9, 4]), (17, [8, 3])])
+    plan = plan_microbatches(batch, token_budget=12, max_seq_len=512,
+                             prefix_chunk_tokens=chunk_tokens)
+    vs_dense, _, _ = _compare(model, batch, plan)
+    assert vs_dense <= TOL
+    assert model.config.recompute_granularity == "full", "the prefix toggle was undone"
+
+
+def test_full_recompute_keeps_only_the_cache_through_the_suffix_phase(megatron_env):
+    """What Phase A leaves on the device under full recompute: the cached K/V, nothing saved."""
+    model = _model(num_layers=2, **FULL["uniform"])
+    batch = make_batch(3, [(40, [5, 6, 4, 7])])
+    plan = plan_microbatches(batch, token_budget=7, max_seq_len=512)
+    meter, step = _measured(model, batch, plan)
+    # layers x (K, V) x 39 cached tokens (the last prompt token runs with the suffixes) x 2 kv
+    # heads x 16 dims x fp32: only the K/V bytes (V is compacted out of the fused QKV output)
+    cache_bytes = 2 * 2 * 39 * 2 * 16 * 4
+    assert meter.phase_peaks["PF"] == cache_bytes
+    plain, _ = _measured(_model(num_layers=2), batch, plan)
+    assert meter.phase_peaks["suffix"] < plain.phase_peaks["suffix"] / 2
+
+
+def _pp_rank(pp, seed, chunk_tokens, model_options, step_options):
     import megatron_patches
     from megatron.core import parallel_state
     from megatron_patches.models import initialize_distributed
 
     megatron_patches.install()
     initialize_distributed(seed=1234, pp=pp)
-    model = _model(num_layers=4, deallocate_pipeline_outputs=True)
+    model = _model(num_layers=4, deallocate_pipeline_outputs=True, **model_options)
     batch = make_batch(seed, [(30, [6, 9, 4]), (17, [8, 3]), (41, [5, 7, 6])])
     plan = plan_microbatches(batch, token_budget=12, max_seq_len=512,
                              prefix_chunk_tokens=chunk_tokens)
-    vs_dense, vs_plain, step = _compare(model, batch, plan, num_stages=pp,
-                                        offload_prefix_activations=True,
-                                        offload_pool_bytes=pool_bytes)
+    vs_dense, vs_plain, step = _compare(model, batch, plan, num_stages=pp, **step_options)
+    result = dict(stage=parallel_state.get_pipeline_model_parallel_rank(), vs_dense=vs_dense,
+                  vs_plain=vs_plain)
     off = step.offloader
-    return dict(stage=parallel_state.get_pipeline_model_parallel_rank(), vs_dense=vs_dense,
-                vs_plain=vs_plain, stats=dict(off.stats), pending=off.pending_units(),
-                pool_in_use=off.pool.in_use_bytes, pool_peak=off.pool.peak_in_use_bytes,
-                resident=len(list(off.resident_tensors())))
+    if off is not None:
+        result.update(stats=dict(off.stats), pending=off.pending_units(),
+                      pool_in_use=off.pool.in_use_bytes, pool_peak=off.pool.peak_in_use_bytes,
+                      resident=len(list(off.resident_tensors())))
+    return result
 
 
 @pytest.mark.parametrize("chunk_tokens, pool_bytes", [(None, None), (12, 64 * 1024)],
@@ -72,8 +107,9 @@ def _pp_rank_offload(pp, seed, chunk_tokens, pool_bytes):
 def test_offload_pp2_several_groups_in_flight(chunk_tokens, pool_bytes):
     """Three groups (or their chunks) in flight on each stage, offloaded until their Phase C;
     deallocate_pipeline_outputs as Megatron-LM sets it; NCCL-strict p2p."""
-    results = run_distributed(_pp_rank_offload, world_size=2, timeout_s=240,
-                              args=(2, 21, chunk_tokens, pool_bytes))
+    options = dict(offload_prefix_activations=True, offload_pool_bytes=pool_bytes)
+    results = run_distributed(_pp_rank, world_size=2, timeout_s=240,
+                              args=(2, 21, chunk_tokens, {}, options))
     for r in results:
         assert r["vs_dense"] <= TOL, r
         assert r["vs_plain"] == 0.0, f"stage {r['stage']}: offload changed bits"
@@ -81,6 +117,16 @@ def test_offload_pp2_several_groups_in_flight(chunk_tokens, pool_bytes):
         assert r["pending"] == () and r["pool_in_use"] == 0 and r["resident"] == 0
         if pool_bytes is not None:
             assert r["pool_peak"] <= pool_bytes and r["stats"]["pool_full"] > 0
+
+
+@pytest.mark.parametrize("method, chunk_tokens", [("uniform", None), ("block", 12)])
+def test_full_recompute_pp2(method, chunk_tokens):
+    """Phase C re-runs each prefix unit on every stage from the input it kept (the received
+    hidden states on stage 1), under deallocate_pipeline_outputs and NCCL-strict p2p."""
+    results = run_distributed(_pp_rank, world_size=2, timeout_s=240,
+                              args=(2, 22, chunk_tokens, FULL[method], {}))
+    for r in results:
+        assert r["vs_dense"] <= TOL, r
 
 
 def _measured(model, batch, plan, **options):

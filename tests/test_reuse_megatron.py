@@ -103,8 +103,6 @@ def _call_reuse(model, data_iterator, num_microbatches):
     (dict(hidden_dropout=0.1), "dropout"),
     (dict(attention_dropout=0.1), "dropout"),
     (dict(calculate_per_token_loss=False), "calculate_per_token_loss"),
-    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-     "recompute_granularity"),
 ])
 def test_settings_that_break_exactness_are_refused(megatron_env, override, message):
     model = _model(**override)

@@ -84,12 +84,30 @@ class PrefixKVCache:
                                      "twice")
         if k.dim() == 4:
             assert k.shape[1] == 1 and v.shape[1] == 1, "prefix rows are run one group at a time"
+        if not (k.requires_grad or v.requires_grad):
+            # no graph to keep (full recompute's Phase A): keep the K/V bytes, not the buffers
+            # they view (Megatron's V is a slice of the whole fused QKV projection output)
+            k, v = _compact(k), _compact(v)
         k_leaf = k.detach().reshape(k.shape[0], *k.shape[-2:]).requires_grad_(True)
         v_leaf = v.detach().reshape(v.shape[0], *v.shape[-2:]).requires_grad_(True)
         layers[layer] = _Entry(k_graph=k, v_graph=v, k_leaf=k_leaf, v_leaf=v_leaf)
         for t in (k, v):
             ptr = t.untyped_storage().data_ptr()
             self._storages[ptr] = self._storages.get(ptr, 0) + 1
+
+    def rebind(self, group: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+               chunk: int = 0) -> None:
+        """Phase C under full recompute: the re-run forward's `k`, `v` (same values, now with
+        their graph) become the entry's graph tensors; its leaves and gK/gV stay."""
+        entry = self._entry(group, chunk, layer)
+        if k.shape != entry.k_graph.shape or v.shape != entry.v_graph.shape:
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: the re-run prefix "
+                                     "forward gave K/V of another shape than Phase A")
+        for old, new in ((entry.k_graph, k), (entry.v_graph, v)):
+            self._forget_storage(old)
+            ptr = new.untyped_storage().data_ptr()
+            self._storages[ptr] = self._storages.get(ptr, 0) + 1
+        entry.k_graph, entry.v_graph = k, v
 
     # ---- Phase B (and chunk forwards)
     def read(self, group: int, layer: int, *,
@@ -183,13 +201,16 @@ class PrefixKVCache:
 
     def _free_chunk(self, group: int, chunk: int) -> None:
         for entry in self._entries[(group, chunk)].values():
-            for t in (entry.k_graph, entry.v_graph):
-                ptr = t.untyped_storage().data_ptr()
-                self._storages[ptr] -= 1
-                if not self._storages[ptr]:
-                    del self._storages[ptr]
+            self._forget_storage(entry.k_graph)
+            self._forget_storage(entry.v_graph)
         del self._entries[(group, chunk)]
         self._freed.add((group, chunk))
+
+    def _forget_storage(self, t: torch.Tensor) -> None:
+        ptr = t.untyped_storage().data_ptr()
+        self._storages[ptr] -= 1
+        if not self._storages[ptr]:
+            del self._storages[ptr]
 
     def _chunks(self, group: int) -> range:
         """0..n-1 for a group whose chunks are exactly those, all live; raises otherwise."""
@@ -218,6 +239,13 @@ class PrefixKVCache:
         if layer not in layers:
             raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: no prefix K/V stored")
         return layers[layer]
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of just its elements when it views a larger storage."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def _name(group: int, chunk: int) -> str:

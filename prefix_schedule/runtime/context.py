@@ -46,6 +46,10 @@ class PrefixForwardContext:
     pipeline stage); None on earlier stages, whose output travels on."""
     recomputing: bool = False
     """True during Phase C: a recomputed attention must not store K/V again."""
+    replay: bool = False
+    """Phase C's re-run of a prefix forward under full activation recompute ([Note: prefix full
+    recompute] in docs/DESIGN.md): Phase A ran without a graph and kept only the K/V; the re-run
+    binds its fresh K/V (with their graph) to the stored entries and stops where Phase A did."""
     chunk: int = 0
     """Chunk of the group's prefix being run; chunk c > 0 also attends to the cached K/V of the
     group's chunks < c."""

@@ -108,9 +108,10 @@ class ReuseStep:
 
     # ---- the data-iterator protocol
     def prepare(self, action: Action) -> None:
-        """Make `action`'s inputs the next item (called by the executor before a forward)."""
+        """Make `action`'s inputs the next item (called by the executor before a forward; before
+        a prefix backward too when Phase C re-runs the prefix forward under full recompute)."""
         assert self._pending is None, f"{action}: the previous forward was not finished"
-        if action.kind is ActionKind.PREFIX_FORWARD:
+        if action.kind in (ActionKind.PREFIX_FORWARD, ActionKind.PREFIX_BACKWARD):
             item = build_prefix_inputs(self.batch, self._units[action.index])
             item["kind"] = "prefix"
         elif action.kind is ActionKind.SUFFIX_FORWARD:
@@ -153,13 +154,15 @@ class ReuseStep:
 
     # ---- contexts for the hooks
     def prefix_context(self, unit: int, *, stop_after_layer: Optional[int],
-                       recomputing: bool = False, model_chunk: int = 0) -> PrefixForwardContext:
+                       recomputing: bool = False, replay: bool = False,
+                       model_chunk: int = 0) -> PrefixForwardContext:
         """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
         chunk `model_chunk` of this rank."""
         chunk = self._units[unit]
         return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
                                     position_offset=chunk.start, cache=self.caches[model_chunk],
                                     stop_after_layer=stop_after_layer, recomputing=recomputing,
+                                    replay=replay,
                                     padding=chunk.padding)
 
     def suffix_context(self, microbatch: int, model_chunk: int = 0) -> SuffixForwardContext:
