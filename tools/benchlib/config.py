@@ -17,7 +17,9 @@ from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.flops import ModelDims
 from prefix_schedule.planning.placement import Placement, place_groups
 
-__all__ = ["BenchConfig", "build_parser", "config_from_args"]
+__all__ = ["BenchConfig", "RECOMPUTE", "build_parser", "config_from_args"]
+
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,6 +78,12 @@ class BenchConfig:
     """Seconds the multi-process run may take, start-up included, before it is killed as hung."""
     skip_stock: bool = False
     """Do not time the stock (unfused) dense path; it still gives the one-step gradient reference."""
+    offload_prefix_activations: bool = False
+    """Reuse path: keep Phase A's saved activations in (pinned) host memory until Phase C
+    (prefix_schedule/runtime/offload.py); dense has no dormant activations to offload."""
+    recompute: str = dataclasses.field(default="none", metadata={"choices": RECOMPUTE})
+    """Activation recompute of every path (dense and reuse alike): none, selective (core
+    attention) or full (uniform, one layer per checkpoint)."""
 
     def __post_init__(self) -> None:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
@@ -94,6 +102,8 @@ class BenchConfig:
         for name in ("prefix_chunk_tokens", "dense_micro_batch_size"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}; give an int >= 1")
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute={self.recompute!r}; choose one of {RECOMPUTE}")
         choices = (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES
         if self.attention_backend not in choices:
             raise ValueError(f"--attention-backend={self.attention_backend!r}; choose one of {choices}")
@@ -135,6 +145,13 @@ class BenchConfig:
                          num_attention_heads=self.num_attention_heads,
                          num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
                          gated_linear_unit=True)
+
+    def recompute_options(self) -> Dict[str, object]:
+        """TransformerConfig fields of `recompute` (the same for every path)."""
+        return {"none": {},
+                "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+                "full": dict(recompute_granularity="full", recompute_method="uniform",
+                             recompute_num_layers=1)}[self.recompute]
 
     def placement(self, batch: GroupBatch) -> Optional[Placement]:
         """The DP placement of `batch` (None without DP); every rank computes the same one."""
