@@ -185,11 +185,15 @@ def test_memory_probe_reports_the_suffix_phase_of_a_reuse_step(memory_probe):
         for _, on_release in s.observers:
             on_release(0)
         for on_action, _ in s.observers:
+            on_action(Action(stage=0, kind=ActionKind.PREFIX_BACKWARD, index=0))
+        late = torch.zeros(64, requires_grad=True).square().sum()  # 256 bytes in Phase C
+        for on_action, _ in s.observers:
             on_action(None)
+        late.backward()
 
     report = memory_probe.measure_reuse(torch.nn.Linear(1, 1), step, run)
-    assert report.suffix_phase_peak_bytes == 16 and report.peak_saved_bytes == 128
-    assert report.phase_peaks == {"PF": 128, "SF": 16, "suffix": 16}  # PF opens with 128 held
+    assert report.suffix_phase_peak_bytes == 16 and report.peak_saved_bytes == 256
+    assert report.phase_peaks == {"PF": 128, "SF": 16, "suffix": 16, "PB": 256}
     assert report.cache_peak_bytes == 0 and report.peak_host_bytes == 0
 
 

@@ -8,9 +8,9 @@ host. Parameters, gradients, optimizer state and short-lived temporaries are not
 are the same for dense and reuse, or transient. On a GPU, tools/gpu_check.py sets this model
 beside `torch.cuda.max_memory_allocated`.
 
-The suffix phase of a reuse step runs from its first suffix forward to the release of its last
-suffix microbatch (after its backward); `phase_peaks` also has one peak per compute-action kind
-(PF, SF, SB, PB, RG).
+The suffix phase of a reuse step is its suffix forwards and backwards (a group's Phase C that
+runs between other groups' suffix microbatches is not in it: it is "PB"); `phase_peaks` has one
+peak per compute-action kind (PF, SF, SB, PB, RG) and "suffix".
 """
 from __future__ import annotations
 

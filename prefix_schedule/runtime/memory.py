@@ -15,8 +15,9 @@ host memory reports it to the active meter as host, not device. The union of sto
 at every sample, so a K/V copy that is a view of a saved tensor counts once.
 
 Phases: the meter keeps one peak per phase name (`phase(name)`); `watch_step` names each compute
-action's kind ("PF", "SF", "SB", "PB") and the suffix window "suffix" (first suffix forward to
-the release of the last suffix microbatch), the paper's suffix-phase comparison.
+action's kind ("PF", "SF", "SB", "PB", "RG") and "suffix": every suffix forward and backward
+(the paper's suffix-phase comparison). A group's Phase C may run between other groups' suffix
+microbatches; it is its own phase ("PB"), not part of "suffix".
 """
 
 from __future__ import annotations
@@ -156,21 +157,18 @@ def watch_step(step, meter: DeviceMemoryMeter) -> None:
 
     meter.sources.append(lambda: (t for cache in step.caches for t in cache.tensors()))
     meter.sources.append(step.resident_tensors)
-    state = {"current": None, "released": set()}
+    suffix_kinds = (ActionKind.SUFFIX_FORWARD, ActionKind.SUFFIX_BACKWARD)
+    current = []  # the phases of the running action
 
     def on_action(action) -> None:
-        if state["current"] is not None:
-            meter.phase(state["current"], False)
-        state["current"] = None if action is None else action.kind.value
-        if action is None:
-            return
-        if action.kind is ActionKind.SUFFIX_FORWARD and "suffix" not in meter.phase_peaks:
-            meter.phase("suffix", True)
-        meter.phase(state["current"], True)
+        for name in current:
+            meter.phase(name, False)
+        current.clear()
+        if action is not None:
+            current.append(action.kind.value)
+            if action.kind in suffix_kinds:
+                current.append("suffix")
+            for name in current:
+                meter.phase(name, True)
 
-    def on_release(microbatch: int) -> None:
-        state["released"].add(microbatch)
-        if len(state["released"]) == step.num_microbatches:
-            meter.phase("suffix", False)
-
-    step.observers.append((on_action, on_release))
+    step.observers.append((on_action, lambda microbatch: None))

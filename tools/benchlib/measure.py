@@ -198,6 +198,7 @@ def _memory(config: BenchConfig, local, fused, batch: GroupBatch,
             "reuse_peak_host_bytes": reuse.peak_host_bytes,
             "reuse_phase_peak_bytes": reuse.phase_peaks,
             "suffix_phase_reduction": 1 - reuse.suffix_phase_peak_bytes / dense.peak_saved_bytes,
+            "step_peak_reduction": 1 - reuse.peak_saved_bytes / dense.peak_saved_bytes,
             "offload_prefix_activations": config.offload_prefix_activations,
             "recompute": config.recompute,
             "basis": MEMORY_BASIS}

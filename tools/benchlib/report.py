@@ -147,5 +147,6 @@ def _memory_line(memory: Optional[dict]) -> str:
             f"{memory['dense_peak_saved_bytes'] / mib:.1f}, "
             f"reuse peak {memory['reuse_peak_saved_bytes'] / mib:.1f}, reuse suffix phase "
             f"{memory['reuse_suffix_phase_peak_bytes'] / mib:.1f} "
-            f"({-100 * memory['suffix_phase_reduction']:+.0f}% vs dense), cache "
+            f"({-100 * memory['suffix_phase_reduction']:+.0f}% vs dense; whole step "
+            f"{-100 * memory['step_peak_reduction']:+.0f}%), cache "
             f"{memory['reuse_cache_bytes'] / mib:.1f}, host {memory['reuse_peak_host_bytes'] / mib:.1f}")
