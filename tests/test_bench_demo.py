@@ -37,10 +37,11 @@ FIELDS = {"dense_seconds", "stock_dense_seconds", "reuse_seconds", "speedup", "i
           "ideal_speedup_basis", "efficiency", "attention_backend", "max_grad_rel_diff",
           "loss_dense", "loss_reuse", "layout", "model", "workload", "token_budget",
           "prefix_chunk_tokens", "threads", "threads_per_rank", "steps", "memory", "dense_batched",
-          "timing"}
+          "timing", "offload_prefix_activations", "recompute"}
 MEMORY_FIELDS = {"dense_peak_saved_bytes", "reuse_peak_saved_bytes",
-                 "reuse_suffix_phase_peak_bytes", "reuse_cache_bytes", "suffix_phase_reduction",
-                 "basis"}
+                 "reuse_suffix_phase_peak_bytes", "reuse_cache_bytes", "reuse_peak_host_bytes",
+                 "reuse_phase_peak_bytes", "suffix_phase_reduction", "step_peak_reduction",
+                 "offload_prefix_activations", "recompute", "basis"}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,8 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     bench = [sys.executable, str(ROOT / "tools" / "bench.py"), *TINY_BENCH]
     commands = {
-        "bench": [*bench, "--dense-micro-batch-size", "2", "--json", str(out / "bench.json")],
+        "bench": [*bench, "--dense-micro-batch-size", "2", "--offload-prefix-activations",
+                  "--json", str(out / "bench.json")],
         "bench_pp2": [*bench, "--pp", "2", "--attention-backend", "math", "--timeout", "200",
                       "--prefix-chunk-tokens", "32", "--json", str(out / "bench_pp2.json")],
         "demo": [sys.executable, str(ROOT / "examples" / "grpo_demo.py"), "--quick"],
@@ -106,15 +108,22 @@ def test_bench_json_fields_are_consistent(runs):
     assert "speedup" in stdout and "efficiency" in stdout
     memory = result["memory"]
     assert set(memory) == MEMORY_FIELDS
-    for name in MEMORY_FIELDS - {"basis", "suffix_phase_reduction"}:
-        assert isinstance(memory[name], int) and memory[name] > 0, name
+    assert (memory["offload_prefix_activations"], memory["recompute"]) == (True, "none")
+    assert result["offload_prefix_activations"] and result["recompute"] == "none"
+    for name in MEMORY_FIELDS - {"basis", "suffix_phase_reduction", "step_peak_reduction",
+                                 "reuse_phase_peak_bytes", "offload_prefix_activations",
+                                 "recompute"}:
+        assert isinstance(memory[name], int) and memory[name] > 0, name  # host: offloaded
+    assert set(memory["reuse_phase_peak_bytes"]) == {"PF", "SF", "SB", "PB", "RG", "suffix"}
     # the suffix phase is part of the step; the cache is part of what the phase holds
     assert memory["reuse_cache_bytes"] < memory["reuse_suffix_phase_peak_bytes"]
     assert memory["reuse_suffix_phase_peak_bytes"] <= memory["reuse_peak_saved_bytes"]
     assert memory["reuse_peak_saved_bytes"] < memory["dense_peak_saved_bytes"]
     assert math.isclose(memory["suffix_phase_reduction"], 1 - memory[
         "reuse_suffix_phase_peak_bytes"] / memory["dense_peak_saved_bytes"])
-    assert "held-for-backward MiB: dense peak" in stdout
+    assert math.isclose(memory["step_peak_reduction"], 1 - memory[
+        "reuse_peak_saved_bytes"] / memory["dense_peak_saved_bytes"])
+    assert "device MiB (accounting model; recompute none, offload True): dense peak" in stdout
     batched = result["dense_batched"]  # --dense-micro-batch-size 2: two 71-token rows per microbatch
     assert (batched["micro_batch_size"], batched["tokens_per_microbatch"]) == (2, 2 * 71)
     assert batched["seconds"] > 0 and batched["max_grad_rel_diff_vs_stock_dense"] <= 1e-5
