@@ -49,6 +49,13 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
     scale = _softmax_scale(module, query.shape[-1])
     q, k, v = query[:, 0], key[:, 0], value[:, 0]
     if isinstance(context, PrefixForwardContext):
+        if context.inject:  # [Note: prefix full recompute]: Phase C with Megatron's checkpoints
+            out = _prefix_attention(context, module.layer_number, q, k, v, scale)
+            if torch.is_grad_enabled():
+                out = context.cache.inject_grads(context.group, module.layer_number, out, key,
+                                                 value, chunk=context.chunk,
+                                                 padding=context.padding)
+            return out.reshape(out.shape[0], 1, -1)
         if context.replay:  # [Note: prefix full recompute]: same K/V, now with their graph
             real = key.shape[0] - context.padding
             context.cache.rebind(context.group, module.layer_number, key[:real], value[:real],

@@ -30,8 +30,8 @@ class StopAtPrefixEnd:
     def __call__(self, data_iterator, model, *args):
         try:
             output, _ = self.forward_step_func(data_iterator, model, *args)
-        except PrefixForwardDone:
-            output = None
+        except PrefixForwardDone as done:  # a replay stopped before the final norm: its input
+            output = done.args[0] if done.args else None
         return output, None
 
 

@@ -15,12 +15,13 @@ from typing import Dict, Iterator, List, Optional
 import torch
 
 from prefix_schedule.pipeline import Action, ActionKind
-from prefix_schedule.runtime.context import active_context
+from prefix_schedule.runtime.context import PrefixForwardDone, active_context
 from prefix_schedule.runtime.offload import (PinnedHostPool, PrefixActivationOffloader,
                                              prefetch_points)
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
+from megatron.core.utils import unwrap_model
 
 from megatron_patches.layers import last_kv_layer_number
 from megatron_patches.p2p import P2POp, PipelineP2P, Received
@@ -28,6 +29,23 @@ from megatron_patches.schedule_parts import (GradSync, StopAtPrefixEnd, autograd
                                              model_device, without_full_recompute)
 
 __all__ = ["StageRunner"]
+
+
+@contextlib.contextmanager
+def _stop_before(module):
+    """Stop the forward at `module`'s input (PrefixForwardDone carries it); None: no stop."""
+    if module is None:
+        yield
+        return
+
+    def stop(_module, args):
+        raise PrefixForwardDone(args[0])
+
+    handle = module.register_forward_pre_hook(stop)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 K = ActionKind
 _PREFIX = (K.PREFIX_FORWARD, K.PREFIX_BACKWARD)
@@ -157,28 +175,34 @@ class StageRunner:
         else:
             memory = contextlib.nullcontext()
         with memory:
-            output = self.run_prefix_forward(action, replay=False)
+            output = self.run_prefix_forward(action)
         if output is not None:
             self.outputs[key] = output
 
-    def run_prefix_forward(self, action: Action, *, replay: bool) -> Optional[torch.Tensor]:
+    def run_prefix_forward(self, action: Action, *, mode: str = "forward",
+                           final_norm=None) -> Optional[torch.Tensor]:
         """A prefix row through Megatron's forward_step (first-microbatch flag for FP8 casts,
         input tensor, autocast); None on the last stage, which stops at the last cached K/V.
-        Prefix rows never run Megatron's full recompute (see [Note: prefix full recompute])."""
+        `mode` ([Note: prefix full recompute]): "forward" (Phase A) and "rebind" run without
+        Megatron's full recompute; "inject" keeps it and, on the last stage, stops at the input
+        of `final_norm` and returns it."""
         step, config, key, chunk = self.step, self.config, self.key(action), self.chunk(action)
         last = self.is_last_stage(action)
         step.prepare(action)
-        stop = last_kv_layer_number(self.models[chunk]) if last else None  # HybridModel: last '*'
+        stop = (last_kv_layer_number(self.models[chunk])  # HybridModel: last '*'
+                if last and mode != "inject" else None)
         context = step.prefix_context(action.index, model_chunk=chunk, stop_after_layer=stop,
-                                      replay=replay)
-        with active_context(context), without_full_recompute(config):
+                                      replay=mode == "rebind", inject=mode == "inject")
+        recompute = (contextlib.nullcontext() if mode == "inject"
+                     else without_full_recompute(config))
+        with active_context(context), recompute, _stop_before(final_norm):
             output, _ = schedules.forward_step(
                 StopAtPrefixEnd(self.forward_step_func), step, self.models[chunk],
                 step.num_microbatches, self.arrived(self.inputs, key), [], config, self.cp_size,
                 is_first_microbatch=self.is_first_forward(chunk), vp_stage=self.vp_stage(chunk),
                 is_last_stage=False)  # no loss on a prefix row
         step.finish_forward()  # a rank may leave the item unread (TP ranks > 0 in get_batch)
-        assert (output is None) == last, (
+        assert (output is None) == (last and mode != "inject"), (
             f"{action}: the prefix forward must stop at the last layer's K/V exactly on the "
             "last stage")
         return output
@@ -211,19 +235,33 @@ class StageRunner:
     def prefix_backward(self, action: Action) -> None:
         step, key, chunk = self.step, self.key(action), self.chunk(action)
         output = self.outputs.pop(key, None)
+        output_grad = self.arrived(self.output_grads, key, pop=True)
         if self.full_recompute:  # Phase A kept the K/V only: re-run the forward with its graph
-            output = self.run_prefix_forward(action, replay=True)
+            output, output_grad = self.replay_prefix(action, output_grad)
         input_tensor = self.inputs.pop(key, None)
+        # under full recompute Megatron's checkpoints re-run the hook inside this backward
         context = step.prefix_context(action.index, stop_after_layer=None, recomputing=True,
-                                      model_chunk=chunk)
+                                      inject=self.full_recompute, model_chunk=chunk)
         unit = step.prefix_unit(action.index)
         with active_context(context):
             step.caches[chunk].backward(
-                unit.group, chunk=unit.chunk, output=output,
-                output_grad=self.arrived(self.output_grads, key, pop=True),
+                unit.group, chunk=unit.chunk, output=output, output_grad=output_grad,
                 backward_fn=self.backward_fn)
         if not self.is_first_stage(action):
             self.input_grads[key] = input_tensor.grad
+
+    def replay_prefix(self, action: Action, output_grad):
+        """[Note: prefix full recompute]: re-run a prefix unit for its Phase C; (output, its
+        gradient). With Megatron's checkpoints kept ("inject") where the stage's end is a
+        final norm to stop at or a send; else bind a whole re-run's K/V graph ("rebind")."""
+        if not self.is_last_stage(action):
+            return self.run_prefix_forward(action, mode="inject"), output_grad
+        decoder = getattr(unwrap_model(self.models[self.chunk(action)]), "decoder", None)
+        final_norm = getattr(decoder, "final_layernorm", None)
+        if final_norm is None:
+            return self.run_prefix_forward(action, mode="rebind"), output_grad
+        hidden = self.run_prefix_forward(action, mode="inject", final_norm=final_norm)
+        return hidden, torch.zeros_like(hidden)  # nothing after the final norm feeds a suffix
 
     def reduce_grad(self, action: Action) -> None:
         self.grad_sync.start(self.chunk(action))

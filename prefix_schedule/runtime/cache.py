@@ -62,6 +62,30 @@ class _AccumulateInto(torch.autograd.Function):
         return None, None, None
 
 
+class _InjectGrads(torch.autograd.Function):
+    """Identity on an attention output whose backward also gives the K/V it was computed from
+    the entry's accumulated gK/gV (read when the backward runs: after every suffix read)."""
+
+    @staticmethod
+    def forward(ctx, out, k, v, entry, padding):
+        ctx.entry, ctx.padding = entry, padding
+        ctx.meta = (k.shape, k.dtype, v.shape, v.dtype)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        k_shape, k_dtype, v_shape, v_dtype = ctx.meta
+        grads = []
+        for grad, shape, dtype in ((ctx.entry.grad_k, k_shape, k_dtype),
+                                   (ctx.entry.grad_v, v_shape, v_dtype)):
+            if grad is not None:
+                grad = grad.to(dtype).reshape(shape[0] - ctx.padding, *shape[1:])
+                if ctx.padding:  # padding rows were never cached: no gradient from the cache
+                    grad = torch.cat([grad, grad.new_zeros((ctx.padding,) + tuple(shape[1:]))])
+            grads.append(grad)
+        return grad_out, grads[0], grads[1], None, None
+
+
 class PrefixKVCache:
     """Per-step cache of prefix K/V for every (group, chunk, layer) on this rank."""
 
@@ -108,6 +132,13 @@ class PrefixKVCache:
             ptr = new.untyped_storage().data_ptr()
             self._storages[ptr] = self._storages.get(ptr, 0) + 1
         entry.k_graph, entry.v_graph = k, v
+
+    def inject_grads(self, group: int, layer: int, out: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, *, chunk: int = 0, padding: int = 0) -> torch.Tensor:
+        """Phase C under full recompute with Megatron's checkpointing: `out` (the attention
+        output computed from `k`, `v`, whose last `padding` rows were not cached), whose
+        backward also adds the entry's gK/gV to the gradients of `k`, `v`."""
+        return _InjectGrads.apply(out, k, v, self._entry(group, chunk, layer), padding)
 
     # ---- Phase B (and chunk forwards)
     def read(self, group: int, layer: int, *,

@@ -155,14 +155,14 @@ class ReuseStep:
     # ---- contexts for the hooks
     def prefix_context(self, unit: int, *, stop_after_layer: Optional[int],
                        recomputing: bool = False, replay: bool = False,
-                       model_chunk: int = 0) -> PrefixForwardContext:
+                       inject: bool = False, model_chunk: int = 0) -> PrefixForwardContext:
         """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
         chunk `model_chunk` of this rank."""
         chunk = self._units[unit]
         return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
                                     position_offset=chunk.start, cache=self.caches[model_chunk],
                                     stop_after_layer=stop_after_layer, recomputing=recomputing,
-                                    replay=replay,
+                                    replay=replay, inject=inject,
                                     padding=chunk.padding)
 
     def suffix_context(self, microbatch: int, model_chunk: int = 0) -> SuffixForwardContext:
