@@ -61,10 +61,12 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _group("irrelevant", "overlap timing only: DDP's forward pre-hooks gather every parameter "
              "not gathered yet", "param_sync_func"),
     {"recompute_granularity": Rule(
-        "supported", "tests/test_reuse_megatron.py (selective)",
-        allowed=lambda v: v != "full", example="full",
-        fix="recompute_granularity='full' would drop the prefix K/V graph of Phase A; use "
-            "'selective' recompute or none")},
+        "supported", "tests/test_reuse_megatron.py (selective), tests/test_memory_megatron.py "
+        "(full: uniform and block, PP=1 and PP=2)")},
+    _group("supported", "tests/test_memory_megatron.py (full recompute, uniform and block)",
+             "recompute_method recompute_num_layers"),
+    _refuse("distribute_saved_activations", "full recompute with TP", "distribute_saved_"
+              "activations=True is not verified with prefix reuse; leave it False", True),
     {"recompute_modules": Rule(
         "supported", _VARIANTS + " (core_attn, mlp)",
         allowed=lambda v: v is None or set(v) <= {"core_attn", "mlp"}, example=["layernorm"],
@@ -194,8 +196,6 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _group("irrelevant", "the dense CP kernel's choice: reuse steps gather K/V over the CP "
              "group themselves (runtime/cp.py), whatever TE's cp_comm_type",
              "hierarchical_context_parallel_sizes cp_comm_type"),
-    _group("irrelevant", "only read with full recompute (refused)", "recompute_method "
-             "recompute_num_layers distribute_saved_activations"),
     _group("irrelevant", "only read with MTP (refused)", "mtp_loss_scaling_factor "
              "mtp_use_repeated_layer mtp_detach_heads mtp_hybrid_override_pattern "
              "mtp_standalone mtp_grad_scale_func"),

@@ -47,6 +47,8 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
         )
     check_config_supported(config)  # every TransformerConfig field: config_support.py
     check_moe_supported(config)  # MoE settings that need the process groups to judge
+    if config.recompute_granularity == "full":
+        _check_full_recompute(config, step)
     if config.num_moe_experts and any(w.nodes is not None for w in step.plan.prefixes):
         raise ValueError("an MoE model with prefix trees: router statistics would have to count "
                          "a tree node's tokens once per trajectory below it, which is not built "
@@ -69,6 +71,19 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
     _check_deferred_embedding_wgrad(config, step)
     if config.num_moe_experts and model is not None:  # last: a collective over the EP group
         check_expert_parallel_schedule(step, next(unwrap_model(model).parameters()).device)
+
+
+def _check_full_recompute(config, step) -> None:
+    """Full recompute re-runs each prefix unit in Phase C ([Note: prefix full recompute] in
+    stage_runner.py); verified without MoE, prefix trees and CP, refused with them."""
+    others = [name for name, on in (
+        ("MoE (the re-run would route the prefix again)", bool(config.num_moe_experts)),
+        ("prefix trees", any(w.nodes is not None for w in step.plan.prefixes)),
+        ("context parallelism", getattr(step, "cp", None) is not None)) if on]
+    if others:
+        raise ValueError(f"recompute_granularity='full' with {', '.join(others)} is not "
+                         "verified with prefix reuse yet; use selective recompute or "
+                         "offload_prefix_activations instead")
 
 
 def _check_layout(step, num_model_chunks: int) -> None:

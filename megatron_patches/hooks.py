@@ -52,7 +52,20 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
     if context.cp is not None:
         out = _cp_attention(context, module.layer_number, q, k, v, key, value, scale)
     elif isinstance(context, PrefixForwardContext):
-        if not context.recomputing:
+        if context.inject:  # [Note: prefix full recompute]: Phase C with Megatron's checkpoints
+            out = _prefix_attention(context, module.layer_number, q, k, v, scale)
+            if torch.is_grad_enabled():
+                out = context.cache.inject_grads(context.group, module.layer_number, out, key,
+                                                 value, chunk=context.chunk,
+                                                 padding=context.padding)
+            return out.reshape(out.shape[0], 1, -1)
+        if context.replay:  # [Note: prefix full recompute]: same K/V, now with their graph
+            real = key.shape[0] - context.padding
+            context.cache.rebind(context.group, module.layer_number, key[:real], value[:real],
+                                 chunk=context.chunk)
+            if context.stop_after_layer == module.layer_number:
+                raise PrefixForwardDone()
+        elif not context.recomputing:
             real = key.shape[0] - context.padding  # never cache the padding at the row's end
             stored_k, stored_v = (key, value) if not context.padding else (key[:real], value[:real])
             context.cache.store(context.group, module.layer_number, stored_k, stored_v,

@@ -67,6 +67,10 @@ def check_layers_supported(config, model) -> None:
     hybrid = _hybrid(model)
     if hybrid is None:
         return
+    if config.recompute_granularity == "full":
+        raise ValueError("recompute_granularity='full' with a HybridModel is not verified with "
+                         "prefix reuse (its Phase C replay is tested on GPTModel only); use "
+                         "selective recompute or none, or offload_prefix_activations=True")
     pattern = hybrid.hybrid_layer_pattern
     parsed = parse_hybrid_pattern(pattern)
     if parsed.mtp_pattern is not None:

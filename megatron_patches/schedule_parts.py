@@ -15,7 +15,8 @@ from torch.autograd import Variable
 
 from prefix_schedule.runtime.context import PrefixForwardDone
 
-__all__ = ["GradSync", "StopAtPrefixEnd", "autograd_backward", "model_device"]
+__all__ = ["GradSync", "StopAtPrefixEnd", "autograd_backward", "model_device",
+           "without_full_recompute"]
 
 
 class StopAtPrefixEnd:
@@ -29,7 +30,9 @@ class StopAtPrefixEnd:
     def __call__(self, data_iterator, model, *args):
         try:
             output, _ = self.forward_step_func(data_iterator, model, *args)
-        except PrefixForwardDone:
+        except PrefixForwardDone as done:
+            if done.args:  # a full-recompute replay stopped before the final norm: its input
+                return done.args[0], None
             # Megatron's forward_step reads the output's device after the forward (MoE loss
             # scale): an empty tensor on the model's device, which `stopped` recognises.
             output = torch.empty(0, device=model_device(model))
@@ -104,3 +107,20 @@ def autograd_backward(tensors, grads) -> None:
     Variable._execution_engine.run_backward(
         tensors=tuple(tensors), grad_tensors=tuple(grads), keep_graph=False, create_graph=False,
         inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
+
+
+@contextlib.contextmanager
+def without_full_recompute(config):
+    """Run a prefix row without Megatron's full recompute ([Note: prefix full recompute] in
+    docs/DESIGN.md): TransformerBlock.forward reads `config.recompute_granularity` at every
+    forward (megatron-core 0.19.2 transformer_block.py), and its CheckpointFunction would run the
+    layers without a graph, so the cached K/V could never get their gradient."""
+    granularity = config.recompute_granularity
+    if granularity != "full":
+        yield
+        return
+    config.recompute_granularity = None
+    try:
+        yield
+    finally:
+        config.recompute_granularity = granularity

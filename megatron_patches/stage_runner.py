@@ -10,23 +10,43 @@ chunks (Megatron's interleaved layout) and each action names the chunk it runs o
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 
 from prefix_schedule.pipeline import Action, ActionKind
-from prefix_schedule.runtime.context import active_context
+from prefix_schedule.runtime.context import PrefixForwardDone, active_context
+from prefix_schedule.runtime.offload import (PinnedHostPool, PrefixActivationOffloader,
+                                             prefetch_points)
 
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
+from megatron.core.utils import unwrap_model
 
 from megatron_patches.layers import last_kv_layer_number
 from megatron_patches.moe import stops_in_router
 from megatron_patches.p2p import P2POp, PipelineP2P, Received
 from megatron_patches.schedule_parts import (GradSync, StopAtPrefixEnd, autograd_backward,
-                                             model_device)
+                                             model_device, without_full_recompute)
 
 __all__ = ["StageRunner"]
+
+
+@contextlib.contextmanager
+def _stop_before(module):
+    """Stop the forward at `module`'s input (PrefixForwardDone carries it); None: no stop."""
+    if module is None:
+        yield
+        return
+
+    def stop(_module, args):
+        raise PrefixForwardDone(args[0])
+
+    handle = module.register_forward_pre_hook(stop)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 K = ActionKind
 _PREFIX = (K.PREFIX_FORWARD, K.PREFIX_BACKWARD)
@@ -63,10 +83,32 @@ class StageRunner:
         self.outputs: Dict[tuple, torch.Tensor] = {}
         self.output_grads: Dict[tuple, object] = {}
         self.input_grads: Dict[tuple, Optional[torch.Tensor]] = {}
+        step.in_flight = self.in_flight_tensors  # memory accounting (runtime/memory.py)
+        self.full_recompute = config.recompute_granularity == "full" and not forward_only
+        if step.offload_prefix_activations and not forward_only:
+            step.offloader = self._offloader()
         self.handlers = {  # every other kind is a send, receive or exchange: self.post
             K.PREFIX_FORWARD: self.prefix_forward, K.SUFFIX_FORWARD: self.suffix_forward,
             K.SUFFIX_BACKWARD: self.suffix_backward, K.PREFIX_BACKWARD: self.prefix_backward,
             K.REDUCE_GRAD: self.reduce_grad}
+
+    def _offloader(self) -> PrefixActivationOffloader:
+        """[Note: prefix activation offload] (runtime/offload.py): never the parameters, nor the
+        K/V storages the caches keep on the device anyway."""
+        caches = self.step.caches
+        return PrefixActivationOffloader(
+            self.device, params=[p for m in self.models for p in m.parameters()],
+            keep=lambda t: any(c.holds_storage(t) for c in caches),
+            pool=PinnedHostPool(self.step.offload_pool_bytes, pin=self.device.type == "cuda"))
+
+    def in_flight_tensors(self) -> Iterator[torch.Tensor]:
+        """Pipeline tensors held between actions (received inputs, outputs, gradients)."""
+        for store in (self.inputs, self.outputs, self.output_grads, self.input_grads):
+            for value in store.values():
+                if isinstance(value, Received):
+                    value = value._buffer
+                if isinstance(value, torch.Tensor):
+                    yield value
 
     # ---- layout and shapes (every rank derives them from the shared plan; nothing is exchanged)
     def chunk(self, action: Action) -> int:
@@ -126,19 +168,38 @@ class StageRunner:
 
     # ---- compute
     def prefix_forward(self, action: Action) -> None:
+        step, key = self.step, self.key(action)
+        if self.full_recompute:  # [Note: prefix full recompute]: no graph until Phase C
+            memory = torch.no_grad()
+        elif step.offloader is not None:  # dormant until Phase C: in host memory meanwhile
+            memory = step.offloader.capture(key[1:])
+        else:
+            memory = contextlib.nullcontext()
+        with memory:
+            output = self.run_prefix_forward(action)
+        if output is not None:
+            self.outputs[key] = output
+
+    def run_prefix_forward(self, action: Action, *, mode: str = "forward",
+                           final_norm=None) -> Optional[torch.Tensor]:
+        """A prefix row through Megatron's forward_step (first-microbatch flag for FP8 casts,
+        input tensor, autocast); None on the last stage, which stops at the last cached K/V.
+        `mode` ([Note: prefix full recompute]): "forward" (Phase A) and "rebind" run without
+        Megatron's full recompute; "inject" keeps it and, on the last stage, stops at the input
+        of `final_norm` and returns it."""
         step, config, key, chunk = self.step, self.config, self.key(action), self.chunk(action)
         last = self.is_last_stage(action)
         if last and step.prefix_has_loss(action.index):
             return self.prefix_forward_with_loss(action)
         step.prepare(action)
-        # Dormant prefix activations (needed again only in Phase C) can live in host memory.
-        offload = (torch.autograd.graph.save_on_cpu(pin_memory=self.device.type == "cuda")
-                   if step.offload_prefix_activations else contextlib.nullcontext())
-        stop = last_kv_layer_number(self.models[chunk]) if last else None  # HybridModel: last '*'
+        stop = (last_kv_layer_number(self.models[chunk])  # HybridModel: last '*'
+                if last and mode != "inject" else None)
         context = step.prefix_context(action.index, model_chunk=chunk, stop_after_layer=stop,
-                                      stop_in_router=stops_in_router(self.models[chunk], stop))
-        with active_context(context), offload:
-            # Megatron's forward_step: first-microbatch flag (FP8 casts), input tensor, autocast
+                                      stop_in_router=stops_in_router(self.models[chunk], stop),
+                                      replay=mode == "rebind", inject=mode == "inject")
+        recompute = (contextlib.nullcontext() if mode == "inject"
+                     else without_full_recompute(config))
+        with active_context(context), recompute, _stop_before(final_norm):
             output, _ = schedules.forward_step(
                 StopAtPrefixEnd(self.forward_step_func), step, self.models[chunk],
                 step.num_microbatches, self.arrived(self.inputs, key), [], config, self.cp_size,
@@ -146,11 +207,10 @@ class StageRunner:
                 is_last_stage=False)  # no loss on a prefix row
         step.finish_forward()  # a rank may leave the item unread (TP ranks > 0 in get_batch)
         output = None if StopAtPrefixEnd.stopped(output) else output
-        assert (output is None) == last, (
+        assert (output is None) == (last and mode != "inject"), (
             f"{action}: the prefix forward must stop at the last layer's K/V exactly on the "
             "last stage")
-        if output is not None:
-            self.outputs[key] = output
+        return output
 
     def prefix_forward_with_loss(self, action: Action) -> None:
         """A prefix-tree unit that predicts loss tokens, on the last stage: the whole model runs
@@ -197,21 +257,39 @@ class StageRunner:
 
     def prefix_backward(self, action: Action) -> None:
         step, key, chunk = self.step, self.key(action), self.chunk(action)
-        input_tensor = self.inputs.pop(key, None)
-        context = step.prefix_context(action.index, stop_after_layer=None, recomputing=True,
-                                      model_chunk=chunk)
-        unit = step.prefix_unit(action.index)
         output = self.outputs.pop(key, None)
         output_grad = self.arrived(self.output_grads, key, pop=True)
-        if output is not None and self.is_last_stage(action):  # the unit's loss, as backward_step
+        if self.full_recompute:  # Phase A kept the K/V only: re-run the forward with its graph
+            output, output_grad = self.replay_prefix(action, output_grad)
+        input_tensor = self.inputs.pop(key, None)
+        # under full recompute Megatron's checkpoints re-run the hook inside this backward
+        context = step.prefix_context(action.index, stop_after_layer=None, recomputing=True,
+                                      inject=self.full_recompute, model_chunk=chunk)
+        unit = step.prefix_unit(action.index)
+        if (not self.full_recompute and output is not None
+                and self.is_last_stage(action)):  # a tree unit's loss, as backward_step
             if self.config.grad_scale_func is not None:
                 output = self.config.grad_scale_func(output)
             output_grad = torch.ones_like(output)
         with active_context(context):
-            step.caches[chunk].backward(unit.group, chunk=unit.chunk, output=output,
-                                        output_grad=output_grad, backward_fn=self.backward_fn)
+            step.caches[chunk].backward(
+                unit.group, chunk=unit.chunk, output=output, output_grad=output_grad,
+                backward_fn=self.backward_fn)
         if not self.is_first_stage(action):
             self.input_grads[key] = input_tensor.grad
+
+    def replay_prefix(self, action: Action, output_grad):
+        """[Note: prefix full recompute]: re-run a prefix unit for its Phase C; (output, its
+        gradient). With Megatron's checkpoints kept ("inject") where the stage's end is a
+        final norm to stop at or a send; else bind a whole re-run's K/V graph ("rebind")."""
+        if not self.is_last_stage(action):
+            return self.run_prefix_forward(action, mode="inject"), output_grad
+        decoder = getattr(unwrap_model(self.models[self.chunk(action)]), "decoder", None)
+        final_norm = getattr(decoder, "final_layernorm", None)
+        if final_norm is None:
+            return self.run_prefix_forward(action, mode="rebind"), output_grad
+        hidden = self.run_prefix_forward(action, mode="inject", final_norm=final_norm)
+        return hidden, torch.zeros_like(hidden)  # nothing after the final norm feeds a suffix
 
     def reduce_grad(self, action: Action) -> None:
         self.grad_sync.start(self.chunk(action))
@@ -221,14 +299,25 @@ class StageRunner:
 
     def run(self) -> None:
         """Execute this rank's actions in order (backwards under no_sync until REDUCE_GRAD)."""
+        compute = [a for a in self.actions if a.kind in self.handlers]
+        prefetch = (prefetch_points([a.kind.value for a in compute],
+                                    [self.key(a)[1:] for a in compute])
+                    if self.step.offloader is not None else {})
+        position = 0  # of the action among this row's compute actions
         self.grad_sync.disable()
         try:
             for action in self.actions:
+                if action.kind in self.handlers:
+                    self.step.notify(action)
+                    for unit in prefetch.get(position, ()):
+                        self.step.offloader.prefetch(unit)  # as its Phase C starts
+                    position += 1
                 self.handlers.get(action.kind, self.post)(action)
                 self.p2p.release_completed()
             self.p2p.wait_all()
         finally:
             self.grad_sync.enable()
+            self.step.notify(None)
         if self.forward_only:
             self.outputs.clear()
         assert not (self.outputs or self.output_grads or self.input_grads), (

@@ -37,10 +37,12 @@ FIELDS = {"dense_seconds", "stock_dense_seconds", "reuse_seconds", "speedup", "i
           "ideal_speedup_basis", "efficiency", "attention_backend", "max_grad_rel_diff",
           "loss_dense", "loss_reuse", "layout", "model", "workload", "token_budget",
           "prefix_chunk_tokens", "threads", "threads_per_rank", "steps", "memory", "dense_batched",
-          "timing", "production_settings", "ep", "aux_loss_dense", "aux_loss_reuse"}
+          "timing", "production_settings", "ep", "aux_loss_dense", "aux_loss_reuse",
+          "offload_prefix_activations", "recompute"}
 MEMORY_FIELDS = {"dense_peak_saved_bytes", "reuse_peak_saved_bytes",
-                 "reuse_suffix_phase_peak_bytes", "reuse_cache_bytes", "suffix_phase_reduction",
-                 "basis"}
+                 "reuse_suffix_phase_peak_bytes", "reuse_cache_bytes", "reuse_peak_host_bytes",
+                 "reuse_phase_peak_bytes", "suffix_phase_reduction", "step_peak_reduction",
+                 "offload_prefix_activations", "recompute", "basis"}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,8 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     bench = [sys.executable, str(ROOT / "tools" / "bench.py"), *TINY_BENCH]
     commands = {
-        "bench": [*bench, "--dense-micro-batch-size", "2", "--json", str(out / "bench.json")],
+        "bench": [*bench, "--dense-micro-batch-size", "2", "--offload-prefix-activations",
+                  "--json", str(out / "bench.json")],
         "bench_pp2": [*bench, "--pp", "2", "--attention-backend", "math", "--timeout", "200",
                       "--prefix-chunk-tokens", "32", "--json", str(out / "bench_pp2.json")],
         "demo": [sys.executable, str(ROOT / "examples" / "grpo_demo.py"), "--quick"],
@@ -116,15 +119,22 @@ def test_bench_json_fields_are_consistent(runs):
     assert "speedup" in stdout and "efficiency" in stdout
     memory = result["memory"]
     assert set(memory) == MEMORY_FIELDS
-    for name in MEMORY_FIELDS - {"basis", "suffix_phase_reduction"}:
-        assert isinstance(memory[name], int) and memory[name] > 0, name
+    assert (memory["offload_prefix_activations"], memory["recompute"]) == (True, "none")
+    assert result["offload_prefix_activations"] and result["recompute"] == "none"
+    for name in MEMORY_FIELDS - {"basis", "suffix_phase_reduction", "step_peak_reduction",
+                                 "reuse_phase_peak_bytes", "offload_prefix_activations",
+                                 "recompute"}:
+        assert isinstance(memory[name], int) and memory[name] > 0, name  # host: offloaded
+    assert set(memory["reuse_phase_peak_bytes"]) == {"PF", "SF", "SB", "PB", "RG", "suffix"}
     # the suffix phase is part of the step; the cache is part of what the phase holds
     assert memory["reuse_cache_bytes"] < memory["reuse_suffix_phase_peak_bytes"]
     assert memory["reuse_suffix_phase_peak_bytes"] <= memory["reuse_peak_saved_bytes"]
     assert memory["reuse_peak_saved_bytes"] < memory["dense_peak_saved_bytes"]
     assert math.isclose(memory["suffix_phase_reduction"], 1 - memory[
         "reuse_suffix_phase_peak_bytes"] / memory["dense_peak_saved_bytes"])
-    assert "held-for-backward MiB: dense peak" in stdout
+    assert math.isclose(memory["step_peak_reduction"], 1 - memory[
+        "reuse_peak_saved_bytes"] / memory["dense_peak_saved_bytes"])
+    assert "device MiB (accounting model; recompute none, offload True): dense peak" in stdout
     batched = result["dense_batched"]  # --dense-micro-batch-size 2: two 71-token rows per microbatch
     assert (batched["micro_batch_size"], batched["tokens_per_microbatch"]) == (2, 2 * 71)
     assert batched["seconds"] > 0 and batched["max_grad_rel_diff_vs_stock_dense"] <= 1e-5
@@ -208,47 +218,44 @@ def memory_probe(monkeypatch):
     return module
 
 
-def test_memory_probe_counts_saved_storages_once_until_backward_frees_them(memory_probe):
-    weight = torch.ones(4, 4, requires_grad=True)  # a parameter: excluded
-    x = torch.randn(8, 4, requires_grad=True)  # 128 bytes
-    extra = torch.zeros(16)  # 64 bytes held outside autograd (the cache's role)
-    meter = memory_probe.SavedBytesMeter(exclude=[weight], extra=lambda: [extra, x])
-    with meter:
-        h = x @ weight  # saves x (and weight: excluded)
-        y = (x[:4] * h[:4]).sum() + (x[4:] * h[4:]).sum()  # x's views: x's storage, once; h: 128
-        assert meter.live_bytes == 128 + 128
-        meter.phase(True)
-        meter.phase(False)
-        assert meter.held_bytes() == 256 + 64  # `extra` joins; x's storage is not counted twice
-        y.backward()
-    assert meter.live_bytes == 0  # every saved reference released by the backward
-    assert meter.peak_bytes == meter.phase_peak_bytes == 320
-    assert meter.held_bytes() == 64 + 128  # x is no longer saved: now counted as an extra
-
-
-
-def test_suffix_phase_spans_first_suffix_forward_to_last_release(memory_probe):
+def test_memory_probe_reports_the_suffix_phase_of_a_reuse_step(memory_probe):
+    """The probe's reuse report: a suffix window, per-kind peaks and the cache (the counting
+    itself: tests/test_memory_accounting.py)."""
     from prefix_schedule.pipeline import Action, ActionKind
 
-    class Step:  # the two methods the executor calls, as a ReuseStep has them
-        num_microbatches = 2
-        prepare = release_microbatch = staticmethod(lambda _: None)
+    class Step:  # what watch_step reads of a ReuseStep
+        num_microbatches = 1
+        caches = ()
+        observers: list = []
 
-    step, meter = Step(), memory_probe.SavedBytesMeter()
-    memory_probe.watch_suffix_phase(step, meter)
-    held = torch.zeros(32)  # 128 bytes held during the prefix forward only: not in the phase
-    with meter:
-        prefix = held.requires_grad_().square().sum()
-        step.prepare(Action(stage=0, kind=ActionKind.PREFIX_FORWARD, index=0))
-        prefix.backward()
-        step.prepare(Action(stage=0, kind=ActionKind.SUFFIX_FORWARD, index=0))
-        suffix = torch.zeros(4, requires_grad=True).square().sum()  # saves 16 bytes
-        suffix.backward()  # SB, then the executor releases the microbatch
-        step.release_microbatch(0)
-        assert meter.phase_peak_bytes == 16
-        step.release_microbatch(1)  # the last: the phase closes
-        late = torch.zeros(64, requires_grad=True).square().sum()  # 256 bytes, after the phase
-    assert (meter.phase_peak_bytes, meter.peak_bytes) == (16, 256)
+        @staticmethod
+        def resident_tensors():
+            return ()
+
+    step = Step()
+
+    def run(s):
+        held = torch.zeros(32, requires_grad=True).square().sum()  # 128 bytes, prefix forward
+        for on_action, _ in s.observers:
+            on_action(Action(stage=0, kind=ActionKind.PREFIX_FORWARD, index=0))
+        held.backward()
+        for on_action, _ in s.observers:
+            on_action(Action(stage=0, kind=ActionKind.SUFFIX_FORWARD, index=0))
+        suffix = torch.zeros(4, requires_grad=True).square().sum()  # 16 bytes
+        suffix.backward()
+        for _, on_release in s.observers:
+            on_release(0)
+        for on_action, _ in s.observers:
+            on_action(Action(stage=0, kind=ActionKind.PREFIX_BACKWARD, index=0))
+        late = torch.zeros(64, requires_grad=True).square().sum()  # 256 bytes in Phase C
+        for on_action, _ in s.observers:
+            on_action(None)
+        late.backward()
+
+    report = memory_probe.measure_reuse(torch.nn.Linear(1, 1), step, run)
+    assert report.suffix_phase_peak_bytes == 16 and report.peak_saved_bytes == 256
+    assert report.phase_peaks == {"PF": 128, "SF": 16, "suffix": 16, "PB": 256}
+    assert report.cache_peak_bytes == 0 and report.peak_host_bytes == 0
 
 
 REFUSALS = [

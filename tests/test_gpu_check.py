@@ -53,6 +53,9 @@ def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
     assert all(t["ms"] > 0 and t["peak_extra_mib"] is None for t in report["timing"])  # CPU: no allocator
     e2e = report["e2e"]
     assert set(e2e) == E2E and e2e["ok"] and [p["phase"] for p in e2e["phases"]] == PHASES
+    model_peaks = {p["phase"]: p.get("model_peak_mib") for p in e2e["phases"]}
+    assert model_peaks["reference_fp32_dense"] is None and all(
+        model_peaks[name] > 0 for name in PHASES[1:]), model_peaks  # beside the allocator's
     errors = e2e["grad_rel_err_vs_fp32"]
     assert 0 < errors["dense_bf16"] < 0.2 and errors["reuse_bf16"] <= 1.5 * errors["dense_bf16"]
     cp_rows = report["cp_correctness"]

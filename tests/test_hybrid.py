@@ -128,6 +128,18 @@ def test_refused_layer_kinds_fail_before_any_compute(megatron_env, name):
     assert all(p.grad is None for p in model.parameters()), "compute ran before the refusal"
 
 
+def test_full_recompute_is_refused_for_hybrid_models(megatron_env):
+    from megatron_patches.training import reuse_step
+
+    model = _build("*-*-", recompute_granularity="full", recompute_method="uniform",
+                   recompute_num_layers=1)
+    batch = make_batch(9, SHAPES[:2])
+    plan = plan_microbatches(batch, token_budget=12, max_seq_len=512)
+    with pytest.raises(ValueError, match="recompute_granularity='full' with a HybridModel"):
+        reuse_step(model, batch, plan, LOSS)
+    assert all(p.grad is None for p in model.parameters()), "compute ran before the refusal"
+
+
 def test_stage_patterns_follow_megatrons_split():
     from megatron_patches.layers import stage_patterns
 

@@ -25,12 +25,16 @@ the table's min/max per path show how quiet the machine was.
 
 Memory (`memory` in the JSON, single-process runs only; None with several processes): after
 timing, one extra untimed step per path (fused dense, reuse) runs under tools/memory_probe.py,
-which counts the bytes autograd holds for backward -- saved-tensor storages, each once, while
-any saved reference to them is alive -- plus, for reuse, the prefix cache's K/V copies and fp32
-gK/gV. It is not the allocator's peak: parameters, gradients, optimizer state and transient
-temporaries are excluded. `reuse_suffix_phase_peak_bytes` is the peak from the first suffix
-forward to the release of the last suffix microbatch (the prefix graphs, still waiting for
-Phase C, are held then too); `suffix_phase_reduction` = 1 - that / dense's whole-step peak.
+which models the device bytes of the step (prefix_schedule/runtime/memory.py): saved-tensor
+storages, each once, recompute inputs included, plus for reuse the prefix cache's K/V and fp32
+gK/gV and offloaded activations once brought back; offloaded bytes count as host. Parameters,
+gradients, optimizer state and transient temporaries are excluded. `reuse_suffix_phase_peak_bytes`
+is the peak while suffix microbatches run forward or backward (`reuse_phase_peak_bytes` has the
+peak of every action kind: PF, SF, SB, PB = Phase C); `suffix_phase_reduction` = 1 - that /
+dense's whole-step peak (dense: one row per microbatch); `step_peak_reduction` = 1 - reuse's
+whole-step peak / dense's.
+`--offload-prefix-activations` offloads the reuse path's dormant prefix activations;
+`--recompute` sets the same activation recompute on every path.
 
 Parallel layouts: `--pp/--tp/--dp` start pp*tp*dp gloo processes on this machine (one process,
 no subprocess, when all are 1), each with max(1, threads // world size) threads. Pipeline stages

@@ -116,6 +116,28 @@ def _phase(name, model, run, device, warmup, repeats):
     return row, grads
 
 
+def _add_model_peaks(phases, model, batch, plan, loss) -> None:
+    """The device-memory accounting model's peak (tools/memory_probe.py, one more untimed step)
+    beside each bf16 phase's allocator peak above its start (`peak_extra_mib`): on a GPU this is
+    the check of the model; parameters, gradients and allocator slack are outside both."""
+    import memory_probe
+    from megatron_patches.training import zero_grads
+    from prefix_schedule.runtime.step import ReuseStep
+
+    for row in phases:
+        name = row["phase"]
+        if name == "dense_bf16":
+            report = memory_probe.measure_dense(model, lambda: dense_step(model, batch, loss))
+        elif name.startswith("reuse_bf16"):
+            step = ReuseStep(batch, plan, offload_prefix_activations="offload" in name)
+            report = memory_probe.measure_reuse(
+                model, step, lambda s: reuse_step(model, batch, plan, loss, step=s))
+        else:
+            continue
+        zero_grads(model)
+        row["model_peak_mib"] = report.peak_saved_bytes / 2**20
+
+
 def run(device, *, dry_run: bool, warmup: int = 1, repeats: int = 2) -> dict:
     import megatron_patches
     from megatron_patches.models import initialize_single_process
@@ -149,6 +171,7 @@ def run(device, *, dry_run: bool, warmup: int = 1, repeats: int = 2) -> dict:
              lambda: reuse_step(model16, batch, plan, loss, offload_prefix_activations=True))):
         row, grads[name] = _phase(name, model, fn, device, warmup, repeats)
         phases.append(row)
+    _add_model_peaks(phases, model16, batch, plan, loss)
     ref = grads["reference_fp32_dense"]
     errors = {name: max_relative_diff(ref, grads[name]) for name in grads if name != "reference_fp32_dense"}
     losses = {row["phase"]: row["loss"] for row in phases}

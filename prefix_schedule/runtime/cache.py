@@ -76,6 +76,30 @@ class _AccumulateInto(torch.autograd.Function):
         return None, None, None
 
 
+class _InjectGrads(torch.autograd.Function):
+    """Identity on an attention output whose backward also gives the K/V it was computed from
+    the entry's accumulated gK/gV (read when the backward runs: after every suffix read)."""
+
+    @staticmethod
+    def forward(ctx, out, k, v, entry, padding):
+        ctx.entry, ctx.padding = entry, padding
+        ctx.meta = (k.shape, k.dtype, v.shape, v.dtype)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        k_shape, k_dtype, v_shape, v_dtype = ctx.meta
+        grads = []
+        for grad, shape, dtype in ((ctx.entry.grad_k, k_shape, k_dtype),
+                                   (ctx.entry.grad_v, v_shape, v_dtype)):
+            if grad is not None:
+                grad = grad.to(dtype).reshape(shape[0] - ctx.padding, *shape[1:])
+                if ctx.padding:  # padding rows were never cached: no gradient from the cache
+                    grad = torch.cat([grad, grad.new_zeros((ctx.padding,) + tuple(shape[1:]))])
+            grads.append(grad)
+        return grad_out, grads[0], grads[1], None, None
+
+
 class PrefixKVCache:
     """Per-step cache of prefix K/V for every (group, chunk, layer) on this rank."""
 
@@ -86,6 +110,7 @@ class PrefixKVCache:
         # MoE: (group, chunk) -> layer -> prefix router statistics ([Note: logical prefix tokens])
         self._router: Dict[Tuple[int, int], Dict[int, RouterStats]] = {}
         self._to_local: Dict[Tuple[int, int], Optional[Callable]] = {}  # CP: gK/gV -> local
+        self._storages: Dict[int, int] = {}  # data_ptr of a stored K/V storage -> entries using it
 
     def set_tree(self, group: int, parents: Dict[int, Optional[int]]) -> None:
         """Declare `group`'s chunk tree (chunk -> parent chunk; None for the root). Without it
@@ -112,6 +137,10 @@ class PrefixKVCache:
                                      "twice")
         if k.dim() == 4:
             assert k.shape[1] == 1 and v.shape[1] == 1, "prefix rows are run one group at a time"
+        if not (k.requires_grad or v.requires_grad):
+            # no graph to keep (full recompute's Phase A): keep the K/V bytes, not the buffers
+            # they view (Megatron's V is a slice of the whole fused QKV projection output)
+            k, v = _compact(k), _compact(v)
         source_k, source_v = (k, v) if full is None else full
         k_leaf = source_k.detach().reshape(source_k.shape[0], *k.shape[-2:]).requires_grad_(True)
         v_leaf = source_v.detach().reshape(source_v.shape[0], *v.shape[-2:]).requires_grad_(True)
@@ -119,6 +148,30 @@ class PrefixKVCache:
             raise CacheProtocolError(f"{_name(group, chunk)}: CP and non-CP layers mixed")
         self._to_local[(group, chunk)] = to_local
         layers[layer] = _Entry(k_graph=k, v_graph=v, k_leaf=k_leaf, v_leaf=v_leaf)
+        for t in (k, v):
+            ptr = t.untyped_storage().data_ptr()
+            self._storages[ptr] = self._storages.get(ptr, 0) + 1
+
+    def rebind(self, group: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
+               chunk: int = 0) -> None:
+        """Phase C under full recompute: the re-run forward's `k`, `v` (same values, now with
+        their graph) become the entry's graph tensors; its leaves and gK/gV stay."""
+        entry = self._entry(group, chunk, layer)
+        if k.shape != entry.k_graph.shape or v.shape != entry.v_graph.shape:
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: the re-run prefix "
+                                     "forward gave K/V of another shape than Phase A")
+        for old, new in ((entry.k_graph, k), (entry.v_graph, v)):
+            self._forget_storage(old)
+            ptr = new.untyped_storage().data_ptr()
+            self._storages[ptr] = self._storages.get(ptr, 0) + 1
+        entry.k_graph, entry.v_graph = k, v
+
+    def inject_grads(self, group: int, layer: int, out: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, *, chunk: int = 0, padding: int = 0) -> torch.Tensor:
+        """Phase C under full recompute with Megatron's checkpointing: `out` (the attention
+        output computed from `k`, `v`, whose last `padding` rows were not cached), whose
+        backward also adds the entry's gK/gV to the gradients of `k`, `v`."""
+        return _InjectGrads.apply(out, k, v, self._entry(group, chunk, layer), padding)
 
     def store_router_stats(self, group: int, layer: int, stats: RouterStats, *,
                            chunk: int = 0) -> None:
@@ -256,11 +309,24 @@ class PrefixKVCache:
             return [chunk + 1] if (group, chunk + 1) in self._entries else []
         return [c for g, c in self._entries if g == group and parents.get(c) == chunk]
 
+    def holds_storage(self, t: torch.Tensor) -> bool:
+        """True if `t` shares its storage with live cached K/V (they stay on the device)."""
+        return t.untyped_storage().data_ptr() in self._storages
+
     def _free_chunk(self, group: int, chunk: int) -> None:
+        for entry in self._entries[(group, chunk)].values():
+            self._forget_storage(entry.k_graph)
+            self._forget_storage(entry.v_graph)
         del self._entries[(group, chunk)]
         self._router.pop((group, chunk), None)
         self._to_local.pop((group, chunk), None)
         self._freed.add((group, chunk))
+
+    def _forget_storage(self, t: torch.Tensor) -> None:
+        ptr = t.untyped_storage().data_ptr()
+        self._storages[ptr] -= 1
+        if not self._storages[ptr]:
+            del self._storages[ptr]
 
     def _chunks(self, group: int) -> range:
         """0..n-1 for a group whose chunks are exactly those, all live; raises otherwise."""
@@ -289,6 +355,13 @@ class PrefixKVCache:
         if layer not in layers:
             raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: no prefix K/V stored")
         return layers[layer]
+
+
+def _compact(t: torch.Tensor) -> torch.Tensor:
+    """`t`, or a copy of just its elements when it views a larger storage."""
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone(memory_format=torch.contiguous_format)
+    return t
 
 
 def _name(group: int, chunk: int) -> str:

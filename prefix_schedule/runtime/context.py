@@ -46,6 +46,14 @@ class PrefixForwardContext:
     pipeline stage); None on earlier stages, whose output travels on."""
     recomputing: bool = False
     """True during Phase C: a recomputed attention must not store K/V again."""
+    replay: bool = False
+    """Phase C's re-run of a prefix forward under full activation recompute ([Note: prefix full
+    recompute] in docs/DESIGN.md): Phase A ran without a graph and kept only the K/V; the re-run
+    binds its fresh K/V (with their graph) to the stored entries and stops where Phase A did."""
+    inject: bool = False
+    """Phase C's re-run under full recompute with Megatron's checkpointing kept: wherever the
+    attention runs with grad (CheckpointFunction's recompute in backward), the entry's gK/gV
+    join the gradient of its K/V (PrefixKVCache.inject_grads); the forward never stops early."""
     chunk: int = 0
     """Chunk of the group's prefix being run; chunk c > 0 also attends to the cached K/V of the
     group's chunks < c."""

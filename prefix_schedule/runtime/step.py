@@ -37,7 +37,8 @@ class ReuseStep:
 
     def __init__(self, batch: GroupBatch, plan: StepPlan, *, num_stages: int = 1,
                  num_model_chunks: int = 1, offload_prefix_activations: bool = False,
-                 cp_group: Optional[CPGroup] = None) -> None:
+                 cp_group: Optional[CPGroup] = None,
+                 offload_pool_bytes: Optional[int] = None) -> None:
         """`num_stages`: the pipeline size (ranks); `num_model_chunks`: Megatron's virtual
         pipeline size V (each rank holds V model chunks: [Note: virtual stages] in ir.py);
         `cp_group`: this rank's context-parallel group (None or size 1: no CP); each row then
@@ -51,8 +52,20 @@ class ReuseStep:
                              f"{plan.row_multiple}: sequence parallelism with CP is not "
                              "supported)")
         self.offload_prefix_activations = offload_prefix_activations
-        """Keep what Phase A saves for backward in pinned host memory until Phase C: during the
-        suffix phase only the prefix K/V and gK/gV stay on the device (a no-op on CPU)."""
+        """Keep what Phase A saves for backward in (pinned) host memory until Phase C, parameters
+        and the cached K/V excepted ([Note: prefix activation offload] in runtime/offload.py)."""
+        if offload_pool_bytes is not None and offload_pool_bytes < 0:
+            raise ValueError(f"offload_pool_bytes={offload_pool_bytes}; give bytes >= 0 or None")
+        self.offload_pool_bytes = offload_pool_bytes
+        """Bound of the host pool that offloaded activations take (None: unbounded); what does
+        not fit stays on the device."""
+        self.offloader = None
+        """The step's PrefixActivationOffloader, set by the executor when offloading."""
+        self.observers: list = []
+        """(on_action, on_release) pairs told of every compute action (None after the last) and
+        every released suffix microbatch: memory accounting (runtime/memory.watch_step)."""
+        self.in_flight = lambda: ()
+        """Pipeline tensors the executor holds between actions (set by the executor)."""
         self._units: Dict[int, PrefixChunk] = plan.prefix_units()
         self._trees = {w.group for w in plan.prefixes if w.nodes is not None}
         if self.cp is not None and self._trees:
@@ -165,9 +178,10 @@ class ReuseStep:
 
     # ---- the data-iterator protocol
     def prepare(self, action: Action) -> None:
-        """Make `action`'s inputs the next item (called by the executor before a forward)."""
+        """Make `action`'s inputs the next item (called by the executor before a forward; before
+        a prefix backward too when Phase C re-runs the prefix forward under full recompute)."""
         assert self._pending is None, f"{action}: the previous forward was not finished"
-        if action.kind is ActionKind.PREFIX_FORWARD:
+        if action.kind in (ActionKind.PREFIX_FORWARD, ActionKind.PREFIX_BACKWARD):
             item = build_prefix_inputs(self.batch, self._units[action.index])
             item.update(self._unit_loss.get(action.index) or {})
             if self.cp is not None:
@@ -218,7 +232,8 @@ class ReuseStep:
 
     # ---- contexts for the hooks
     def prefix_context(self, unit: int, *, stop_after_layer: Optional[int],
-                       recomputing: bool = False, model_chunk: int = 0,
+                       recomputing: bool = False, replay: bool = False,
+                       inject: bool = False, model_chunk: int = 0,
                        stop_in_router: bool = False) -> PrefixForwardContext:
         """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
         chunk `model_chunk` of this rank."""
@@ -233,7 +248,8 @@ class ReuseStep:
                                     stop_after_layer=stop_after_layer, recomputing=recomputing,
                                     padding=chunk.padding, reads=reads,
                                     multiplicity=self.prefix_multiplicity(chunk.group),
-                                    stop_in_router=stop_in_router, cp=cp)
+                                    stop_in_router=stop_in_router, cp=cp,
+                                    replay=replay, inject=inject)
 
     def _ancestors(self, chunk: PrefixChunk) -> tuple:
         by_chunk = {c.chunk: c for c in self._units.values() if c.group == chunk.group}
@@ -298,3 +314,18 @@ class ReuseStep:
         """Forget microbatch `microbatch`'s contexts once its last backward here is done."""
         for key in [k for k in self._suffix_contexts if k[0] == microbatch]:
             del self._suffix_contexts[key]
+        for _, on_release in self.observers:
+            on_release(microbatch)
+
+    # ---- observation (memory accounting)
+    def notify(self, action: Optional[Action]) -> None:
+        """The executor starts compute action `action` (None: the step's actions are done)."""
+        for on_action, _ in self.observers:
+            on_action(action)
+
+    def resident_tensors(self):
+        """Tensors held outside autograd besides the caches: pipeline tensors in flight and
+        offloaded prefix activations brought back for Phase C."""
+        yield from self.in_flight()
+        if self.offloader is not None:
+            yield from self.offloader.resident_tensors()

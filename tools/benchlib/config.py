@@ -17,7 +17,9 @@ from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.flops import ModelDims
 from prefix_schedule.planning.placement import Placement, place_groups
 
-__all__ = ["BenchConfig", "build_parser", "config_from_args"]
+__all__ = ["BenchConfig", "RECOMPUTE", "build_parser", "config_from_args"]
+
+RECOMPUTE = ("none", "selective", "full")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -102,6 +104,12 @@ class BenchConfig:
     """MoE: experts per token."""
     ep: int = 1
     """MoE: expert-parallel ranks (carved out of the --dp ranks, as Megatron does)."""
+    offload_prefix_activations: bool = False
+    """Reuse path: keep Phase A's saved activations in (pinned) host memory until Phase C
+    (prefix_schedule/runtime/offload.py); dense has no dormant activations to offload."""
+    recompute: str = dataclasses.field(default="none", metadata={"choices": RECOMPUTE})
+    """Activation recompute of every path (dense and reuse alike): none, selective (core
+    attention) or full (uniform, one layer per checkpoint)."""
 
     def __post_init__(self) -> None:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
@@ -121,6 +129,8 @@ class BenchConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(self, name)}; give an int >= 1")
         self._check_tree()
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"--recompute={self.recompute!r}; choose one of {RECOMPUTE}")
         choices = (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES
         if self.attention_backend not in choices:
             raise ValueError(f"--attention-backend={self.attention_backend!r}; choose one of {choices}")
@@ -258,6 +268,13 @@ class BenchConfig:
                     moe_ffn_hidden_size=self.ffn_hidden_size, moe_aux_loss_coeff=0.01,
                     moe_router_load_balancing_type="aux_loss",
                     moe_token_dispatcher_type="alltoall", expert_model_parallel_size=self.ep)
+
+    def recompute_options(self) -> Dict[str, object]:
+        """TransformerConfig fields of `recompute` (the same for every path)."""
+        return {"none": {},
+                "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+                "full": dict(recompute_granularity="full", recompute_method="uniform",
+                             recompute_num_layers=1)}[self.recompute]
 
     def placement(self, batch: GroupBatch) -> Optional[Placement]:
         """The DP placement of `batch` (None without DP); every rank computes the same one."""

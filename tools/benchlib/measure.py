@@ -33,9 +33,12 @@ __all__ = ["LOSS", "MEMORY_BASIS", "PATHS", "config_batch", "config_plan", "meas
 
 LOSS = PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.05)
 PATHS = ("dense", "dense_batched", "stock_dense", "reuse")
-MEMORY_BASIS = ("bytes autograd holds for backward (saved-tensor storages, each once; "
-                "parameters excluded) plus, for reuse, the prefix cache's K/V copies and gK/gV; "
-                "one untimed step per path; not the allocator's peak (tools/memory_probe.py)")
+MEMORY_BASIS = ("device bytes of the accounting model (prefix_schedule/runtime/memory.py): "
+                "saved-for-backward storages, each once, recompute inputs included, parameters "
+                "excluded, plus for reuse the prefix cache's K/V and fp32 gK/gV and prefix "
+                "activations brought back for Phase C; offloaded bytes count as host; dense "
+                "one row per microbatch, same recompute; one untimed step per path; not the "
+                "allocator's peak (tools/memory_probe.py)")
 
 
 def config_batch(config: BenchConfig) -> GroupBatch:
@@ -111,7 +114,8 @@ def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
         "dense": (fused, lambda: dense(fused, batch)),
         "dense_batched": (fused, lambda: dense_step(fused, batch, LOSS, micro_batch_size=rows)),
         "stock_dense": (local, lambda: dense(local, batch)),
-        "reuse": (local, lambda: reuse_step(local, batch, plan, LOSS)),
+        "reuse": (local, lambda: reuse_step(local, batch, plan, LOSS,
+                                            offload_prefix_activations=config.offload_prefix_activations)),
     }
     if rows == 1 or config.num_experts:  # MoE: dense microbatches are the plan's already
         del runs["dense_batched"]
@@ -151,7 +155,8 @@ def _check_step(config: BenchConfig, local, batch: GroupBatch, plan: StepPlan) -
     _aux_loss(1)  # drop what the timed steps logged
     dense, reference = grads_of(lambda: dense_run(local, batch))
     aux_dense = _aux_loss(len(plan.microbatches))
-    reuse, reuse_grads = grads_of(lambda: reuse_step(local, batch, plan, LOSS))
+    reuse, reuse_grads = grads_of(lambda: reuse_step(
+        local, batch, plan, LOSS, offload_prefix_activations=config.offload_prefix_activations))
     aux_reuse = _aux_loss(len(plan.microbatches))
     check = {"loss_dense": _global_loss(dense), "loss_reuse": _global_loss(reuse),
              "max_grad_rel_diff": _reduce_max(max_relative_diff(reference, reuse_grads)),
@@ -178,23 +183,30 @@ def _global_loss(result) -> float:
     return float(totals[0] / totals[1])
 
 
-def _memory(local, fused, batch: GroupBatch, plan: StepPlan) -> Dict[str, float]:
-    """One extra step per path under tools/memory_probe.py: bytes held for backward (saved
-    activations, plus the prefix cache for reuse; not the allocator's peak)."""
+def _memory(config: BenchConfig, local, fused, batch: GroupBatch,
+            plan: StepPlan) -> Dict[str, float]:
+    """One extra step per path under tools/memory_probe.py: the device bytes of the accounting
+    model (saved activations, recompute inputs, the prefix cache, offloaded bytes as host)."""
     from prefix_schedule.runtime.step import ReuseStep
 
     zero(fused)
-    dense = memory_probe.measure_dense(fused, lambda: dense_step(fused, batch, LOSS))  # 1 row/mb
+    dense = memory_probe.measure_dense(fused, lambda: dense_step(fused, batch, LOSS))
     zero(local)
+    step = ReuseStep(batch, plan, offload_prefix_activations=config.offload_prefix_activations)
     reuse = memory_probe.measure_reuse(
-        local, ReuseStep(batch, plan), lambda step: reuse_step(local, batch, plan, LOSS, step=step))
+        local, step, lambda s: reuse_step(local, batch, plan, LOSS, step=s))
     zero(local)
     zero(fused)
     return {"dense_peak_saved_bytes": dense.peak_saved_bytes,
             "reuse_peak_saved_bytes": reuse.peak_saved_bytes,
             "reuse_suffix_phase_peak_bytes": reuse.suffix_phase_peak_bytes,
             "reuse_cache_bytes": reuse.cache_peak_bytes,
+            "reuse_peak_host_bytes": reuse.peak_host_bytes,
+            "reuse_phase_peak_bytes": reuse.phase_peaks,
             "suffix_phase_reduction": 1 - reuse.suffix_phase_peak_bytes / dense.peak_saved_bytes,
+            "step_peak_reduction": 1 - reuse.peak_saved_bytes / dense.peak_saved_bytes,
+            "offload_prefix_activations": config.offload_prefix_activations,
+            "recompute": config.recompute,
             "basis": MEMORY_BASIS}
 
 
@@ -225,7 +237,7 @@ def measure(config: BenchConfig, distributed: bool = False) -> dict:
     backend = selected_backend(config, param.device, param.dtype)
     times, cpu_times = _time_paths(config, local, fused, batch, plan)
     check = _check_step(config, local, batch, plan)  # untimed, after every path's timing
-    memory: Optional[dict] = None if distributed else _memory(local, fused, batch, plan)
+    memory: Optional[dict] = None if distributed else _memory(config, local, fused, batch, plan)
     timer = RegionTimer(param.device)
     return {"times": times, "cpu_times": cpu_times, "attention_backend": backend, **check, "memory": memory,
             "layout": _megatron_layout(), "timing_basis": timer.basis,

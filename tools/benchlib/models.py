@@ -93,7 +93,8 @@ def build_models(config: BenchConfig, distributed: bool):
                             num_attention_heads=config.num_attention_heads,
                             num_query_groups=config.num_query_groups, vocab_size=config.vocab_size,
                             max_seq_len=config.max_seq_len)
-    overrides = {**_production_overrides(config), **config.moe_overrides()}
+    overrides = {**_production_overrides(config), **config.moe_overrides(),
+                 **config.recompute_options()}
     stages = [None] if config.vpp == 1 else list(range(config.vpp))
     local = [build_model(shape, seed=config.seed, vp_stage=v, **overrides) for v in stages]
     # Another init seed, so that equal weights can only come from load_state_dict.

@@ -76,6 +76,8 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
             "prefix_len", "suffix_len", "group_size", "num_groups", "tree", "node_len")},
         "token_budget": config.token_budget,
         "prefix_chunk_tokens": config.prefix_chunk_tokens,
+        "offload_prefix_activations": config.offload_prefix_activations,
+        "recompute": config.recompute,
         "threads": config.threads,
         "threads_per_rank": threads,
         "steps": config.steps,
@@ -167,10 +169,13 @@ def _cp_lines(result: dict) -> List[str]:
 
 def _memory_line(memory: Optional[dict]) -> str:
     if memory is None:
-        return "held-for-backward memory: not measured with several processes"
+        return "device memory (accounting model): not measured with several processes"
     mib = 2.0 ** 20
-    return (f"held-for-backward MiB: dense peak {memory['dense_peak_saved_bytes'] / mib:.1f}, "
+    return (f"device MiB (accounting model; recompute {memory['recompute']}, offload "
+            f"{memory['offload_prefix_activations']}): dense peak "
+            f"{memory['dense_peak_saved_bytes'] / mib:.1f}, "
             f"reuse peak {memory['reuse_peak_saved_bytes'] / mib:.1f}, reuse suffix phase "
             f"{memory['reuse_suffix_phase_peak_bytes'] / mib:.1f} "
-            f"({-100 * memory['suffix_phase_reduction']:+.0f}% vs dense), cache "
-            f"{memory['reuse_cache_bytes'] / mib:.1f}")
+            f"({-100 * memory['suffix_phase_reduction']:+.0f}% vs dense; whole step "
+            f"{-100 * memory['step_peak_reduction']:+.0f}%), cache "
+            f"{memory['reuse_cache_bytes'] / mib:.1f}, host {memory['reuse_peak_host_bytes'] / mib:.1f}")
