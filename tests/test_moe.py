@@ -203,6 +203,8 @@ def test_prefix_chunks(megatron_env):
     (dict(moe_enable_routing_replay=True), "moe_enable_routing_replay"),
     (dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
      "recompute"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+     "recompute_granularity='full' with MoE"),
 ])
 def test_refused_before_compute(megatron_env, overrides, message):
     from megatron_patches.training import reuse_step

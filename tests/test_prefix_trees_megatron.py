@@ -115,3 +115,22 @@ def test_tree_reuse_equals_stock_dense_distributed(pp, tp, chunk_tokens):
     for r in results:
         assert r["nonzero"], f"stage {r['stage']}: a parameter got no gradient"
         assert r["grad_diff"] <= 1e-5, f"stage {r['stage']}: gradient diff {r['grad_diff']:.2e}"
+
+
+def test_tree_full_recompute_is_refused_before_compute(megatron_env):
+    """Full recompute re-runs each prefix unit in Phase C; with trees (loss units, chain reads)
+    that is not verified: refused before any compute."""
+    import torch
+
+    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.training import reuse_step, scale_grads_by_token_count
+    from prefix_schedule.planning.planner import plan_microbatches
+
+    full = build_model(TinyLlamaConfig(**SMALL), recompute_granularity="full",
+                       recompute_method="uniform", recompute_num_layers=1)
+    full.config.finalize_model_grads_func = scale_grads_by_token_count
+    batch = make_tree_batch(9, [dict(depth=2, branching=2, node_len=6, suffix_len=4)])
+    plan = plan_microbatches(batch, token_budget=12, max_seq_len=SMALL["max_seq_len"])
+    with pytest.raises(ValueError, match="recompute_granularity='full' with prefix trees"):
+        reuse_step(full, batch, plan, LOSS)
+    assert all(p.grad is None or torch.count_nonzero(p.grad) == 0 for p in full.parameters())
