@@ -179,3 +179,17 @@ def test_subgroup_lifts_a_one_token_leaf_into_the_suffix(with_loss):
     a = build_dense_inputs(GroupBatch(groups=[group]), 0, 0)
     b = build_dense_inputs(GroupBatch(groups=[part]), 0, 0)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("context_loss,match", [
+    (dict(loss_mask=[1.0, 0.0, 0.0], advantages=1.0), "0 at entry 0"),
+    (dict(loss_mask=[0.0, 1.0], advantages=1.0), "context loss_mask has 2 entries"),
+    (dict(loss_mask=[0.0, 1.0, 1.0], advantages=1.0, old_logprobs=[-1.0] * 3),
+     "context_loss.old_logprobs exactly when"),
+])
+def test_context_loss_refusals(context_loss, match):
+    from prefix_schedule.planning.data import ContextLoss
+
+    with pytest.raises(ValueError, match=match):
+        Group(prefix=[1, 2, 3], trajectories=[Trajectory(
+            suffix=[4, 5], advantages=1.0, context_loss=ContextLoss(**context_loss))])
