@@ -137,10 +137,11 @@ def _check_sequence_parallel_rows(config, step) -> None:
     tp = config.tensor_model_parallel_size
     if not config.sequence_parallel or tp == 1:
         return
-    chunked = step.plan.prefix_chunk_tokens is not None
-    rows = [(f"prefix chunk {c.chunk} of group {c.group}" if chunked
+    units = step.plan.prefix_units()
+    chunked = step.plan.prefix_chunk_tokens is not None or any(c.chunk for c in units.values())
+    rows = [(f"prefix unit {c.chunk} of group {c.group}" if chunked
              else f"the cached prefix of group {c.group}", step.prefix_length(u))
-            for u, c in step.plan.prefix_units().items()]
+            for u, c in units.items()]
     rows += [(f"suffix microbatch {mb.index}", step.microbatch_length(mb.index))
              for mb in step.plan.microbatches]
     for what, length in rows:

@@ -83,15 +83,18 @@ def _rules(step):
 
 @settings(max_examples=40, deadline=None)
 @given(depth=st.integers(1, 4), branching=st.integers(1, 4), stages=st.integers(1, 4),
-       chunk=st.sampled_from([None, 3]), budget=st.integers(6, 20), seed=st.integers(0, 99))
+       chunk=st.sampled_from([None, 3]), budget=st.integers(6, 20), seed=st.integers(0, 99),
+       virtual=st.sampled_from([1, 2]))
 def test_every_tree_plan_validates_lowers_and_simulates(depth, branching, stages, chunk, budget,
-                                                         seed):
+                                                         seed, virtual):
+    """On 1-4 ranks, with and without virtual stages (2 model chunks per rank)."""
+    virtual = virtual if stages > 1 else 1
     batch = make_tree_batch(seed, [dict(depth=depth, branching=branching, node_len=5,
                                         suffix_len=4, inner=seed % 2),
                                    dict(depth=2, branching=2, node_len=4, suffix_len=3)])
     plan = plan_microbatches(batch, token_budget=budget, max_seq_len=512,
                              prefix_chunk_tokens=chunk)
-    step = ReuseStep(batch, plan, num_stages=stages)
+    step = ReuseStep(batch, plan, num_stages=stages, num_model_chunks=virtual)
     validate_schedule(step.schedule, **_rules(step))
     validate_schedule(step.lowered, **_rules(step))
     simulate(step.lowered)  # raises on deadlock or a p2p mismatch
@@ -188,3 +191,17 @@ def test_context_parallelism_with_trees_is_refused_before_compute():
     ReuseStep(batch, plan, cp_group=CPGroup(None, size=1, rank=0))  # CP=1: no refusal
     with pytest.raises(ValueError, match="context parallelism with prefix trees"):
         ReuseStep(batch, plan, cp_group=CPGroup(None, size=2, rank=0))
+
+
+@pytest.mark.parametrize("context_loss,match", [
+    (dict(loss_mask=[1.0, 0.0, 0.0], advantages=1.0), "0 at entry 0"),
+    (dict(loss_mask=[0.0, 1.0], advantages=1.0), "context loss_mask has 2 entries"),
+    (dict(loss_mask=[0.0, 1.0, 1.0], advantages=1.0, old_logprobs=[-1.0] * 3),
+     "context_loss.old_logprobs exactly when"),
+])
+def test_context_loss_refusals(context_loss, match):
+    from prefix_schedule.planning.data import ContextLoss
+
+    with pytest.raises(ValueError, match=match):
+        Group(prefix=[1, 2, 3], trajectories=[Trajectory(
+            suffix=[4, 5], advantages=1.0, context_loss=ContextLoss(**context_loss))])

@@ -79,36 +79,51 @@ SPECS_DIST = [dict(depth=3, branching=2, node_len=6, suffix_len=4, inner=1, node
               dict(depth=1, branching=1, node_len=8, suffix_len=4, per_leaf=2)]
 
 
-def _rank(pp, tp, chunk_tokens, seed):
+def _grads(models):
+    from megatron_patches.training import param_grads
+
+    return {f"{v}.{name}": g for v, m in enumerate(models) for name, g in param_grads(m).items()}
+
+
+def _rank(pp, tp, vpp, chunk_tokens, seed):
     import megatron_patches
     from megatron.core import parallel_state
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
-    from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
-                                           reuse_step, scale_grads_by_token_count)
+    from megatron_patches.training import (dense_step, max_relative_diff, reuse_step,
+                                           scale_grads_by_token_count)
     from prefix_schedule.planning.planner import plan_microbatches
 
     megatron_patches.install()
-    initialize_distributed(seed=1234, pp=pp, tp=tp)
-    model = build_model(TinyLlamaConfig(**{**SMALL, "num_layers": 2 * pp}))
-    model.config.finalize_model_grads_func = scale_grads_by_token_count
-    batch = make_tree_batch(seed, SPECS_DIST)
+    initialize_distributed(seed=1234, pp=pp, tp=tp, vpp=vpp if vpp > 1 else None)
+    config = TinyLlamaConfig(**{**SMALL, "num_layers": 2 * pp * vpp})
+    models = ([build_model(config)] if vpp == 1 else  # Megatron's interleaved layout
+              [build_model(config, vp_stage=v, overlap_p2p_comm=True, batch_p2p_comm=False,
+                           deallocate_pipeline_outputs=True) for v in range(vpp)])
+    for m in models:
+        m.config.finalize_model_grads_func = scale_grads_by_token_count
+    model = models if vpp > 1 else models[0]
+    specs = SPECS_DIST if vpp == 1 else SPECS_DIST[:1]  # 7 + 1: a multiple of PP for Megatron
+    batch = make_tree_batch(seed, specs if vpp == 1 else specs + [
+        dict(depth=1, branching=1, node_len=8, suffix_len=4, per_leaf=1)])
     dense = dense_step(model, batch, LOSS)
-    dense_grads = param_grads(model)
-    model.zero_grad(set_to_none=True)
+    dense_grads = _grads(models)
+    for m in models:
+        m.zero_grad(set_to_none=True)
     plan = plan_microbatches(batch, token_budget=12, max_seq_len=512,
                              prefix_chunk_tokens=chunk_tokens)
     reuse = reuse_step(model, batch, plan, LOSS)
     return dict(stage=parallel_state.get_pipeline_model_parallel_rank(),
                 losses=(dense.loss, reuse.loss), tokens=(dense.num_tokens, reuse.num_tokens),
-                grad_diff=max_relative_diff(dense_grads, param_grads(model)),
+                grad_diff=max_relative_diff(dense_grads, _grads(models)),
                 nonzero=all(g.abs().max() > 0 for g in dense_grads.values()))
 
 
-@pytest.mark.parametrize("pp,tp,chunk_tokens", [(2, 1, None), (2, 1, 4), (1, 2, None)],
-                         ids=["pp2", "pp2-chunks", "tp2"])
-def test_tree_reuse_equals_stock_dense_distributed(pp, tp, chunk_tokens):
-    results = run_distributed(_rank, world_size=pp * tp, args=(pp, tp, chunk_tokens, 5),
-                              timeout_s=180)
+@pytest.mark.parametrize("pp,tp,vpp,chunk_tokens",
+                         [(2, 1, 1, None), (2, 1, 1, 4), (1, 2, 1, None), (2, 1, 2, None)],
+                         ids=["pp2", "pp2-chunks", "tp2", "pp2-vpp2"])
+def test_tree_reuse_equals_stock_dense_distributed(pp, tp, vpp, chunk_tokens):
+    results = run_distributed(_rank, world_size=pp * tp, args=(pp, tp, vpp, chunk_tokens, 5),
+                              timeout_s=240)
     last = results[-1]
     assert last["tokens"][0] == last["tokens"][1] > 0
     assert abs(last["losses"][0] - last["losses"][1]) <= 1e-5 * abs(last["losses"][0])

@@ -96,6 +96,7 @@ class ReuseStep:
         self.cache = self.caches[0]
         self._pending: Optional[Dict[str, torch.Tensor]] = None
         self._suffix_contexts: Dict[tuple, SuffixForwardContext] = {}
+        self._chains: Dict[tuple, tuple] = {}
         self._started = False
 
     @classmethod
@@ -251,6 +252,13 @@ class ReuseStep:
                                     stop_in_router=stop_in_router, cp=cp,
                                     replay=replay, inject=inject)
 
+    def _chain(self, group: int, node: int) -> tuple:
+        """The chunks a reader after tree node `node` attends to (memoised per step)."""
+        key = (group, node)
+        if key not in self._chains:
+            self._chains[key] = self.plan.chain_chunks(group, node)
+        return self._chains[key]
+
     def _ancestors(self, chunk: PrefixChunk) -> tuple:
         by_chunk = {c.chunk: c for c in self._units.values() if c.group == chunk.group}
         chain, parent = [], chunk.parent_chunk
@@ -285,7 +293,7 @@ class ReuseStep:
             if group is None or not slot_keys or slot_keys[-1] != key:
                 slot_groups.append(group)
                 slot_keys.append(key)
-                slot_reads.append((self.plan.chain_chunks(group, node), cached_len) if tree
+                slot_reads.append((self._chain(group, node), cached_len) if tree
                                   else None)
             slots.append(len(slot_groups) - 1)
             lengths.append(length)

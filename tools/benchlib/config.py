@@ -92,8 +92,9 @@ class BenchConfig:
     tree: Optional[str] = None
     """DEPTHxBRANCHING (e.g. 3x4): each group is a prefix tree of DEPTH levels of --node-len
     tokens (the root, BRANCHING children, BRANCHING children each, ...) with --group-size
-    trajectories of --suffix-len tokens under each leaf node; --prefix-len is then unused.
-    None: one shared prompt per group."""
+    trajectories of --suffix-len tokens under each leaf node (with 1, a leaf is read by one
+    trajectory only: its tokens lead that trajectory's row, as detection would make it);
+    --prefix-len is then unused. None: one shared prompt per group."""
     node_len: Optional[int] = None
     """Tokens per tree node with --tree (default: --prefix-len)."""
     num_experts: Optional[int] = None

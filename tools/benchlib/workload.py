@@ -65,5 +65,19 @@ def make_tree_batch(*, depth: int, branching: int, node_len: int, suffix_len: in
                                    advantages=torch.randn(suffix_len, generator=gen),
                                    old_logprobs=near_uniform(), ref_logprobs=near_uniform())
                         for leaf in level for _ in range(per_leaf)]
+        if per_leaf == 1 and depth > 1:  # a leaf read by one trajectory is not shared
+            trajectories = [_fold(nodes[t.node - 1], t) for t in trajectories]
+            nodes = nodes[:len(nodes) - len(level)]
         groups.append(Group(prefix=tokens(node_len), nodes=nodes, trajectories=trajectories))
     return GroupBatch(groups=groups)
+
+
+def _fold(leaf: PrefixNode, trajectory: Trajectory) -> Trajectory:
+    """The trajectory after the leaf's parent, the leaf's tokens leading its suffix without loss
+    (what detection makes of a node only one trajectory reads): the same dense row."""
+    zeros = torch.zeros(leaf.tokens.numel())
+    return Trajectory(suffix=torch.cat([leaf.tokens, trajectory.suffix]), node=leaf.parent,
+                      loss_mask=torch.cat([zeros, trajectory.loss_mask]),
+                      advantages=torch.cat([zeros, trajectory.advantages]),
+                      old_logprobs=torch.cat([zeros - 1, trajectory.old_logprobs]),
+                      ref_logprobs=torch.cat([zeros - 1, trajectory.ref_logprobs]))
