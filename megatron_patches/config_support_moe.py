@@ -106,9 +106,9 @@ MOE_RULES: Dict[str, Rule] = _merge(
            64, allowed=lambda v: v is None),
     refuse("moe_paged_stash", "paged stash", "the paged-stash kernels need CUDA and are not "
            "verified with prefix reuse", True),
-    refuse("expert_tensor_parallel_size", "expert TP", "expert tensor parallelism is not "
-           "verified with prefix reuse; set expert_tensor_parallel_size=1", 2,
-           allowed=lambda v: v in (None, 1)),
+    group("irrelevant", "read only with MoE; moe.check_moe_supported refuses values other than 1 "
+          "there (Megatron sets it to the TP size for dense models too)",
+          "expert_tensor_parallel_size"),
     group("irrelevant", "derived from expert_tensor_parallel_size (refused unless 1)",
           "expert_tensor_parallel_num_weight_shards expert_gtp_weight_remat_size"),
 )
