@@ -106,10 +106,9 @@ MOE_RULES: Dict[str, Rule] = _merge(
            64, allowed=lambda v: v is None),
     refuse("moe_paged_stash", "paged stash", "the paged-stash kernels need CUDA and are not "
            "verified with prefix reuse", True),
-    # Megatron sets expert_tensor_parallel_size to TP when it is not given, MoE or not: it is
-    # refused only in MoE models (moe.check_moe_supported, which sees num_moe_experts).
-    group("irrelevant", "read only by MoE layers; an MoE model with it > 1 is refused in "
-          "moe.check_moe_supported", "expert_tensor_parallel_size"),
+    group("irrelevant", "read only with MoE; moe.check_moe_supported refuses values other than 1 "
+          "there (Megatron sets it to the TP size for dense models too)",
+          "expert_tensor_parallel_size"),
     group("irrelevant", "derived from expert_tensor_parallel_size (refused unless 1)",
           "expert_tensor_parallel_num_weight_shards expert_gtp_weight_remat_size"),
 )

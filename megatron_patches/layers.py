@@ -2,7 +2,9 @@
 
 `GPTModel`: every decoder layer is attention + MLP, so the last layer holds the last K/V.
 `HybridModel`: one symbol per layer in `hybrid_layer_pattern` (Megatron's `Symbols`): attention
-(`*`) and MLP (`-`) layers are supported; MoE (`E`) is refused as it is for GPTModel; Mamba (`M`)
+(`*`) and MLP (`-`) layers are supported; MoE (`E`) is refused (GPTModel MoE is supported, see
+megatron_patches/moe.py; a HybridModel `E` layer after the last `*` would never route the prefix,
+since the prefix forward stops there); Mamba (`M`)
 and gated delta net (`G`) layers carry a recurrent state that a suffix would have to resume from
 (the prefix would have to cache that state instead of K/V); DSA (`D`) and MLA (`+`) attention is
 not hooked. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
@@ -25,7 +27,8 @@ _RECURRENT = ("its recurrent state would have to be cached for the suffixes to r
 _REFUSED = {
     Symbols.MAMBA: ("Mamba", _RECURRENT),
     Symbols.GDN: ("gated delta net", _RECURRENT),
-    Symbols.MOE: ("MoE", "MoE needs logical prefix-token accounting, not supported yet"),
+    Symbols.MOE: ("MoE", "MoE layers are verified in GPTModel only (prefix-token accounting "
+                         "in HybridModel patterns is not yet)"),
     Symbols.DS_ATTENTION: ("DeepSeek sparse attention", "its core attention is not hooked"),
     Symbols.MLA: ("multi-latent attention", "its core attention is not hooked"),
 }

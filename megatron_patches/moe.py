@@ -262,7 +262,7 @@ def check_moe_supported(config) -> None:
         raise ValueError("global_aux_loss all-reduces expert counts over the data-parallel ranks "
                          "once per microbatch, but reuse plans give data-parallel ranks different "
                          "numbers of microbatches; use aux_loss or seq_aux_loss with DP > 1")
-    if (config.expert_tensor_parallel_size or 1) != 1:
+    if (config.expert_tensor_parallel_size or 1) > 1:
         raise ValueError(f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}: "
                          "expert tensor parallelism is not verified with prefix reuse; set "
                          "expert_tensor_parallel_size=1")

@@ -195,6 +195,24 @@ def test_prefix_chunks(megatron_env):
     assert max(records[0][k] for k in ("loss", "grads", "metrics", "weights")) <= TOL
 
 
+def test_expert_tensor_parallel_size_is_judged_only_with_moe(megatron_env):
+    """Megatron sets expert_tensor_parallel_size to the TP size for dense models too."""
+    import types
+
+    from megatron_patches.config_support import check_config_supported
+    from megatron_patches.models import TinyLlamaConfig, make_transformer_config
+    from megatron_patches.moe import check_moe_supported
+
+    dense = make_transformer_config(TinyLlamaConfig(**SMALL))
+    dense.expert_tensor_parallel_size = 2
+    check_config_supported(dense)
+    check_moe_supported(dense)
+    moe = types.SimpleNamespace(num_moe_experts=4, expert_tensor_parallel_size=2,
+                                moe_router_load_balancing_type="aux_loss")
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2"):
+        check_moe_supported(moe)
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(moe_expert_capacity_factor=1.0), "moe_expert_capacity_factor"),
     (dict(moe_router_load_balancing_type="sinkhorn", moe_aux_loss_coeff=0.0), "sinkhorn"),
