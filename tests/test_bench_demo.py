@@ -283,7 +283,7 @@ def test_bench_moe_ep2_reports_equal_aux_losses(runs):
     code, stdout = results["bench_moe_ep2"]
     assert code == 0, stdout[-3000:]
     result = json.loads((out / "bench_moe_ep2.json").read_text())
-    assert result["layout"] == {"pp": 1, "tp": 1, "dp": 2, "ep": 2}
+    assert result["layout"] == {"pp": 1, "tp": 1, "dp": 2, "vpp": 1, "ep": 2}
     assert (result["model"]["num_experts"], result["model"]["moe_router_topk"]) == (4, 2)
     assert result["aux_loss_dense"] > 0
     assert math.isclose(result["aux_loss_dense"], result["aux_loss_reuse"], rel_tol=1e-5)
