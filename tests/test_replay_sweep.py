@@ -84,8 +84,10 @@ def test_two_point_sweep_writes_csv_and_plots_and_resumes(megatron_env, tmp_path
     # all four dense rows' activations
     assert -int(big["group_size"]) < float(big["suffix_phase_reduction"]) < 1
     # small, run dense by the policy: both equal-length rows in one microbatch (its budget is four
-    # dense rows) hold exactly twice the activations of dense's one-row microbatch
-    assert small["microbatches"] == "1" and float(small["suffix_phase_reduction"]) == -1.0
+    # dense rows) hold twice the activations of dense's one-row microbatch (the device-memory
+    # model also counts a few bytes that do not scale with rows: within 1e-4)
+    assert small["microbatches"] == "1"
+    assert abs(float(small["suffix_phase_reduction"]) + 1.0) < 1e-4
     for name in ("speedup.png", "memory.png", "efficiency.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
     assert sweep.main(args) == 0  # resumes: both points are in the CSV already
