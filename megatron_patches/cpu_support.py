@@ -141,7 +141,7 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
 
 def _on_cpu(factory):
     def make(*args, **kwargs):
-        if kwargs.get("device") == "cuda":
+        if str(kwargs.get("device", "")).startswith("cuda"):  # "cuda", "cuda:0", a device
             kwargs["device"] = "cpu"
         return factory(*args, **kwargs)
 

@@ -240,28 +240,18 @@ def test_qwen3_30b_a3b_tiny_twin_trains_reuse_equal_dense(megatron_env):
     """The paper's MoE model at tiny sizes (qk-norm, head_dim != hidden / heads, RoPE theta 1e6,
     softmax over the top-k logits = norm_topk_prob, aux_loss): two steps, reuse == dense."""
     from megatron_patches.model_configs import MODELS, check_trainable
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models import build_model
     from megatron_patches.training import prepare_for_training
+    from test_moe_parallel import _qwen3_moe_tiny
 
-    spec = MODELS["qwen3-30b-a3b-tiny"]
-    check_trainable(spec)
-    cfg = TinyLlamaConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-                          ffn_hidden_size=spec.ffn_hidden_size,
-                          num_attention_heads=spec.num_attention_heads,
-                          num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim,
-                          qk_layernorm=spec.qk_norm, rotary_base=spec.rope_theta,
-                          layernorm_epsilon=spec.rms_norm_eps, vocab_size=spec.vocab_size,
-                          max_seq_len=512)
-    moe = dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-               moe_router_topk=spec.moe_router_topk, moe_router_score_function="softmax",
-               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
-               moe_token_dispatcher_type="alltoall")
+    check_trainable(MODELS["qwen3-30b-a3b-tiny"])
+    cfg, moe = _qwen3_moe_tiny()
 
     def twin(overrides):
         return prepare_for_training(build_model(cfg, **{**moe, **overrides}), ddp=True)
 
     records = _run_steps({}, STEPS, build=twin)
-    assert records[0]["dense_metrics"]["load_balancing_loss"].numel() == spec.num_layers
+    assert records[0]["dense_metrics"]["load_balancing_loss"].numel() == cfg.num_layers
     for record in records:
         assert max(record[k] for k in ("loss", "grads", "metrics", "weights")) <= TOL, record
 

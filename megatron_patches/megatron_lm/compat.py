@@ -33,6 +33,8 @@ import typing
 
 import torch
 
+from megatron_patches.cpu_support import _CpuFactoryTorch, _on_cpu
+
 __all__ = ["enable_python311_support", "enable_megatron_lm_cpu_support", "TRAINING_MODULES"]
 
 TRAINING_MODULES = (
@@ -190,28 +192,12 @@ class _CpuCuda(types.ModuleType):
     max_memory_allocated = memory_reserved = max_memory_reserved = memory_allocated
 
 
-def _on_cpu(factory):
-    def make(*args, **kwargs):
-        if str(kwargs.get("device", "")).startswith("cuda"):
-            kwargs["device"] = "cpu"
-        return factory(*args, **kwargs)
-
-    return make
-
-
-class _CpuTrainingTorch(types.ModuleType):
-    """`torch` as `megatron.training` sees it on a CPU machine."""
+class _CpuTrainingTorch(_CpuFactoryTorch):
+    """`torch` as `megatron.training` sees it on a CPU machine: the CPU layer's factory stand-in
+    plus `torch.cuda` queries answered for the CPU."""
 
     def __init__(self):
-        super().__init__("torch")
+        super().__init__()
         self.cuda = _CpuCuda()
 
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    zeros = staticmethod(_on_cpu(torch.zeros))
-    ones = staticmethod(_on_cpu(torch.ones))
-    empty = staticmethod(_on_cpu(torch.empty))
-    full = staticmethod(_on_cpu(torch.full))
-    tensor = staticmethod(_on_cpu(torch.tensor))
     rand = staticmethod(_on_cpu(torch.rand))

@@ -20,21 +20,12 @@ import torch
 
 from benchlib.config import BenchConfig
 from benchlib.measure import LOSS, _reduce_max, config_batch, config_plan, selected_backend
+from benchlib.models import model_shape
 from benchlib.steps import dense_step, reuse_step
 from benchlib.timing import RegionTimer
 from prefix_schedule.runtime.cp import ZigzagLayout
 
 __all__ = ["measure_cp", "dense_cp_traffic"]
-
-
-def _shape(config: BenchConfig):
-    from megatron_patches.models import TinyLlamaConfig
-
-    return TinyLlamaConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
-                           ffn_hidden_size=config.ffn_hidden_size,
-                           num_attention_heads=config.num_attention_heads,
-                           num_query_groups=config.num_query_groups, vocab_size=config.vocab_size,
-                           max_seq_len=config.prefix_len + config.suffix_len)
 
 
 def _time(config: BenchConfig, model, run) -> tuple[List[float], List[float]]:
@@ -82,7 +73,7 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
     batch = config_batch(config)
     plan = config_plan(config, batch)
     initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=config.cp)
-    local = prepare_for_training(build_model(_shape(config), seed=config.seed), ddp=False)
+    local = prepare_for_training(build_model(model_shape(config), seed=config.seed), ddp=False)
     param = next(local.parameters())
     backend = selected_backend(config, param.device, param.dtype)
     groups: List[CPGroup] = []
@@ -99,11 +90,11 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
     layout = {"pp": config.pp, "tp": config.tp, "dp": 1, "cp": config.cp}
 
     initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=1)  # DP = cp
-    stock = prepare_for_training(build_model(_shape(config), seed=config.seed), ddp=False)
+    stock = prepare_for_training(build_model(model_shape(config), seed=config.seed), ddp=False)
     dense = stock_dense_step(stock, batch, LOSS)  # the reference: whole batch, CP=1
     check = {"loss_dense": dense.loss, "max_grad_rel_diff": _reduce_max(
         max_relative_diff(param_grads(stock), reuse_grads))}
-    fused = build_model(_shape(config), fused_attention=True, seed=config.seed)
+    fused = build_model(model_shape(config), fused_attention=True, seed=config.seed)
     fused = prepare_for_training(fused, ddp=True)
     share = place_groups(batch, dp_size=config.cp, token_budget=config.token_budget,
                          max_seq_len=config.prefix_len + config.suffix_len)

@@ -15,7 +15,18 @@ import torch
 from benchlib.config import BenchConfig
 from benchlib.steps import private_rendezvous
 
-__all__ = ["build_models", "chunks", "first_param", "grads", "zero"]
+__all__ = ["build_models", "chunks", "first_param", "grads", "model_shape", "zero"]
+
+
+def model_shape(config: BenchConfig):
+    """The bench's tiny Llama shape (megatron_patches.models.TinyLlamaConfig)."""
+    from megatron_patches.models import TinyLlamaConfig
+
+    return TinyLlamaConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
+                           ffn_hidden_size=config.ffn_hidden_size,
+                           num_attention_heads=config.num_attention_heads,
+                           num_query_groups=config.num_query_groups,
+                           vocab_size=config.vocab_size, max_seq_len=config.max_seq_len)
 
 
 def chunks(model) -> list:
@@ -53,23 +64,30 @@ def _production_overrides(config: BenchConfig) -> dict:
 
 
 def _wrap(model_chunks: list, config: BenchConfig):
-    """Loss-token normalisation; Megatron's DDP with --dp > 1 or --production."""
+    """Loss-token normalisation; Megatron's DDP with --dp > 1 or --production, wired as
+    Megatron-LM's train() does (training.py:3531-3550: one no_sync / grad_sync per chunk)."""
     from megatron_patches.training import prepare_for_training
 
-    if not config.production:
-        wrapped = [prepare_for_training(m, ddp=config.dp > 1) for m in model_chunks]
+    if not (config.production or config.dp > 1):
+        wrapped = [prepare_for_training(m, ddp=False) for m in model_chunks]
         return wrapped if config.vpp > 1 else wrapped[0]
     from megatron.core.distributed import (DistributedDataParallel,
                                            DistributedDataParallelConfig, finalize_model_grads)
 
-    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=True,
-                                               use_distributed_optimizer=True)
+    ddp_config = (DistributedDataParallelConfig(overlap_grad_reduce=True,
+                                                use_distributed_optimizer=True)
+                  if config.production else DistributedDataParallelConfig())
     wrapped = [DistributedDataParallel(m.config, ddp_config, m) for m in model_chunks]
-    for m in wrapped:  # training.py:3531-3550 (align_grad_reduce: grad_sync_func)
+
+    def per_chunk(name):
+        hooks = [getattr(w, name) for w in wrapped]
+        return hooks if len(hooks) > 1 else hooks[0]
+
+    for m in wrapped:
         m.config.finalize_model_grads_func = finalize_model_grads
-        m.config.no_sync_func = [w.no_sync for w in wrapped] if len(wrapped) > 1 else wrapped[0].no_sync
-        m.config.grad_sync_func = ([w.start_grad_sync for w in wrapped] if len(wrapped) > 1
-                                   else wrapped[0].start_grad_sync)
+        m.config.no_sync_func = per_chunk("no_sync")
+        if config.production:  # align_grad_reduce
+            m.config.grad_sync_func = per_chunk("start_grad_sync")
     return wrapped if config.vpp > 1 else wrapped[0]
 
 
@@ -78,7 +96,7 @@ def build_models(config: BenchConfig, distributed: bool):
     import megatron_patches
 
     megatron_patches.enable_cpu_support()  # the CPU/gloo layer (a no-op with CUDA)
-    from megatron_patches.models import (TinyLlamaConfig, build_model, initialize_distributed,
+    from megatron_patches.models import (build_model, initialize_distributed,
                                          initialize_single_process)
 
     megatron_patches.install()
@@ -88,11 +106,7 @@ def build_models(config: BenchConfig, distributed: bool):
     else:
         private_rendezvous()
         initialize_single_process(seed=config.seed)
-    shape = TinyLlamaConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
-                            ffn_hidden_size=config.ffn_hidden_size,
-                            num_attention_heads=config.num_attention_heads,
-                            num_query_groups=config.num_query_groups, vocab_size=config.vocab_size,
-                            max_seq_len=config.max_seq_len)
+    shape = model_shape(config)
     overrides = {**_production_overrides(config), **config.moe_overrides(),
                  **config.recompute_options()}
     stages = [None] if config.vpp == 1 else list(range(config.vpp))
