@@ -1,0 +1,251 @@
+"""Predicted device bytes of a step, before it runs: the accounting model as formulas.
+
+[Note: predicted device memory] runtime/memory.py measures what a step holds on the device
+(saved-for-backward storages, each once, the prefix cache's K/V and fp32 gK/gV, prefix
+activations brought back for Phase C; parameters, gradients, optimizer state excluded). This
+module predicts the same quantity from the model's shape and a StepPlan, so that a planner can
+fit a budget and tools/capacity.py can size a GPU run. Per token, per layer, the bytes are those
+Megatron's GPT layer (local spec, fused SDPA core attention) saves -- counted tensor by tensor on
+the CPU model (tests/test_memory_model.py holds the prediction to the measured bytes):
+- layer: input norm (input, output, rstd), QKV linear input, RoPE cos/sin of q and k (4 d),
+  the fused QKV output (q + 2 kv: V is a view of it), post-RoPE q and k, attention output and
+  log-sum-exp, pre-MLP norm and fc1 input, fc1 output (2 f), the SwiGLU halves and fc2 input
+  (3 f): act x (6 h + 3 q + 3 kv + 4 d + 5 f) + fp32 x (heads + 2);
+- head (last stage): final norm and output-layer input (3 h), fp32 logits (V / TP) and rstd,
+  labels, masks and the loss terms (30 B); the embedding's token ids (8 B);
+- a suffix row under the two-part attention also saves its attention output for the output
+  projection (act x q per layer);
+- the cache per cached token and layer: K (kv) and the fused QKV storage V views (q + 2 kv), or
+  K and V compacted (2 kv) under full recompute; fp32 gK/gV (2 kv), allocated by the first
+  suffix backward that reads the group;
+- a dormant prefix (Phase A to Phase C): every layer but the last, the last up to its K/V, the
+  cache; with offload only the cache stays; with full recompute only the compacted cache.
+Full recompute (uniform, one layer per checkpoint) keeps each layer's input (act x h) and, in
+backward, one layer's recompute at a time. With TP (sequence parallelism) every term is / TP;
+with CP tokens are / CP. MoE layers count top-k experts' fc1/SwiGLU/fc2 tensors, the routed
+copies of the hidden states and the fp32 router scores: an estimate, not measured yet.
+
+The step is walked in the order the schedule runs it on one stage (PF, SF, SB, PB;
+pipeline/generate.py), each sample counting what is alive then: the peak per phase is an upper
+bound of the measured one (a suffix backward counts all of the row's saved tensors next to all
+gK/gV it creates). Pipeline stages: `stage_layers` (layers on the heaviest stage) and
+`in_flight` (microbatches whose activations a stage holds at once; 1F1B: min(PP, microbatches)).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional, Sequence
+
+from prefix_schedule.planning.flops import ModelDims
+
+__all__ = ["ActivationModel", "MemoryOptions", "RECOMPUTE_MODES", "dense_peak_bytes",
+           "reuse_phase_peaks"]
+
+RECOMPUTE_MODES = ("none", "full")
+FP32 = 4
+HEAD_CONST = 30  # labels (int64), masks (bool) and the policy loss's per-token fp32 terms
+EMBED_CONST = 8  # the token ids the embedding saves (int64)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryOptions:
+    """The memory options of a reuse step: exact either way (docs/DESIGN.md "Memory")."""
+
+    offload: bool = False
+    """Dormant prefix activations wait in host memory (ReuseStep offload_prefix_activations)."""
+    recompute: str = "none"
+    """"none" or "full" (Megatron's recompute_granularity="full", uniform, one layer each)."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={self.recompute!r}; choose one of {RECOMPUTE_MODES}")
+        if self.offload and self.recompute == "full":
+            raise ValueError("offload with full recompute: full recompute keeps no prefix "
+                             "activation to offload; choose one")
+
+    def describe(self) -> str:
+        return {(False, "none"): "no offload, no recompute", (True, "none"): "offload",
+                (False, "full"): "full recompute"}[self.offload, self.recompute]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActivationModel:
+    """Per-token device bytes of one pipeline stage of a model (module docstring)."""
+
+    dims: ModelDims
+    act_bytes: int = 2
+    """Bytes of an activation element: 2 (bf16), 4 (fp32, the CPU tests)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of q and k (Qwen3): their inputs and rstd are saved too."""
+    tp: int = 1
+    """Tensor-parallel size under sequence parallelism: every term / tp."""
+    stage_layers: Optional[int] = None
+    """Layers on this stage (None: all)."""
+    head: bool = True
+    """Whether this stage holds the output layer and loss (the last stage)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dims, ModelDims):
+            raise ValueError(f"ActivationModel.dims={self.dims!r}; give a flops.ModelDims")
+        for name in ("act_bytes", "tp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ActivationModel.{name}={value!r}; give an int >= 1")
+        if self.stage_layers is None:
+            object.__setattr__(self, "stage_layers", self.dims.num_layers)
+
+    # ---- per token, per layer (bytes on one TP rank)
+    def _widths(self):
+        d = self.dims
+        return d.hidden_size, d.num_attention_heads * d.kv_channels, \
+            d.num_query_groups * d.kv_channels, d.kv_channels
+
+    def attention(self) -> float:
+        """Saved bytes per token of one layer's attention half (input norm to output
+        projection)."""
+        h, q, kv, dk = self._widths()
+        d, a = self.dims, self.act_bytes
+        attention = a * (3 * h + 3 * q + 3 * kv + 4 * dk) + FP32 * (d.num_attention_heads + 1)
+        if self.qk_norm:
+            attention += a * 2 * (q + kv) + FP32 * (d.num_attention_heads + d.num_query_groups)
+        return attention / self.tp
+
+    def mlp(self) -> float:
+        """Saved bytes per token of one layer's MLP half (pre-MLP norm to fc2)."""
+        h, d, a = self.dims.hidden_size, self.dims, self.act_bytes
+        if d.num_experts:
+            k = d.moe_router_topk
+            mlp = a * (5 * k * d.moe_ffn_hidden_size + 2 * k * h) + FP32 * 2 * d.num_experts
+            if d.moe_shared_ffn_hidden_size:
+                mlp += a * 5 * d.moe_shared_ffn_hidden_size
+        else:
+            mlp = a * 5 * d.ffn_hidden_size
+        return (mlp + a * 3 * h + FP32) / self.tp
+
+    def layer(self) -> float:
+        """Saved bytes per token of one layer."""
+        return self.attention() + self.mlp()
+
+    def head_bytes(self) -> float:
+        """Output layer and loss, per token (0 off the last stage)."""
+        if not self.head:
+            return 0.0
+        h = self.dims.hidden_size
+        return (self.act_bytes * 3 * h + FP32 * (self.dims.vocab_size + 1) + HEAD_CONST) / self.tp
+
+    def checkpoint(self) -> float:
+        """What full recompute keeps per layer: the layer's input."""
+        return self.act_bytes * self.dims.hidden_size / self.tp
+
+    def kv_storage(self, compact: bool) -> float:
+        """Device bytes of one layer's cached K/V, per cached token."""
+        _, q, kv, _ = self._widths()
+        return self.act_bytes * (2 * kv if compact else q + 3 * kv) / self.tp
+
+    def gkv(self) -> float:
+        """fp32 gK/gV of one layer, per cached token."""
+        return FP32 * 2 * self._widths()[2] / self.tp
+
+    # ---- per token, this stage
+    def row_token(self, recompute: str, *, suffix: bool = False) -> float:
+        """Peak bytes per token of one microbatch row (dense, or a suffix row: `suffix`)."""
+        L = self.stage_layers
+        layer = self.layer() + (self.act_bytes * self._widths()[1] / self.tp if suffix else 0)
+        if recompute == "full":
+            return L * self.checkpoint() + EMBED_CONST + max(self.head_bytes(), layer)
+        return L * layer + self.head_bytes() + EMBED_CONST
+
+    def suffix_backward(self, tokens: int, recompute: str, new_gkv: float) -> float:
+        """Peak of a suffix row's backward that creates `new_gkv` bytes of gK/gV: layer by layer
+        the row's saved tensors go as the gK/gV of the layers done arrive, so the peak is at
+        one end: the last layer (all saved, 1/L of the gK/gV) or the first (its attention half,
+        all)."""
+        L = self.stage_layers
+        layer = self.layer() + self.act_bytes * self._widths()[1] / self.tp
+        first = layer - self.mlp()  # the first layer's gK/gV come after its MLP's backward
+        if recompute == "full":
+            kept = L * self.checkpoint() + EMBED_CONST
+            return max(tokens * (kept + layer) + new_gkv / L,
+                       tokens * (self.checkpoint() + EMBED_CONST + first) + new_gkv)
+        return max(tokens * self.row_token("none", suffix=True) + new_gkv / L,
+                   tokens * (first + EMBED_CONST) + new_gkv)
+
+    def suffix_forward(self, tokens: int, recompute: str) -> float:
+        """What a suffix row holds at the end of its forward."""
+        if recompute == "full":
+            return tokens * (self.stage_layers * self.checkpoint() + EMBED_CONST
+                             + self.head_bytes())
+        return tokens * self.row_token("none", suffix=True)
+
+    def dormant_token(self, options: MemoryOptions) -> float:
+        """Bytes a cached prefix token holds from Phase A to Phase C (cache K/V included)."""
+        L, h, dk = self.stage_layers, self.dims.hidden_size, self._widths()[3]
+        if options.recompute == "full":
+            return L * self.kv_storage(compact=True)
+        if options.offload:
+            return L * self.kv_storage(compact=False)
+        last = (self.act_bytes * (3 * h + 4 * dk) + FP32) / self.tp + self.kv_storage(False)
+        return (L - 1) * self.layer() + last + EMBED_CONST
+
+    def phase_c_token(self, options: MemoryOptions) -> float:
+        """Extra bytes per token of the prefix unit whose Phase C runs."""
+        if options.recompute == "full":
+            return self.stage_layers * self.checkpoint() + self.layer()
+        if options.offload:
+            return self.dormant_token(MemoryOptions()) - self.dormant_token(options)
+        return 0.0
+
+    def gkv_token(self) -> float:
+        return self.stage_layers * self.gkv()
+
+
+def dense_peak_bytes(model: ActivationModel, row_tokens: Sequence[int], recompute: str = "none",
+                     in_flight: int = 1) -> float:
+    """Peak of a dense step whose microbatches hold `row_tokens` tokens each (rows x longest
+    row when batched): the `in_flight` largest held at once."""
+    largest = sorted(row_tokens, reverse=True)[:in_flight]
+    return sum(largest) * model.row_token(recompute)
+
+
+def reuse_phase_peaks(model: ActivationModel, plan, options: MemoryOptions = MemoryOptions(),
+                      in_flight: int = 1) -> Dict[str, float]:
+    """Peak bytes per phase ("PF", "suffix", "PB", "step") of a reuse step on one stage, walked
+    in the one-stage schedule order ([Note: predicted device memory]). `in_flight` > 1 (a
+    pipeline's first stage) counts that many of the largest suffix microbatches at once."""
+    from prefix_schedule.pipeline import ActionKind
+    from prefix_schedule.pipeline.generate import build_schedule
+
+    units = plan.prefix_units()
+    schedule = build_schedule(num_stages=1, microbatch_groups=plan.microbatch_groups(),
+                              prefix_groups=[w.group for w in plan.prefixes],
+                              prefix_units={u: (c.group, c.chunk) for u, c in units.items()})
+    rows = {mb.index: mb.row_length for mb in plan.microbatches}
+    extra = sorted(rows.values(), reverse=True)[1:in_flight]  # the others a stage holds
+    held = sum(extra) * model.row_token(options.recompute, suffix=True)
+    dormant, gkv = {}, {}
+    peaks = {"PF": 0.0, "suffix": 0.0, "PB": 0.0}
+
+    def sample(phase: str, transient: float) -> None:
+        total = sum(dormant.values()) + sum(gkv.values()) + held + transient
+        peaks[phase] = max(peaks[phase], total)
+
+    for action in schedule.actions[0]:
+        kind, i = action.kind, action.index
+        if kind is ActionKind.PREFIX_FORWARD:
+            dormant[i] = units[i].row_length * model.dormant_token(options)
+            sample("PF", 0.0)
+        elif kind is ActionKind.SUFFIX_FORWARD:
+            sample("suffix", model.suffix_forward(rows[i], options.recompute))
+        elif kind is ActionKind.SUFFIX_BACKWARD:
+            new = {u: c.length * model.gkv_token() for u, c in units.items()
+                   if c.group in plan.microbatches[i].groups and u in dormant and u not in gkv}
+            sample("suffix", model.suffix_backward(rows[i], options.recompute,
+                                                   sum(new.values())))
+            gkv.update(new)
+        elif kind is ActionKind.PREFIX_BACKWARD:
+            gkv.setdefault(i, units[i].length * model.gkv_token())
+            sample("PB", units[i].row_length * model.phase_c_token(options))
+            dormant.pop(i, None)
+            gkv.pop(i, None)
+    peaks["step"] = max(peaks.values())
+    return peaks
