@@ -83,11 +83,14 @@ class ActivationModel:
     """Layers on this stage (None: all)."""
     head: bool = True
     """Whether this stage holds the output layer and loss (the last stage)."""
+    in_flight: int = 1
+    """Microbatches whose activations the stage holds at once (1F1B's first stage:
+    min(PP, microbatches))."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.dims, ModelDims):
             raise ValueError(f"ActivationModel.dims={self.dims!r}; give a flops.ModelDims")
-        for name in ("act_bytes", "tp"):
+        for name in ("act_bytes", "tp", "in_flight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ActivationModel.{name}={value!r}; give an int >= 1")
@@ -199,19 +202,19 @@ class ActivationModel:
         return self.stage_layers * self.gkv()
 
 
-def dense_peak_bytes(model: ActivationModel, row_tokens: Sequence[int], recompute: str = "none",
-                     in_flight: int = 1) -> float:
+def dense_peak_bytes(model: ActivationModel, row_tokens: Sequence[int],
+                     recompute: str = "none") -> float:
     """Peak of a dense step whose microbatches hold `row_tokens` tokens each (rows x longest
-    row when batched): the `in_flight` largest held at once."""
-    largest = sorted(row_tokens, reverse=True)[:in_flight]
+    row when batched): the model's `in_flight` largest held at once."""
+    largest = sorted(row_tokens, reverse=True)[:model.in_flight]
     return sum(largest) * model.row_token(recompute)
 
 
-def reuse_phase_peaks(model: ActivationModel, plan, options: MemoryOptions = MemoryOptions(),
-                      in_flight: int = 1) -> Dict[str, float]:
+def reuse_phase_peaks(model: ActivationModel, plan,
+                      options: MemoryOptions = MemoryOptions()) -> Dict[str, float]:
     """Peak bytes per phase ("PF", "suffix", "PB", "step") of a reuse step on one stage, walked
-    in the one-stage schedule order ([Note: predicted device memory]). `in_flight` > 1 (a
-    pipeline's first stage) counts that many of the largest suffix microbatches at once."""
+    in the one-stage schedule order ([Note: predicted device memory]). The model's `in_flight`
+    > 1 (a pipeline's first stage) counts that many of the largest suffix rows at once."""
     from prefix_schedule.pipeline import ActionKind
     from prefix_schedule.pipeline.generate import build_schedule
 
@@ -220,7 +223,7 @@ def reuse_phase_peaks(model: ActivationModel, plan, options: MemoryOptions = Mem
                               prefix_groups=[w.group for w in plan.prefixes],
                               prefix_units={u: (c.group, c.chunk) for u, c in units.items()})
     rows = {mb.index: mb.row_length for mb in plan.microbatches}
-    extra = sorted(rows.values(), reverse=True)[1:in_flight]  # the others a stage holds
+    extra = sorted(rows.values(), reverse=True)[1:model.in_flight]  # the others a stage holds
     held = sum(extra) * model.row_token(options.recompute, suffix=True)
     dormant, gkv = {}, {}
     peaks = {"PF": 0.0, "suffix": 0.0, "PB": 0.0}

@@ -33,4 +33,6 @@ def describe_plan(self) -> str:
             parts.append(f"pad[{mb.padding}]")
         lines.append(f"  mb{mb.index} ({mb.row_length}/{self.token_budget} tokens): " + " ".join(parts))
     lines.append("  groups without cache: " + (", ".join(f"g{g}" for g in sorted(dense)) or "none"))
+    if self.memory is not None:
+        lines.append(self.memory.describe())
     return "\n".join(lines)

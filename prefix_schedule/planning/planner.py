@@ -207,6 +207,9 @@ class StepPlan:
     row_multiple: int = 1
     """Every row (suffix microbatch, prefix unit) is padded to a multiple of this
     ([Note: row padding]); the TP size under sequence parallelism, else 1."""
+    memory: Optional[object] = None
+    """With a memory budget: the memory_plan.MemoryChoice (offload, recompute, predicted peaks)
+    the step must run with; None: planned without one."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "microbatches", tuple(self.microbatches))
@@ -336,14 +339,33 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
                       run_singletons_dense: bool = True,
                       prefix_chunk_tokens: Optional[int] = None,
                       row_multiple: int = 1, vocab_size: Optional[int] = None,
-                      dense_groups=()) -> StepPlan:
+                      dense_groups=(), memory_budget_bytes: Optional[int] = None,
+                      memory_model=None, memory_options=None) -> StepPlan:
     """Greedy, order-preserving packing of every trajectory's row; see the module docstring.
     `dense_groups`: indices of groups whose rows run whole, without the cache (as a dense
     trainer would; exact either way). prefix_schedule.planning.policy decides which, by FLOPs.
     `prefix_chunk_tokens`: see StepPlan (None: each cached prefix runs as one chunk).
     `row_multiple`: pad every row to a multiple of it ([Note: row padding]); pass the TP size
     when Megatron runs with sequence_parallel=True. The padded row fits the token budget.
-    `vocab_size`: also check every token id (the executor checks both against the model)."""
+    `vocab_size`: also check every token id (the executor checks both against the model).
+    `memory_budget_bytes` (with `memory_model`, a memory_model.ActivationModel, and optionally
+    `memory_options` to choose from): the token budget and chunking become upper bounds and the
+    plan fits the budget (memory_plan.py); its `memory` says what the step must run with."""
+    if memory_budget_bytes is not None:
+        from prefix_schedule.planning import memory_plan
+
+        def plan_fn(tb: int, chunk: Optional[int]) -> StepPlan:
+            return plan_microbatches(batch, token_budget=tb, max_seq_len=max_seq_len,
+                                     run_singletons_dense=run_singletons_dense,
+                                     prefix_chunk_tokens=chunk, row_multiple=row_multiple,
+                                     vocab_size=vocab_size, dense_groups=dense_groups)
+
+        plan_fn(token_budget, prefix_chunk_tokens)  # bad input: its own error first
+        return memory_plan.plan_within_budget(
+            batch, plan_fn=plan_fn, token_budget=token_budget,
+            memory_budget_bytes=memory_budget_bytes, memory_model=memory_model,
+            prefix_chunk_tokens=prefix_chunk_tokens, row_multiple=row_multiple,
+            **({} if memory_options is None else {"memory_options": memory_options}))
     _check_int(token_budget, "token_budget", 1)
     _check_int(row_multiple, "row_multiple", 1)
     if prefix_chunk_tokens is not None:

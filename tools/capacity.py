@@ -1,0 +1,278 @@
+"""Longest trajectory that fits one GPU, dense vs prefix reuse, from the accounting model.
+
+    python tools/capacity.py --model llama3-8b --memory-gib 80 --group-size 2
+    python tools/capacity.py --model qwen3-8b --memory-gib 80 --group-size 8 --tp 2 --prefix-share 0.9
+    python tools/capacity.py --model llama3-8b --memory-gib 80 --frontier docs/capacity/frontier.png
+
+Per GPU (the heaviest pipeline stage), with the assumptions printed beside every result:
+* static: bf16 weights (2 B / parameter), fp32 main gradients (4 B), Adam under Megatron's
+  distributed optimizer (fp32 master weights and two moments, 12 B, sharded over --dp; expert
+  parameters over --dp / --ep); parameters / TP (experts / (TP x EP)); --reserve-gib for the
+  CUDA context, communication buffers and fragmentation;
+* activations: prefix_schedule/planning/memory_model.py ([Note: predicted device memory]) in
+  bf16: what the model's layers save for backward, the prefix cache's K/V and fp32 gK/gV,
+  dormant prefix activations (on the device, in host memory with offload, none with full
+  recompute), Phase C's working set; TP shards every term (sequence parallelism), CP every
+  row's tokens; a pipeline's first stage holds PP microbatches (1F1B), its last the loss;
+* the workload: one group of --group-size trajectories of T tokens, the first
+  --prefix-share x T shared; `--pack group` (default; the paper's comparison): a microbatch holds
+  the group -- dense its G full rows, reuse the prefix once and the G suffixes; `--pack
+  trajectory`: one trajectory per microbatch (dense one row, reuse one suffix);
+* each path picks what fits best at equal memory: dense recompute none or full; reuse none,
+  offload or full recompute, each with prefix chunks (whole, or halves down to 1/64 of the
+  prefix and >= 16 tokens).
+Every reuse option is exact vs dense (docs/DESIGN.md "Memory"). `capacity_ratio` = longest
+reuse trajectory / longest dense trajectory, each path at its best.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Callable, Dict, List, Optional
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from layouts import layer_params  # noqa: E402
+from megatron_patches.model_configs import MODELS, PAPER_MODELS, ModelSpec  # noqa: E402
+from prefix_schedule.planning.flops import ModelDims  # noqa: E402
+from prefix_schedule.planning.memory_model import (ActivationModel, MemoryOptions,  # noqa: E402
+                                                   dense_peak_bytes, reuse_phase_peaks)
+from prefix_schedule.planning.planner import (PrefixWork, Segment, StepPlan,  # noqa: E402
+                                              SuffixMicrobatch)
+
+__all__ = ["Layout", "activation_models", "capacity", "dims_of", "longest", "main",
+           "static_bytes"]
+
+GIB = 1024 ** 3
+CHOICES = {"tiny": "llama3-8b-tiny", **{name: name for name in PAPER_MODELS}}
+REUSE_OPTIONS = (MemoryOptions(), MemoryOptions(offload=True), MemoryOptions(recompute="full"))
+MIN_CHUNK = 16
+MAX_CHUNKS = 64  # prefix chunks tried: halves of the prefix down to 1/64 of it, >= 16 tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 8
+    cp: int = 1
+    ep: int = 1
+
+
+def dims_of(spec: ModelSpec) -> ModelDims:
+    return ModelDims(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                     ffn_hidden_size=spec.ffn_hidden_size,
+                     num_attention_heads=spec.num_attention_heads,
+                     num_query_groups=spec.num_query_groups, vocab_size=spec.vocab_size,
+                     gated_linear_unit=True, kv_channels=spec.head_dim,
+                     num_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk or 0,
+                     moe_ffn_hidden_size=spec.moe_ffn_hidden_size)
+
+
+def static_bytes(spec: ModelSpec, layout: Layout) -> Dict[str, float]:
+    """Weights, main gradients and distributed-optimizer state on one rank of the heaviest
+    stage (the first: embedding; with PP=1 also the output layer)."""
+    h, layers = spec.hidden_size, spec.num_layers // layout.pp
+    dense_layer = layer_params(spec)
+    experts = 0
+    if spec.is_moe:
+        dense_layer -= 3 * h * spec.ffn_hidden_size
+        dense_layer += h * spec.num_experts  # the router
+        experts = layers * spec.num_experts * 3 * h * spec.moe_ffn_hidden_size
+    embedding = spec.vocab_size * h
+    if layout.pp == 1 and not spec.tie_word_embeddings:
+        embedding *= 2
+    dense = (layers * dense_layer + embedding) / layout.tp
+    expert = experts / (layout.tp * layout.ep)
+    params = dense + expert
+    return {"weights": 2 * params, "grads": 4 * params,
+            "optimizer": 12 * dense / layout.dp + 12 * expert / max(1, layout.dp // layout.ep)}
+
+
+def activation_models(spec: ModelSpec, layout: Layout, act_bytes: int) -> List[ActivationModel]:
+    """The first stage (PP microbatches in flight) and, with PP > 1, the last (the loss)."""
+    common = dict(dims=dims_of(spec), act_bytes=act_bytes, qk_norm=spec.qk_norm, tp=layout.tp,
+                  stage_layers=spec.num_layers // layout.pp)
+    first = ActivationModel(**common, head=layout.pp == 1, in_flight=layout.pp)
+    return [first] if layout.pp == 1 else [first, ActivationModel(**common, head=True)]
+
+
+def _split(T: int, share: float, cp: int) -> tuple:
+    prefix = min(T - 1, max(2, round(share * T)))
+    return -(-prefix // cp), -(-(T - prefix) // cp)
+
+
+def _group_plan(P: int, n: int, G: int, pack: str, chunk: Optional[int]) -> StepPlan:
+    segments = [Segment(group=0, trajectory=t, row_start=(t * n if pack == "group" else 0),
+                        length=n, cached_len=P - 1) for t in range(G)]
+    rows = [segments] if pack == "group" else [[s] for s in segments]
+    return StepPlan(microbatches=[SuffixMicrobatch(index=i, segments=r) for i, r in enumerate(rows)],
+                    prefixes=[PrefixWork(group=0, length=P - 1)],
+                    token_budget=max(sum(s.length for s in r) for r in rows),
+                    prefix_chunk_tokens=chunk)
+
+
+def dense_peak(models, T: int, G: int, pack: str, recompute: str, cp: int) -> float:
+    row = -(-(T - 1) // cp)
+    return max(dense_peak_bytes(m, [G * row] if pack == "group" else [row] * G, recompute)
+               for m in models)
+
+
+def reuse_peak(models, T: int, G: int, pack: str, option: MemoryOptions, share: float,
+               cp: int) -> tuple:
+    """(smallest predicted peak over the prefix chunkings, the chunk size that gives it)."""
+    P, n = _split(T, share, cp)
+    best = None
+    chunk: Optional[int] = None
+    while True:
+        plan = _group_plan(P, n, G, pack, chunk)
+        peak = max(reuse_phase_peaks(m, plan, option)["step"] for m in models)
+        if best is None or peak < best[0]:
+            best = (peak, chunk)
+        chunk = -(-(P - 1) // 2) if chunk is None else chunk // 2
+        if chunk < max(MIN_CHUNK, (P - 1) / MAX_CHUNKS):
+            return best
+
+
+def longest(fits: Callable[[int], bool], limit: int = 1 << 24) -> int:
+    """Largest T in [4, limit] with fits(T) (0 if none), assuming fits is monotone."""
+    if not fits(4):
+        return 0
+    lo, hi = 4, 8
+    while hi < limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def capacity(spec: ModelSpec, *, memory_gib: float, group_size: int, prefix_share: float,
+             layout: Layout = Layout(), pack: str = "group", act_bytes: int = 2,
+             reserve_gib: float = 4.0) -> dict:
+    """Longest trajectory per path and option, and the capacity ratio (module docstring)."""
+    if not 0 < prefix_share < 1:
+        raise ValueError(f"prefix_share={prefix_share}; give a fraction in (0, 1)")
+    static = static_bytes(spec, layout)
+    free = memory_gib * GIB - reserve_gib * GIB - sum(static.values())
+    result = {"model": spec.name, "memory_gib": memory_gib, "group_size": group_size,
+              "prefix_share": prefix_share, "pack": pack, "layout": dataclasses.asdict(layout),
+              "static_gib": {k: v / GIB for k, v in static.items()},
+              "activation_budget_gib": free / GIB, "dense": {}, "reuse": {}}
+    if free <= 0:
+        result["capacity_ratio"] = None
+        return result
+    models = activation_models(spec, layout, act_bytes)
+    G, cp = group_size, layout.cp
+    for recompute in ("none", "full"):
+        result["dense"][recompute] = longest(
+            lambda T: dense_peak(models, T, G, pack, recompute, cp) <= free)
+    for option in REUSE_OPTIONS:
+        T = longest(lambda T: reuse_peak(models, T, G, pack, option, prefix_share, cp)[0] <= free)
+        chunk = reuse_peak(models, T, G, pack, option, prefix_share, cp)[1] if T else None
+        result["reuse"][option.describe()] = {"trajectory": T, "prefix_chunk_tokens": chunk}
+    dense = max(result["dense"].values())
+    reuse = max(r["trajectory"] for r in result["reuse"].values())
+    result["capacity_ratio"] = reuse / dense if dense else None
+    return result
+
+
+def assumptions(layout: Layout, act_bytes: int, reserve_gib: float, pack: str) -> str:
+    return (f"assumptions: {'bf16' if act_bytes == 2 else 'fp32'} activations and weights, fp32 "
+            f"main grads, Adam with Megatron's distributed optimizer over DP={layout.dp} "
+            f"(TP={layout.tp}, PP={layout.pp}, CP={layout.cp}, EP={layout.ep}, sequence "
+            f"parallel), {reserve_gib:g} GiB reserved; activations per "
+            "prefix_schedule/planning/memory_model.py (Megatron local-spec layers, flash-style "
+            f"attention, no s^2 term); one group per step, packed per {pack}; each path at its "
+            "best: dense recompute none or full, reuse none / offload / full recompute with "
+            "prefix chunks")
+
+
+def format_result(r: dict) -> str:
+    s = r["static_gib"]
+    lines = [f"{r['model']} on {r['memory_gib']:g} GiB, G={r['group_size']}, prefix share "
+             f"{r['prefix_share']:g}: static {sum(s.values()):.1f} GiB (weights {s['weights']:.1f}, "
+             f"grads {s['grads']:.1f}, optimizer {s['optimizer']:.1f}), activations "
+             f"{r['activation_budget_gib']:.1f} GiB"]
+    if r["capacity_ratio"] is None and not r["dense"]:
+        return lines[0] + "\n  nothing fits: raise --dp, --tp or --pp"
+    G = r["group_size"]
+    for name, T in r["dense"].items():
+        lines.append(f"  dense, recompute {name:<21}: T = {T:>7}  ({G * T} tokens per group)")
+    for name, v in r["reuse"].items():
+        chunk = f", prefix chunks <= {v['prefix_chunk_tokens']}" if v["prefix_chunk_tokens"] else ""
+        lines.append(f"  reuse, {name:<31}: T = {v['trajectory']:>7}  ({G * v['trajectory']} "
+                     f"tokens per group{chunk})")
+    ratio = r["capacity_ratio"]
+    lines.append(f"  capacity_ratio (best reuse / best dense): "
+                 f"{'n/a' if ratio is None else f'{ratio:.2f}'}")
+    return "\n".join(lines)
+
+
+def frontier(spec: ModelSpec, path: str, shares, group_sizes, **kw) -> List[dict]:
+    """capacity_ratio over prefix share x group size, as a PNG (tools/pngplot.py)."""
+    from pngplot import Figure
+
+    rows = [capacity(spec, group_size=g, prefix_share=s, **kw) for g in group_sizes for s in shares]
+    fig = Figure(1)
+    fig.chart(0, title=f"{spec.name}: capacity ratio (longest reuse / dense trajectory)",
+              xlabel="prefix share", markers=True,
+              series={f"G={g}": ([r["prefix_share"] for r in rows if r["group_size"] == g],
+                                 [r["capacity_ratio"] for r in rows if r["group_size"] == g])
+                      for g in group_sizes})
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.save(path)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, choices=sorted(CHOICES))
+    p.add_argument("--memory-gib", type=float, default=80.0)
+    p.add_argument("--group-size", type=int, nargs="+", default=[2])
+    p.add_argument("--prefix-share", type=float, nargs="+", default=[0.5, 0.75, 0.9])
+    for name, default in (("tp", 1), ("pp", 1), ("dp", 8), ("cp", 1), ("ep", 1)):
+        p.add_argument(f"--{name}", type=int, default=default)
+    p.add_argument("--pack", choices=("group", "trajectory"), default="group")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--reserve-gib", type=float, default=4.0)
+    p.add_argument("--frontier", metavar="PNG", help="plot capacity_ratio over --prefix-share x "
+                   "--group-size instead of printing")
+    p.add_argument("--json", metavar="PATH")
+    args = p.parse_args(argv)
+    spec = MODELS[CHOICES[args.model]]
+    layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep)
+    bad = [f"--{k}={v}" for k, v in dataclasses.asdict(layout).items() if v < 1]
+    if bad or spec.num_layers % args.pp or spec.num_query_groups % args.tp or args.dp % args.ep:
+        p.error(f"layout {layout}: sizes >= 1, --pp dividing {spec.num_layers} layers, --tp "
+                f"dividing {spec.num_query_groups} K/V heads, --ep dividing --dp")
+    if any(g < 1 for g in args.group_size) or not all(0 < s < 1 for s in args.prefix_share):
+        p.error("--group-size >= 1 and --prefix-share in (0, 1)")
+    kw = dict(memory_gib=args.memory_gib, layout=layout, pack=args.pack,
+              act_bytes=2 if args.dtype == "bf16" else 4, reserve_gib=args.reserve_gib)
+    print(assumptions(layout, kw["act_bytes"], args.reserve_gib, args.pack))
+    if args.frontier:
+        rows = frontier(spec, args.frontier, args.prefix_share, args.group_size, **kw)
+        for r in rows:
+            print(f"G={r['group_size']:<3} share {r['prefix_share']:<5g} capacity_ratio "
+                  f"{r['capacity_ratio']:.2f}" if r["capacity_ratio"] else "n/a")
+        print(f"wrote {args.frontier}")
+    else:
+        rows = [capacity(spec, group_size=g, prefix_share=s, **kw)
+                for g in args.group_size for s in args.prefix_share]
+        print("\n".join(format_result(r) for r in rows))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
