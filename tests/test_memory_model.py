@@ -1,0 +1,150 @@
+"""The predicted device bytes (planning/memory_model.py), the budget planner (memory_plan.py) and
+tools/capacity.py: predictions against the bytes the accounting model measures on the tiny
+Llama3-8B twin, a planner-chosen configuration under a tight budget against stock dense
+(fp32, 1e-5), and the planner's choices and refusals."""
+
+import pytest
+import torch
+
+from prefix_schedule.losses import PolicyLossConfig
+from prefix_schedule.planning.flops import ModelDims
+from prefix_schedule.planning.memory_model import (ActivationModel, MemoryOptions,
+                                                   dense_peak_bytes, reuse_phase_peaks)
+from prefix_schedule.planning.planner import plan_microbatches
+from test_equivalence import TOL, make_batch
+from tools_import import tool
+
+BENCH_LOSS = PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.05)
+SMALL_DIMS = ModelDims(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=256, gated_linear_unit=True)
+SMALL = ActivationModel(dims=SMALL_DIMS, act_bytes=4)  # test_memory_megatron's model, fp32
+SHAPES = [(120, [20, 24, 16, 22]), (90, [18, 30])]
+
+
+def _plan(budget, **kw):
+    batch = make_batch(7, SHAPES)
+    return batch, plan_microbatches(batch, token_budget=96, max_seq_len=512,
+                                    memory_budget_bytes=budget, memory_model=SMALL, **kw)
+
+
+def test_planner_fits_the_budget_and_says_what_it_chose():
+    _, loose = _plan(10 ** 9)
+    assert loose.memory.options == MemoryOptions() and loose.memory.token_budget == 96
+    assert loose.memory.prefix_chunk_tokens is None and not loose.memory.rejected
+    plain = loose.memory.peaks["step"]
+    _, tight = _plan(int(plain * 0.6))
+    assert tight.memory.options != MemoryOptions(), "a tighter budget must change the options"
+    assert tight.memory.peaks["step"] <= plain * 0.6
+    assert reuse_phase_peaks(SMALL, tight, tight.memory.options)["step"] <= plain * 0.6
+    text = tight.describe()
+    assert "memory: budget" in text and "not no offload, no recompute: needs >=" in text
+
+
+def test_infeasible_budget_names_the_smallest_that_fits():
+    with pytest.raises(ValueError, match="smallest budget that fits is") as info:
+        _plan(1000)
+    smallest = int(str(info.value).split("fits is ")[1].split(" bytes")[0])
+    _, plan = _plan(smallest)  # the budget the error names does fit
+    assert plan.memory.peaks["step"] <= smallest
+    with pytest.raises(ValueError, match="memory_model"):
+        plan_microbatches(make_batch(7, SHAPES), token_budget=96, max_seq_len=512,
+                          memory_budget_bytes=10 ** 6)
+    with pytest.raises(ValueError, match="offload with full recompute"):
+        MemoryOptions(offload=True, recompute="full")
+
+
+def test_capacity_tool_reports_every_path_and_the_ratio(tmp_path):
+    capacity = tool("capacity")
+    spec = capacity.MODELS["llama3-8b"]
+    r = capacity.capacity(spec, memory_gib=80, group_size=2, prefix_share=0.75)
+    dense, reuse = r["dense"], r["reuse"]
+    assert dense["full"] > dense["none"] > 0
+    # the paper's packing (a group per microbatch): the prompt's activations once, not G times
+    assert reuse["no offload, no recompute"]["trajectory"] > dense["none"]
+    best = max(v["trajectory"] for v in reuse.values())
+    assert r["capacity_ratio"] == pytest.approx(best / max(dense.values()))
+    png = tmp_path / "frontier.png"
+    assert capacity.main(["--model", "tiny", "--memory-gib", "0.05", "--dp", "1",
+                          "--reserve-gib", "0", "--group-size", "2", "4", "--prefix-share",
+                          "0.5", "0.9", "--frontier", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- against measured bytes (Megatron)
+
+def _tiny_model(recompute, fused=False):
+    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.training import scale_grads_by_token_count
+
+    spec = tool("capacity").MODELS["llama3-8b-tiny"]
+    cfg = TinyLlamaConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                          ffn_hidden_size=spec.ffn_hidden_size,
+                          num_attention_heads=spec.num_attention_heads,
+                          num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim,
+                          vocab_size=spec.vocab_size, max_seq_len=1024)
+    options = (dict(recompute_granularity="full", recompute_method="uniform",
+                    recompute_num_layers=1) if recompute == "full" else {})
+    model = build_model(cfg, fused_attention=fused, **options)
+    model.config.finalize_model_grads_func = scale_grads_by_token_count
+    return model
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_predictions_match_measured_bytes_on_the_tiny_model(megatron_env, recompute):
+    """The capacity tool's model of llama3-8b-tiny (fp32 here) within 10% of the accounting
+    model's measured bytes: dense peak, reuse suffix phase and whole step, at two lengths (one
+    and two trajectories per microbatch), with and without offload."""
+    from megatron_patches.training import dense_step, reuse_step
+    from prefix_schedule.runtime.step import ReuseStep
+
+    probe, capacity = tool("memory_probe"), tool("capacity")
+    spec = capacity.MODELS["llama3-8b-tiny"]
+    model = capacity.activation_models(spec, capacity.Layout(), act_bytes=4)[0]
+    local, fused = _tiny_model(recompute), _tiny_model(recompute, fused=True)
+    offloads = [False, True] if recompute == "none" else [False]
+    for prefix, suffix, group, budget in ((200, 40, 3, 40), (400, 80, 2, 160)):
+        batch = make_batch(3, [(prefix, [suffix] * group)], vocab=spec.vocab_size)
+        plan = plan_microbatches(batch, token_budget=budget, max_seq_len=1024)
+        dense = probe.measure_dense(fused, lambda: dense_step(fused, batch, BENCH_LOSS))
+        predicted = dense_peak_bytes(model, [prefix + suffix - 1], recompute)
+        print(f"dense P={prefix} n={suffix}: predicted / measured "
+              f"{predicted / dense.peak_saved_bytes:.3f}")
+        assert predicted == pytest.approx(dense.peak_saved_bytes, rel=0.10)
+        for offload in offloads:
+            step = ReuseStep(batch, plan, offload_prefix_activations=offload)
+            reuse = probe.measure_reuse(
+                local, step, lambda s: reuse_step(local, batch, plan, BENCH_LOSS, step=s))
+            peaks = reuse_phase_peaks(model, plan, MemoryOptions(offload=offload,
+                                                                 recompute=recompute))
+            where = f"P={prefix} n={suffix} G={group} offload={offload}"
+            print(f"reuse {where}: predicted / measured suffix phase "
+                  f"{peaks['suffix'] / reuse.suffix_phase_peak_bytes:.3f}, step "
+                  f"{peaks['step'] / reuse.peak_saved_bytes:.3f}")
+            assert peaks["suffix"] == pytest.approx(reuse.suffix_phase_peak_bytes, rel=0.10), where
+            assert peaks["step"] == pytest.approx(reuse.peak_saved_bytes, rel=0.10), where
+        local.zero_grad(set_to_none=True)
+        fused.zero_grad(set_to_none=True)
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("fraction, recompute", [(0.6, "none"), (0.25, "full")])
+def test_planner_chosen_configuration_equals_dense(megatron_env, fraction, recompute):
+    """Under a tight budget the planner changes packing, chunking and offload or recompute; the
+    step it plans, run with what it chose, equals stock Megatron dense (fp32 grads, 1e-5)."""
+    from test_memory_megatron import FULL, _compare, _model
+
+    batch = make_batch(7, SHAPES)
+    plain = plan_microbatches(batch, token_budget=96, max_seq_len=512)
+    budget = int(reuse_phase_peaks(SMALL, plain)["step"] * fraction)
+    allowed = [MemoryOptions(), MemoryOptions(offload=True)] if recompute == "none" \
+        else [MemoryOptions(recompute="full")]
+    plan = plan_microbatches(batch, token_budget=96, max_seq_len=512, memory_budget_bytes=budget,
+                             memory_model=SMALL, memory_options=allowed)
+    choice = plan.memory
+    assert choice.options.recompute == recompute and choice.peaks["step"] <= budget
+    assert (choice.token_budget, choice.prefix_chunk_tokens) != (96, None) or choice.options.offload
+    model = _model(**(dict(FULL["uniform"], recompute_num_layers=1) if recompute == "full" else {}))
+    vs_dense, _, _ = _compare(model, batch, plan, offload_prefix_activations=choice.options.offload)
+    assert vs_dense <= TOL
+    torch.manual_seed(0)
