@@ -42,7 +42,8 @@ FIELDS = {"dense_seconds", "stock_dense_seconds", "reuse_seconds", "speedup", "i
 MEMORY_FIELDS = {"dense_peak_saved_bytes", "reuse_peak_saved_bytes",
                  "reuse_suffix_phase_peak_bytes", "reuse_cache_bytes", "reuse_peak_host_bytes",
                  "reuse_phase_peak_bytes", "suffix_phase_reduction", "step_peak_reduction",
-                 "offload_prefix_activations", "recompute", "basis"}
+                 "offload_prefix_activations", "recompute", "basis", "capacity_ratio",
+                 "capacity_basis"}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +62,8 @@ def runs(tmp_path_factory):
                       "--skip-stock", "--timeout", "200", "--json", str(out / "bench_vpp.json")],
         "bench_tree": [*bench, "--tree", "3x2", "--node-len", "12", "--skip-stock",
                        "--json", str(out / "bench_tree.json")],
+        "bench_budget": [*bench, "--skip-stock", "--memory-budget-mib", "2",
+                         "--json", str(out / "bench_budget.json")],
         "bench_moe_ep2": [*bench, "--num-experts", "4", "--ep", "2", "--dp", "2",
                           "--skip-stock", "--timeout", "200", "--json",
                           str(out / "bench_moe_ep2.json")],
@@ -103,6 +106,26 @@ def _check_result(result: dict) -> None:
     assert timing["tokens_per_microbatch"]["reuse_max"] <= result["token_budget"]
 
 
+def test_bench_memory_budget_picks_each_paths_packing(runs):
+    """--memory-budget-mib: dense takes the most rows per microbatch that fit, reuse the budget
+    planner's plan; both within the budget (predicted), the speedup at equal memory reported,
+    reuse still equal to stock dense; memory.capacity_ratio from the accounting model."""
+    (rc, stdout), out = runs[0]["bench_budget"], runs[1]
+    assert rc == 0, stdout[-3000:]
+    result = json.loads((out / "bench_budget.json").read_text())
+    budget, mib = result["memory_budget"], 2 ** 20
+    assert budget["budget_mib"] == 2.0 and budget["dense"]["micro_batch_size"] == 2
+    assert budget["dense"]["path"] == "dense_batched" and result["dense_batched"]
+    assert budget["dense"]["predicted_peak_bytes"] <= 2 * mib
+    assert budget["reuse"]["predicted_peak_bytes"]["step"] <= 2 * mib
+    assert math.isclose(budget["speedup_at_equal_memory"],
+                        result["dense_batched"]["seconds"] / result["reuse_seconds"])
+    assert result["max_grad_rel_diff"] <= 1e-5
+    assert result["memory"]["reuse_peak_saved_bytes"] <= 1.1 * 2 * mib  # measured
+    assert result["memory"]["capacity_ratio"] > 1
+    assert "speedup at equal memory" in stdout and "memory: budget 2.00 MiB" in stdout
+
+
 def test_bench_json_fields_are_consistent(runs):
     (rc, stdout), out = runs[0]["bench"], runs[1]
     assert rc == 0, stdout[-3000:]
@@ -123,7 +146,7 @@ def test_bench_json_fields_are_consistent(runs):
     assert result["offload_prefix_activations"] and result["recompute"] == "none"
     for name in MEMORY_FIELDS - {"basis", "suffix_phase_reduction", "step_peak_reduction",
                                  "reuse_phase_peak_bytes", "offload_prefix_activations",
-                                 "recompute"}:
+                                 "recompute", "capacity_ratio", "capacity_basis"}:
         assert isinstance(memory[name], int) and memory[name] > 0, name  # host: offloaded
     assert set(memory["reuse_phase_peak_bytes"]) == {"PF", "SF", "SB", "PB", "RG", "suffix"}
     # the suffix phase is part of the step; the cache is part of what the phase holds

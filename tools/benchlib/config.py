@@ -111,6 +111,11 @@ class BenchConfig:
     recompute: str = dataclasses.field(default="none", metadata={"choices": RECOMPUTE})
     """Activation recompute of every path (dense and reuse alike): none, selective (core
     attention) or full (uniform, one layer per checkpoint)."""
+    memory_budget_mib: Optional[float] = None
+    """Each path picks its packing within this many MiB of predicted device bytes
+    (benchlib/capacity.py): reuse via plan_microbatches(memory_budget_bytes=...) (packing,
+    prefix chunks, offload), dense the most rows per microbatch that fit; the JSON's
+    memory_budget reports both and the speedup at equal memory."""
 
     def __post_init__(self) -> None:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
@@ -137,6 +142,14 @@ class BenchConfig:
             raise ValueError(f"--attention-backend={self.attention_backend!r}; choose one of {choices}")
         self._check_layout()
         self._check_moe()
+        self._check_memory_budget()
+
+    def _check_memory_budget(self) -> None:
+        from benchlib.capacity import check_budget_config, dense_rows
+
+        check_budget_config(self)
+        if self.memory_budget_mib is not None and self.dense_micro_batch_size is None:
+            object.__setattr__(self, "dense_micro_batch_size", dense_rows(self))
 
     def _check_moe(self) -> None:
         if self.num_experts is None:
@@ -306,6 +319,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
             p.add_argument(flag, action="store_true", help=help_)
         elif field.type == "Optional[int]":
             p.add_argument(flag, type=int, default=None, help=help_)
+        elif field.type == "Optional[float]":
+            p.add_argument(flag, type=float, default=None, help=help_)
         elif field.type == "Optional[str]":
             p.add_argument(flag, default=None, help=help_)
         elif field.type == "str":

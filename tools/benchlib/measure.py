@@ -14,6 +14,7 @@ with several ranks a step's time is the slowest rank's. The gradient check runs 
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, List, Optional
 
 import torch
@@ -54,6 +55,10 @@ def config_batch(config: BenchConfig) -> GroupBatch:
 
 
 def config_plan(config: BenchConfig, batch: GroupBatch) -> StepPlan:
+    if config.memory_budget_mib is not None:  # packing, chunks, offload within the budget
+        from benchlib.capacity import budget_plan
+
+        return budget_plan(config, batch)
     return plan_microbatches(batch, token_budget=config.token_budget,
                              max_seq_len=config.max_seq_len,
                              prefix_chunk_tokens=config.prefix_chunk_tokens)
@@ -187,6 +192,7 @@ def _memory(config: BenchConfig, local, fused, batch: GroupBatch,
             plan: StepPlan) -> Dict[str, float]:
     """One extra step per path under tools/memory_probe.py: the device bytes of the accounting
     model (saved activations, recompute inputs, the prefix cache, offloaded bytes as host)."""
+    from benchlib.capacity import CAPACITY_BASIS, capacity_ratio
     from prefix_schedule.runtime.step import ReuseStep
 
     zero(fused)
@@ -207,6 +213,8 @@ def _memory(config: BenchConfig, local, fused, batch: GroupBatch,
             "step_peak_reduction": 1 - reuse.peak_saved_bytes / dense.peak_saved_bytes,
             "offload_prefix_activations": config.offload_prefix_activations,
             "recompute": config.recompute,
+            "capacity_ratio": capacity_ratio(config, dense.peak_saved_bytes),
+            "capacity_basis": CAPACITY_BASIS,
             "basis": MEMORY_BASIS}
 
 
@@ -233,6 +241,8 @@ def measure(config: BenchConfig, distributed: bool = False) -> dict:
 
         batch = placement.ranks[parallel_state.get_data_parallel_rank()].batch
     plan = config_plan(config, batch)
+    if plan.memory is not None:  # the reuse path runs with what the budget planner chose
+        config = dataclasses.replace(config, offload_prefix_activations=plan.memory.options.offload)
     param = first_param(local)
     backend = selected_backend(config, param.device, param.dtype)
     times, cpu_times = _time_paths(config, local, fused, batch, plan)

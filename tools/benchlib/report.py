@@ -85,6 +85,10 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
     }
     if placement is not None:
         result["placement"] = placement.describe()
+    if config.memory_budget_mib is not None:
+        from benchlib.capacity import budget_report
+
+        result["memory_budget"] = budget_report(config, config_plan(config, batch), median)
     return result
 
 
@@ -147,9 +151,19 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         + (f" (batched dense {batched['max_grad_rel_diff_vs_stock_dense']:.2e})" if batched else ""),
         f"timing: {result['timing']['basis']}",
         _memory_line(result["memory"]),
+        *_budget_lines(result),
         *_cp_lines(result),
     ]
     return "\n".join(lines)
+
+
+def _budget_lines(result: dict) -> List[str]:
+    budget = result.get("memory_budget")
+    if not budget:
+        return []
+    return [budget["reuse"]["explanation"],
+            f"dense within the budget: {budget['dense']['micro_batch_size']} row(s) per "
+            f"microbatch; speedup at equal memory {budget['speedup_at_equal_memory']:.3f}x"]
 
 
 def _cp_lines(result: dict) -> List[str]:
@@ -178,4 +192,6 @@ def _memory_line(memory: Optional[dict]) -> str:
             f"{memory['reuse_suffix_phase_peak_bytes'] / mib:.1f} "
             f"({-100 * memory['suffix_phase_reduction']:+.0f}% vs dense; whole step "
             f"{-100 * memory['step_peak_reduction']:+.0f}%), cache "
-            f"{memory['reuse_cache_bytes'] / mib:.1f}, host {memory['reuse_peak_host_bytes'] / mib:.1f}")
+            f"{memory['reuse_cache_bytes'] / mib:.1f}, host {memory['reuse_peak_host_bytes'] / mib:.1f}"
+            + (f"; capacity ratio {memory['capacity_ratio']:.2f}"
+               if memory.get("capacity_ratio") is not None else ""))
