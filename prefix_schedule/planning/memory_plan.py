@@ -81,16 +81,17 @@ def _chunk_sizes(first: Optional[int], longest_prefix: int) -> List[Optional[int
 def plan_within_budget(batch, *, plan_fn, token_budget: int, memory_budget_bytes: int,
                        memory_model: ActivationModel, prefix_chunk_tokens: Optional[int],
                        row_multiple: int,
-                       memory_options: Sequence[MemoryOptions] = DEFAULT_MEMORY_OPTIONS):
+                       memory_options: Optional[Sequence[MemoryOptions]] = None):
     """The StepPlan of the search in the module docstring; `plan_fn(token_budget,
-    prefix_chunk_tokens)` plans the batch (plan_microbatches without a memory budget)."""
+    prefix_chunk_tokens)` plans the batch (plan_microbatches without a memory budget);
+    `memory_options` None: DEFAULT_MEMORY_OPTIONS."""
     if not isinstance(memory_model, ActivationModel):
         raise ValueError(f"memory_model={memory_model!r}; a memory budget needs a "
                          "memory_model.ActivationModel of the model (its shape and dtype)")
     if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, (int, float)) \
             or memory_budget_bytes <= 0:
         raise ValueError(f"memory_budget_bytes={memory_budget_bytes!r}; give bytes > 0")
-    options = tuple(memory_options)
+    options = tuple(DEFAULT_MEMORY_OPTIONS if memory_options is None else memory_options)
     if not options or not all(isinstance(o, MemoryOptions) for o in options):
         raise ValueError(f"memory_options={memory_options!r}; give MemoryOptions to choose from")
     longest_suffix = max(t.num_tokens for g in batch.groups for t in g.trajectories)

@@ -352,20 +352,17 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
     `memory_options` to choose from): the token budget and chunking become upper bounds and the
     plan fits the budget (memory_plan.py); its `memory` says what the step must run with."""
     if memory_budget_bytes is not None:
-        from prefix_schedule.planning import memory_plan
+        from prefix_schedule.planning.memory_plan import plan_within_budget
 
-        def plan_fn(tb: int, chunk: Optional[int]) -> StepPlan:
-            return plan_microbatches(batch, token_budget=tb, max_seq_len=max_seq_len,
-                                     run_singletons_dense=run_singletons_dense,
-                                     prefix_chunk_tokens=chunk, row_multiple=row_multiple,
-                                     vocab_size=vocab_size, dense_groups=dense_groups)
-
+        common = dict(max_seq_len=max_seq_len, run_singletons_dense=run_singletons_dense,
+                      row_multiple=row_multiple, vocab_size=vocab_size, dense_groups=dense_groups)
+        plan_fn = lambda tb, chunk: plan_microbatches(  # noqa: E731
+            batch, token_budget=tb, prefix_chunk_tokens=chunk, **common)
         plan_fn(token_budget, prefix_chunk_tokens)  # bad input: its own error first
-        return memory_plan.plan_within_budget(
-            batch, plan_fn=plan_fn, token_budget=token_budget,
-            memory_budget_bytes=memory_budget_bytes, memory_model=memory_model,
-            prefix_chunk_tokens=prefix_chunk_tokens, row_multiple=row_multiple,
-            **({} if memory_options is None else {"memory_options": memory_options}))
+        return plan_within_budget(batch, plan_fn=plan_fn, token_budget=token_budget,
+                                  memory_budget_bytes=memory_budget_bytes,
+                                  memory_model=memory_model, prefix_chunk_tokens=prefix_chunk_tokens,
+                                  row_multiple=row_multiple, memory_options=memory_options)
     _check_int(token_budget, "token_budget", 1)
     _check_int(row_multiple, "row_multiple", 1)
     if prefix_chunk_tokens is not None:
