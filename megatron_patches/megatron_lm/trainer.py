@@ -88,8 +88,11 @@ def _check_expert_parallel_counts(count: int) -> None:
     if ps.get_expert_model_parallel_world_size() == 1:
         return
     group = ps.get_expert_model_parallel_group()
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size())]
-    torch.distributed.all_gather(counts, torch.tensor([count], dtype=torch.int64), group=group)
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))  # NCCL gathers device tensors
+    mine = torch.tensor([count], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(mine) for _ in range(group.size())]
+    torch.distributed.all_gather(counts, mine, group=group)
     if len({int(c) for c in counts}) > 1:
         raise ValueError(f"the expert-parallel ranks' dense steps have {[int(c) for c in counts]} "
                          "microbatches: expert parallelism exchanges tokens in every MoE layer, "
