@@ -1,5 +1,5 @@
-"""Load a Hugging Face Llama 3 / Qwen3 checkpoint into a (TP x PP sharded) Megatron GPTModel, and
-write one back; the tensor layouts are megatron_patches/checkpoints.py's.
+"""Load a Hugging Face Llama 3 / Qwen3 / Qwen3-MoE checkpoint into a (TP x PP x EP sharded)
+Megatron GPTModel, and write one back; the tensor layouts are megatron_patches/checkpoints.py's.
 
     spec, config = read_hf_config(directory)
     load_hf_weights(model, directory)          # on every rank, after the model is built
@@ -20,7 +20,8 @@ from typing import Dict, Iterable, List, Tuple
 
 import torch
 
-from megatron_patches.checkpoints import RankLayout, hf_names, stage_layers, to_hf, to_megatron
+from megatron_patches.checkpoints import (RankLayout, hf_names, local_experts, stage_layers,
+                                          to_hf, to_megatron)
 from megatron_patches.model_configs import ModelSpec, from_hf_config
 
 __all__ = ["read_hf_config", "hf_tensor_names", "read_hf_tensors", "rank_layout", "load_hf_weights",
@@ -91,11 +92,18 @@ def rank_layout(model) -> RankLayout:
                       pp_rank=ps.get_pipeline_model_parallel_rank(),
                       pp_size=ps.get_pipeline_model_parallel_world_size(),
                       padded_vocab_size=vocab_rows * tp,
-                      te_names=any(n.endswith("linear_qkv.layer_norm_weight") for n in names))
+                      te_names=any(n.endswith("linear_qkv.layer_norm_weight") for n in names),
+                      ep_rank=ps.get_expert_model_parallel_rank(),
+                      ep_size=ps.get_expert_model_parallel_world_size(),
+                      expert_tp_rank=ps.get_expert_tensor_parallel_rank(),
+                      expert_tp_size=ps.get_expert_tensor_parallel_world_size(),
+                      te_grouped=any(".experts.linear_fc1.weight" in n for n in names))
 
 
 def _needed_names(spec: ModelSpec, layout: RankLayout) -> List[str]:
-    names = [n for layer in stage_layers(spec, layout) for n in hf_names(spec, layer).values()]
+    experts = local_experts(spec, layout) if spec.is_moe else None
+    names = [n for layer in stage_layers(spec, layout)
+             for n in hf_names(spec, layer, experts).values()]
     if layout.pp_rank == 0:
         names.append("model.embed_tokens.weight")
     if layout.pp_rank == layout.pp_size - 1:
@@ -141,24 +149,32 @@ def write_hf_checkpoint(directory, tensors: Dict[str, torch.Tensor], config: dic
 def export_hf_weights(models, directory, config: dict) -> None:
     """Gather every rank's tensors on global rank 0 and write a HF checkpoint there. Collective
     over the default group (all ranks call it); data-parallel replicas beyond the first are
-    skipped. Holds the whole model in rank 0's host memory."""
+    skipped (MoE: expert tensors come from the first expert-data-parallel replica of each
+    expert-parallel rank). Holds the whole model in rank 0's host memory."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
     spec = from_hf_config(config)
     gpt = unwrap_model(models[0])
     layout = rank_layout(gpt)
-    local = None
-    if ps.get_data_parallel_rank() == 0:
-        local = (layout.pp_rank, layout.tp_rank,
-                 {n: p.detach().float().cpu() for n, p in gpt.named_parameters()})
+    params = {n: p.detach().float().cpu() for n, p in gpt.named_parameters()}
+    dense = {n: t for n, t in params.items() if ".experts." not in n}
+    experts = {n: t for n, t in params.items() if ".experts." in n}
+    local = ((layout.pp_rank, layout.tp_rank, dense) if ps.get_data_parallel_rank() == 0 else None,
+             (layout.pp_rank, layout.ep_rank, layout.expert_tp_rank, experts)
+             if experts and ps.get_expert_data_parallel_rank() == 0 else None)
     rank0 = torch.distributed.get_rank() == 0
     gathered = [None] * torch.distributed.get_world_size() if rank0 else None
     torch.distributed.gather_object(local, gathered, dst=0)
     if not rank0:
         return
     grid = [[None] * layout.tp_size for _ in range(layout.pp_size)]
-    for item in gathered:
-        if item is not None:
-            grid[item[0]][item[1]] = item[2]
-    write_hf_checkpoint(directory, to_hf(spec, grid, layout), config)
+    expert_grid = [[[None] * layout.expert_tp_size for _ in range(layout.ep_size)]
+                   for _ in range(layout.pp_size)]
+    for dense_part, expert_part in gathered:
+        if dense_part is not None:
+            grid[dense_part[0]][dense_part[1]] = dense_part[2]
+        if expert_part is not None:
+            expert_grid[expert_part[0]][expert_part[1]][expert_part[2]] = expert_part[3]
+    tensors = to_hf(spec, grid, layout, expert_grid if spec.is_moe else None)
+    write_hf_checkpoint(directory, tensors, config)

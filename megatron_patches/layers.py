@@ -2,9 +2,9 @@
 
 `GPTModel`: every decoder layer is attention + MLP, so the last layer holds the last K/V.
 `HybridModel`: one symbol per layer in `hybrid_layer_pattern` (Megatron's `Symbols`): attention
-(`*`) and MLP (`-`) layers are supported; MoE (`E`) is refused (GPTModel MoE is supported, see
-megatron_patches/moe.py; a HybridModel `E` layer after the last `*` would never route the prefix,
-since the prefix forward stops there); Mamba (`M`)
+(`*`), MLP (`-`) and MoE (`E`, megatron_patches/moe.py) layers are supported: the last stage's
+prefix forward runs to the last `*` (its K/V), or on to the router of a later `E` layer whose
+statistics count the prefix (`prefix_stop`); Mamba (`M`)
 and gated delta net (`G`) layers carry a recurrent state that a suffix would have to resume from
 (the prefix would have to cache that state instead of K/V); DSA (`D`) and MLA (`+`) attention is
 not hooked. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
@@ -13,22 +13,20 @@ refuse together, before any compute (no rank is left waiting on a peer that rais
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from megatron.core import parallel_state
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.utils import get_model_config, unwrap_model
 
-__all__ = ["check_layers_supported", "last_kv_layer_number", "stage_patterns"]
+__all__ = ["check_layers_supported", "last_kv_layer_number", "prefix_stop", "stage_patterns"]
 
 _RECURRENT = ("its recurrent state would have to be cached for the suffixes to resume from, "
               "instead of K/V; prefix reuse caches K/V only")
 _REFUSED = {
     Symbols.MAMBA: ("Mamba", _RECURRENT),
     Symbols.GDN: ("gated delta net", _RECURRENT),
-    Symbols.MOE: ("MoE", "MoE layers are verified in GPTModel only (prefix-token accounting "
-                         "in HybridModel patterns is not yet)"),
     Symbols.DS_ATTENTION: ("DeepSeek sparse attention", "its core attention is not hooked"),
     Symbols.MLA: ("multi-latent attention", "its core attention is not hooked"),
 }
@@ -109,3 +107,17 @@ def last_kv_layer_number(model) -> int:
     main = (parse_hybrid_pattern(hybrid.hybrid_layer_pattern).main_pattern or "")
     layers = main.replace(Symbols.PIPE, "")
     return max(i for i, symbol in enumerate(layers, start=1) if symbol == Symbols.ATTENTION)
+
+
+def prefix_stop(model) -> Tuple[int, bool]:
+    """(layer number, in its router) where the last stage's prefix forward stops: after the last
+    layer storing prefix K/V, or in the router of the last MoE layer whose statistics count the
+    prefix (moe.needs_prefix_stats) when that comes later (GPTModel: the last layer's MoE half;
+    HybridModel: an `E` layer after the last `*`). Nothing after it feeds a suffix or a router
+    statistic."""
+    from megatron_patches.moe import needs_prefix_stats, routers
+
+    kv = last_kv_layer_number(model)
+    counted = [r.layer_number for r in routers(model) if needs_prefix_stats(r)]
+    stop = max([kv, *counted])
+    return stop, stop in counted

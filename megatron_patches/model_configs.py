@@ -65,6 +65,9 @@ class ModelSpec:
     """MoE: moe_intermediate_size."""
     moe_router_topk: Optional[int] = None
     """MoE: num_experts_per_tok."""
+    moe_norm_topk_prob: bool = True
+    """MoE: norm_topk_prob (top-k probabilities renormalised: Megatron's softmax over the top-k
+    logits; False: softmax over all experts, then top-k: `--moe-router-pre-softmax`)."""
 
     def __post_init__(self):
         if self.family not in ("llama", "qwen3", "qwen3_moe"):
@@ -105,6 +108,7 @@ class ModelSpec:
                      self.moe_ffn_hidden_size, "--moe-router-topk", self.moe_router_topk,
                      # softmax over the top-k logits == Qwen3-MoE's norm_topk_prob=True
                      "--moe-router-score-function", "softmax",
+                     *([] if self.moe_norm_topk_prob else ["--moe-router-pre-softmax"]),
                      "--moe-router-load-balancing-type", "aux_loss",
                      "--moe-aux-loss-coeff", "0.001"]
         return [str(a) for a in args]
@@ -129,7 +133,8 @@ class ModelSpec:
             config["mlp_bias"] = False
         if self.is_moe:
             config.update(num_experts=self.num_experts, num_experts_per_tok=self.moe_router_topk,
-                          moe_intermediate_size=self.moe_ffn_hidden_size, norm_topk_prob=True,
+                          moe_intermediate_size=self.moe_ffn_hidden_size,
+                          norm_topk_prob=self.moe_norm_topk_prob,
                           decoder_sparse_step=1, mlp_only_layers=[])
         return config
 
@@ -193,7 +198,7 @@ def check_trainable(spec: ModelSpec) -> None:
 
     Every paper model trains: Qwen3-30B-A3B (MoE) with logical prefix-token accounting
     (megatron_patches/moe.py), within the MoE limits the reuse executor checks
-    (moe.check_moe_supported, config_support_moe.py: dropless, token-local routing, EP=1, TP=1)."""
+    (moe.check_moe_supported, config_support_moe.py: dropless, token-local routing, TP=1)."""
     if spec.family not in ("llama", "qwen3", "qwen3_moe"):
         raise ValueError(f"{spec.name}: family {spec.family!r} is not supported")
 
@@ -212,6 +217,8 @@ def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
         raise ValueError("attention_bias / mlp_bias checkpoints are not supported (Llama 3 and "
                          "Qwen3 have none)")
     heads = int(config["num_attention_heads"])
+    if family == "qwen3_moe":
+        _check_qwen3_moe(config)
     return ModelSpec(
         name=name, family=family, num_layers=int(config["num_hidden_layers"]),
         hidden_size=int(config["hidden_size"]), ffn_hidden_size=int(config["intermediate_size"]),
@@ -229,7 +236,20 @@ def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
         num_experts=(config.get("num_experts") or config.get("num_local_experts")
                      if family == "qwen3_moe" else None),
         moe_ffn_hidden_size=config.get("moe_intermediate_size") if family == "qwen3_moe" else None,
-        moe_router_topk=config.get("num_experts_per_tok") if family == "qwen3_moe" else None)
+        moe_router_topk=config.get("num_experts_per_tok") if family == "qwen3_moe" else None,
+        moe_norm_topk_prob=(bool(config.get("norm_topk_prob", False))  # HF's default: False
+                            if family == "qwen3_moe" else True))
+
+
+def _check_qwen3_moe(config) -> None:
+    """Qwen3-MoE layouts Megatron's arguments cannot build: refused with the reason."""
+    step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise ValueError(f"decoder_sparse_step={step}, mlp_only_layers={dense}: only checkpoints "
+                         "whose every layer is MoE are converted (Qwen3-30B-A3B's are); HF's "
+                         "(i+1) % step rule differs from Megatron's --moe-layer-freq")
+    if config.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts are not part of Qwen3-MoE (Qwen2-MoE has them)")
 
 
 def _rope_parameters(config) -> Dict[str, object]:
@@ -268,11 +288,30 @@ def mismatches_with_args(spec: ModelSpec, args) -> List[str]:
               "no linear biases": (args.add_bias_linear, False)}
     problems += [f"{what}: arguments give {got!r}, the checkpoint needs {want!r}"
                  for what, (got, want) in checks.items() if got != want]
+    if spec.is_moe or getattr(args, "num_experts", None):
+        problems += _moe_mismatches(spec, args)
     factor = spec.rope_scaling_factor
     if factor is not None and args.rope_scaling_factor != factor:
         problems.append(f"--rope-scaling-factor {args.rope_scaling_factor} but the checkpoint "
                         f"has {spec.rope_scaling_factor}")
     return problems
+
+
+def _moe_mismatches(spec: ModelSpec, args) -> List[str]:
+    """Where the MoE arguments route differently from Qwen3-MoE (HF: softmax over all experts,
+    top-k, renormalised when norm_topk_prob; no shared experts, every layer MoE)."""
+    want = {"--num-experts": (args.num_experts, spec.num_experts),
+            "--moe-ffn-hidden-size": (args.moe_ffn_hidden_size, spec.moe_ffn_hidden_size),
+            "--moe-router-topk": (args.moe_router_topk, spec.moe_router_topk),
+            "--moe-router-score-function": (args.moe_router_score_function, "softmax"),
+            "--moe-router-pre-softmax": (args.moe_router_pre_softmax, not spec.moe_norm_topk_prob),
+            "--moe-shared-expert-intermediate-size": (args.moe_shared_expert_intermediate_size,
+                                                      None),
+            "--moe-router-topk-scaling-factor": (args.moe_router_topk_scaling_factor, None),
+            "--moe-router-num-groups": (args.moe_router_num_groups, None),
+            "--moe-layer-freq": (args.moe_layer_freq in (1, [1] * spec.num_layers), True)}
+    return [f"{flag} {got!r} but the checkpoint needs {need!r}"
+            for flag, (got, need) in want.items() if got != need]
 
 
 def _main(argv=None) -> int:
@@ -283,7 +322,7 @@ def _main(argv=None) -> int:
     ns = parser.parse_args(argv)
     if ns.command == "list":
         for name, spec in MODELS.items():
-            print(f"{name:20s} {spec.family:10s} {'MoE (refused for now)' if spec.is_moe else ''}")
+            print(f"{name:20s} {spec.family:10s} {'MoE' if spec.is_moe else ''}")
         return 0
     if ns.model is None:
         parser.error(f"{ns.command} needs a model name: one of {sorted(MODELS)}")

@@ -23,8 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import unwrap_model
 
-from megatron_patches.layers import last_kv_layer_number
-from megatron_patches.moe import stops_in_router
+from megatron_patches.layers import prefix_stop
 from megatron_patches.p2p import P2POp, PipelineP2P, Received
 from megatron_patches.schedule_parts import (GradSync, StopAtPrefixEnd, autograd_backward,
                                              model_device, without_full_recompute)
@@ -192,10 +191,10 @@ class StageRunner:
         if last and step.prefix_has_loss(action.index):
             return self.prefix_forward_with_loss(action)
         step.prepare(action)
-        stop = (last_kv_layer_number(self.models[chunk])  # HybridModel: last '*'
-                if last and mode != "inject" else None)
+        stop, in_router = (prefix_stop(self.models[chunk])  # HybridModel: last '*' or 'E'
+                           if last and mode != "inject" else (None, False))
         context = step.prefix_context(action.index, model_chunk=chunk, stop_after_layer=stop,
-                                      stop_in_router=stops_in_router(self.models[chunk], stop),
+                                      stop_in_router=in_router,
                                       replay=mode == "rebind", inject=mode == "inject")
         recompute = (contextlib.nullcontext() if mode == "inject"
                      else without_full_recompute(config))

@@ -1,8 +1,8 @@
 """Prefix reuse on Megatron's `HybridModel` (GPTModel's successor) vs stock dense HybridModel.
 
 Attention (`*`) and MLP (`-`) layer patterns, fp32: loss and every gradient within 1e-5 relative,
-single process and PP=2 (gloo). MoE, Mamba, gated-delta-net and MTP patterns are refused before
-any compute. Models: megatron_patches.hybrid (Megatron's local modules, runs on CPU).
+single process and PP=2 (gloo). Mamba, gated-delta-net and MTP patterns are refused before
+any compute (MoE `E` layers: tests/test_hybrid_moe.py). Models: megatron_patches.hybrid (Megatron's local modules, runs on CPU).
 """
 
 import dataclasses
@@ -103,25 +103,21 @@ def test_local_hybrid_stack_is_the_gpt_local_spec(megatron_env):
 
 
 REFUSED = {
-    "MoE": ("*E", 2, "MoE layers are verified in GPTModel only"),
-    "Mamba": ("M*-", None, r"'M' \(Mamba\): its recurrent state would have to be cached"),
-    "gated delta net": ("G*-", None, r"'G' \(gated delta net\): its recurrent state"),
-    "multi-token prediction": ("*-/*-", None, "multi-token prediction"),
+    "Mamba": ("M*-", r"'M' \(Mamba\): its recurrent state would have to be cached"),
+    "gated delta net": ("G*-", r"'G' \(gated delta net\): its recurrent state"),
+    "multi-token prediction": ("*-/*-", "multi-token prediction"),
 }
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_refused_layer_kinds_fail_before_any_compute(megatron_env, name):
     """`M`/`G` layers are Megatron's placeholders here (the Mamba kernels need CUDA): the refusal
-    reads the pattern. The MoE model is real: its dense step runs, its reuse step is refused."""
-    from megatron_patches.training import dense_step, reuse_step
+    reads the pattern."""
+    from megatron_patches.training import reuse_step
 
-    pattern, experts, message = REFUSED[name]
-    model = _build(pattern, num_moe_experts=experts)
+    pattern, message = REFUSED[name]
+    model = _build(pattern)
     batch = make_batch(9, SHAPES[:2])
-    if experts:
-        dense_step(model, batch, LOSS)
-        model.zero_grad(set_to_none=True)
     plan = plan_microbatches(batch, token_budget=12, max_seq_len=512)
     with pytest.raises(ValueError, match=message):
         reuse_step(model, batch, plan, LOSS)

@@ -16,7 +16,8 @@ from megatron_patches.model_configs import MODELS
 
 def _args(**overrides):
     args = add_prefix_reuse_args(argparse.ArgumentParser()).parse_args([])
-    defaults = dict(num_experts=None, grpo_entropy_term_weight=0.0, micro_batch_size=1,
+    defaults = dict(num_experts=None, tensor_model_parallel_size=1,
+                    grpo_entropy_term_weight=0.0, micro_batch_size=1,
                     calculate_per_token_loss=True, virtual_pipeline_model_parallel_size=None,
                     seq_length=64, train_iters=2, vocab_size=512, padded_vocab_size=512,
                     grpo_prompts_per_step=2, grpo_group_size=3, seed=5)
@@ -26,7 +27,7 @@ def _args(**overrides):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(num_experts=8), "MoE models"),
+    (dict(num_experts=8, tensor_model_parallel_size=2), "MoE.*tensor-model-parallel-size > 1"),
     (dict(grpo_entropy_term_weight=0.1), "use --rl-entropy-coef"),
     (dict(micro_batch_size=2), "--micro-batch-size 1"),
     (dict(calculate_per_token_loss=False), "--calculate-per-token-loss"),
@@ -69,6 +70,45 @@ def test_hf_checkpoint_must_match_the_arguments(tmp_path):
     padded = _megatron_args_for("qwen3-8b-tiny", padded_vocab_size=640, hf_checkpoint=str(tmp_path))
     with pytest.raises(ValueError, match="--make-vocab-size-divisible-by 1"):
         _check_hf_checkpoint(padded)
+
+
+def _moe_args(**overrides):
+    spec = MODELS["qwen3-30b-a3b-tiny"]
+    moe = dict(num_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+               moe_router_topk=spec.moe_router_topk, moe_router_score_function="softmax",
+               moe_router_pre_softmax=False, moe_shared_expert_intermediate_size=None,
+               moe_router_topk_scaling_factor=None, moe_router_num_groups=None, moe_layer_freq=1)
+    return _megatron_args_for("qwen3-30b-a3b-tiny", **{**moe, **overrides})
+
+
+def test_hf_moe_checkpoint_must_route_like_the_arguments(tmp_path):
+    """Qwen3-MoE: softmax over all experts, top-k, renormalised (norm_topk_prob) == Megatron's
+    softmax over the top-k logits; without norm_topk_prob == --moe-router-pre-softmax."""
+    from megatron_patches.megatron_lm.main import _check_hf_checkpoint
+
+    config = MODELS["qwen3-30b-a3b-tiny"].hf_config()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert _check_hf_checkpoint(_moe_args(hf_checkpoint=str(tmp_path)))["norm_topk_prob"]
+    for overrides, message in ((dict(moe_router_pre_softmax=True), "--moe-router-pre-softmax"),
+                               (dict(moe_router_topk=4), "--moe-router-topk 4"),
+                               (dict(moe_shared_expert_intermediate_size=32), "shared-expert"),
+                               (dict(moe_router_score_function="sigmoid"), "score-function"),
+                               (dict(moe_layer_freq=[1, 0, 1, 0]), "--moe-layer-freq")):
+        with pytest.raises(ValueError, match=message):
+            _check_hf_checkpoint(_moe_args(hf_checkpoint=str(tmp_path), **overrides))
+    (tmp_path / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    _check_hf_checkpoint(_moe_args(hf_checkpoint=str(tmp_path), moe_router_pre_softmax=True))
+    with pytest.raises(ValueError, match="--num-experts 8 but the checkpoint needs None"):
+        dense = MODELS["qwen3-8b-tiny"].hf_config()
+        (tmp_path / "config.json").write_text(json.dumps(dense))
+        _check_hf_checkpoint(_megatron_args_for("qwen3-8b-tiny", hf_checkpoint=str(tmp_path),
+                                                num_experts=8, moe_ffn_hidden_size=32,
+                                                moe_router_topk=2,
+                                                moe_router_score_function="softmax",
+                                                moe_router_pre_softmax=False,
+                                                moe_shared_expert_intermediate_size=None,
+                                                moe_router_topk_scaling_factor=None,
+                                                moe_router_num_groups=None, moe_layer_freq=1))
 
 
 def test_synthetic_steps_depend_only_on_seed_and_iteration():

@@ -45,6 +45,10 @@ def add_prefix_reuse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--rl-synthetic-max-response-len", type=int, default=None,
                        help="synthetic generator: longest response (default: the rest of "
                             "--seq-length)")
+    group.add_argument("--rl-synthetic-uniform-groups", action="store_true",
+                       help="synthetic generator: every group of a step has the same response "
+                            "lengths (expert parallelism needs the same plan on every "
+                            "expert-parallel rank)")
     group.add_argument("--hf-checkpoint", default=None, metavar="DIR",
                        help="start from this Hugging Face checkpoint (Llama 3 / Qwen3 "
                             "safetensors) when no --load checkpoint exists")
@@ -53,17 +57,18 @@ def add_prefix_reuse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                             "(needs --hf-checkpoint for the config and the dtype)")
     group.add_argument("--prefix-reuse-dump-params", default=None, metavar="DIR",
                        help="testing aid: after every step, each rank saves its parameters "
-                            "(safetensors) under DIR/iter_N/")
+                            "and the step's gradients (grad.*) (safetensors) under DIR/iter_N/")
     return parser
 
 
 def check_prefix_reuse_args(args) -> None:
     """Refuse what this trainer cannot honour, before any compute (ValueError says the fix)."""
-    if args.num_experts:
-        raise ValueError("MoE models (--num-experts) are not supported by prefix reuse yet: the "
-                         "router's auxiliary losses need logical prefix-token accounting (a "
-                         "prefix token counts once per trajectory that shares it); train a "
-                         "dense model until MoE support lands")
+    if args.num_experts and args.tensor_model_parallel_size > 1:
+        raise ValueError("MoE (--num-experts) with --tensor-model-parallel-size > 1: prefix "
+                         "reuse's router accounting is verified at TP=1 (Megatron requires "
+                         "sequence parallelism with MoE and TP > 1, whose rows the dense "
+                         "baseline's packing cannot pad); use expert parallelism "
+                         "(--expert-model-parallel-size) and pipeline parallelism instead")
     if args.grpo_entropy_term_weight:
         raise ValueError("--grpo-entropy-term-weight weighs Megatron's sampled-token entropy term; "
                          "this trainer's entropy bonus is the full-vocabulary entropy: use "

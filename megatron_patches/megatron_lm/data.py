@@ -51,6 +51,9 @@ class SyntheticSteps:
     """Responses have 1 .. max_response_len tokens (at least half of it when it is >= 2)."""
     seed: int = 0
     """Step i's batch depends only on (seed, i)."""
+    uniform_groups: bool = False
+    """Every group of a step has the same response lengths (tokens differ): the same plan on
+    every data-parallel rank, which expert parallelism needs (its token exchanges pair up)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "num_groups", "group_size", "prefix_len", "max_response_len"):
@@ -60,11 +63,15 @@ class SyntheticSteps:
     def step(self, iteration: int) -> GroupBatch:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + iteration)
         low = max(1, self.max_response_len // 2)
-        return GroupBatch(groups=[self._group(gen, low) for _ in range(self.num_groups)])
+        lengths = self._lengths(gen, low) if self.uniform_groups else None
+        return GroupBatch(groups=[self._group(gen, low, lengths) for _ in range(self.num_groups)])
 
-    def _group(self, gen: torch.Generator, low: int) -> Group:
+    def _lengths(self, gen: torch.Generator, low: int) -> torch.Tensor:
+        return torch.randint(low, self.max_response_len + 1, (self.group_size,), generator=gen)
+
+    def _group(self, gen: torch.Generator, low: int, lengths=None) -> Group:
         prompt = torch.randint(0, self.vocab_size, (self.prefix_len,), generator=gen)
-        lengths = torch.randint(low, self.max_response_len + 1, (self.group_size,), generator=gen)
+        lengths = self._lengths(gen, low) if lengths is None else lengths
         responses = [torch.randint(0, self.vocab_size, (int(n),), generator=gen) for n in lengths]
         rewards = torch.tensor([(r < self.vocab_size // 2).float().mean().item()
                                 for r in responses])
@@ -141,4 +148,5 @@ def open_step_source(args) -> StepSource:
                          "leave room for at least one response token)")
     return SyntheticSteps(vocab_size=args.vocab_size or args.padded_vocab_size,
                           num_groups=args.grpo_prompts_per_step, group_size=args.grpo_group_size,
-                          prefix_len=prefix_len, max_response_len=response, seed=args.seed)
+                          prefix_len=prefix_len, max_response_len=response, seed=args.seed,
+                          uniform_groups=args.rl_synthetic_uniform_groups)

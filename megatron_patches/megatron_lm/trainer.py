@@ -50,25 +50,68 @@ def _token_budget(args) -> int:
     return args.prefix_reuse_token_budget or args.seq_length
 
 
-def _data(args, local: GroupBatch, row_multiple: int, num_model_chunks: int):
-    """(data iterator, number of microbatches) of this rank's step."""
-    if not args.prefix_reuse:
-        from megatron_patches.training import dense_items
-
-        count = sum(len(g.trajectories) for g in local.groups)
-        if num_model_chunks > 1:  # Megatron's interleaved schedule: one iterator per chunk
-            return [dense_items(local, row_multiple) for _ in range(num_model_chunks)], count
-        return dense_items(local, row_multiple), count
-    plan = plan_microbatches(local, token_budget=_token_budget(args), max_seq_len=args.seq_length,
+def _plan(args, local: GroupBatch, row_multiple: int):
+    return plan_microbatches(local, token_budget=_token_budget(args), max_seq_len=args.seq_length,
                              prefix_chunk_tokens=args.prefix_chunk_tokens,
                              row_multiple=row_multiple)
+
+
+def _data(args, local: GroupBatch, row_multiple: int, num_model_chunks: int):
+    """(data iterator, number of microbatches, number of loss microbatches) of this rank's step."""
+    if not args.prefix_reuse:
+        from megatron_patches.training import dense_items, dense_packed_items
+
+        if args.num_experts:  # router statistics are per microbatch: the packing reuse equals
+            plan = _plan(args, local, row_multiple)
+            items, count = (lambda: dense_packed_items(local, plan)), len(plan.microbatches)
+        else:
+            items = lambda: dense_items(local, row_multiple)  # noqa: E731
+            count = sum(len(g.trajectories) for g in local.groups)
+        _check_expert_parallel_counts(count)
+        if num_model_chunks > 1:  # Megatron's interleaved schedule: one iterator per chunk
+            return [items() for _ in range(num_model_chunks)], count, count
+        return items(), count, count
+    plan = _plan(args, local, row_multiple)
     from megatron_patches.training import context_parallel_group
 
     step = ReuseStep(local, plan, num_stages=ps.get_pipeline_model_parallel_world_size(),
                      num_model_chunks=num_model_chunks,
                      offload_prefix_activations=args.prefix_reuse_offload_prefix_activations,
                      cp_group=context_parallel_group())
-    return step, step.num_microbatches
+    return step, step.num_microbatches, len(plan.microbatches)
+
+
+def _check_expert_parallel_counts(count: int) -> None:
+    """ValueError on every rank alike unless the expert-parallel ranks run as many microbatches
+    (each MoE layer exchanges tokens among them in every forward and backward; unequal counts
+    would hang). The reuse executor checks its own plans (moe.check_expert_parallel_schedule)."""
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return
+    group = ps.get_expert_model_parallel_group()
+    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+              else torch.device("cpu"))  # NCCL gathers device tensors
+    mine = torch.tensor([count], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(mine) for _ in range(group.size())]
+    torch.distributed.all_gather(counts, mine, group=group)
+    if len({int(c) for c in counts}) > 1:
+        raise ValueError(f"the expert-parallel ranks' dense steps have {[int(c) for c in counts]} "
+                         "microbatches: expert parallelism exchanges tokens in every MoE layer, "
+                         "so every expert-parallel rank needs the same number; give each rank "
+                         "groups of the same shapes (synthetic data: "
+                         "--rl-synthetic-uniform-groups)")
+
+
+def _rescale_moe_metrics(num_loss_microbatches: int) -> None:
+    """Megatron's training_log averages the MoE metrics (aux losses) over
+    `get_num_microbatches()` microbatches, a count fixed by --global-batch-size; an RL step runs
+    as many microbatches as its data needs: rescale so the log shows the mean over the step's
+    own microbatches (the same for dense and reuse: reuse records once per suffix microbatch)."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    scale = get_num_microbatches() / max(num_loss_microbatches, 1)
+    for entry in get_moe_metrics_tracker().metrics.values():
+        entry.values.mul_(scale)
 
 
 def _reduce_reports(reports: List[dict]) -> Dict[str, torch.Tensor]:
@@ -109,7 +152,7 @@ def _forward_backward(args, model, optimizer, local, row_multiple, forward_step_
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    data, num_microbatches = _data(args, local, row_multiple, len(model))
+    data, num_microbatches, num_loss_microbatches = _data(args, local, row_multiple, len(model))
     with megatron_patches.use_prefix_reuse_schedule(args.prefix_reuse):
         forward_backward = get_forward_backward_func()
     timers = get_timers()
@@ -118,16 +161,22 @@ def _forward_backward(args, model, optimizer, local, row_multiple, forward_step_
                                model=model, num_microbatches=num_microbatches, seq_length=0,
                                micro_batch_size=1, forward_only=False)
     timers("forward-backward").stop()
+    if args.num_experts:
+        _rescale_moe_metrics(num_loss_microbatches)
     return reports
 
 
-def _dump_params(args, model, iteration: int) -> None:
+def _dump_params(args, model, iteration: int, with_grads: bool = False) -> None:
     from safetensors.torch import save_file
 
     directory = os.path.join(args.prefix_reuse_dump_params, f"iter_{iteration}")
     os.makedirs(directory, exist_ok=True)
     tensors = {f"{i}.{name}": p.detach().float().contiguous().clone()
                for i, chunk in enumerate(model) for name, p in chunk.named_parameters()}
+    if with_grads:  # the step's reduced gradients (DDP's main_grad), as the optimizer used them
+        tensors.update({f"grad.{i}.{name}": p.main_grad.detach().float().contiguous().clone()
+                        for i, chunk in enumerate(model) for name, p in chunk.named_parameters()
+                        if getattr(p, "main_grad", None) is not None})
     save_file(tensors, os.path.join(directory, f"rank_{torch.distributed.get_rank()}.safetensors"))
 
 
@@ -181,7 +230,7 @@ def train(model, optimizer, scheduler, source: StepSource, checkpointing_context
         args.iteration = iteration
         args.consumed_train_samples += sum(len(g.trajectories) for g in batch.groups)
         if args.prefix_reuse_dump_params:
-            _dump_params(args, model, iteration)
+            _dump_params(args, model, iteration, with_grads=True)
         training_log(loss_dict, total_loss_dict, _learning_rate(optimizer), iteration,
                      optimizer.get_loss_scale().item(), False, skipped, grad_norm, None,
                      num_zeros, None)

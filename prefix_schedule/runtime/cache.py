@@ -176,8 +176,10 @@ class PrefixKVCache:
     def store_router_stats(self, group: int, layer: int, stats: RouterStats, *,
                            chunk: int = 0) -> None:
         """Keep the prefix router statistics of `group`'s chunk `chunk` at MoE layer `layer`
-        (after that layer's K/V: the attention hook stored them first)."""
-        self._live_layers(group, chunk)
+        (GPTModel: after that layer's K/V; a HybridModel `E` layer may come before the chunk's
+        first attention layer, whose K/V the same prefix forward stores next)."""
+        self._check_live(group, chunk)
+        self._entries.setdefault((group, chunk), {})
         layers = self._router.setdefault((group, chunk), {})
         if layer in layers:
             raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: router statistics "
