@@ -116,18 +116,28 @@ def _prefix_routing(router, flat, routing_map, context: PrefixForwardContext) ->
         return
     real = flat.shape[0] - context.padding
     if _counting(router):
-        map_aux, scores = compute_routing_scores_for_aux_loss(
-            flat[:real], router.topk, router.score_function, fused=router.config.moe_router_fusion)
-        stats = RouterStats(counts=map_aux.sum(0), probs_graph=scores.sum(0),
-                            lse2_graph=torch.logsumexp(flat[:real], dim=-1).square().sum(),
-                            num_tokens=real)
-        context.cache.store_router_stats(context.group, router.layer_number, stats,
-                                         chunk=context.chunk)
+        context.cache.store_router_stats(context.group, router.layer_number,
+                                         _prefix_stats(router, flat[:real]), chunk=context.chunk)
     if router.enable_expert_bias and torch.is_grad_enabled():
         with torch.no_grad():  # dense routes each prefix token `multiplicity` times
             router.local_tokens_per_expert += context.multiplicity * routing_map[:real].sum(0)
     if context.stop_in_router and context.stop_after_layer == router.layer_number:
         raise PrefixForwardDone()
+
+
+def _prefix_stats(router, logits) -> RouterStats:
+    """Phase A's sums over the real prefix tokens; only those a statistic reads carry a graph
+    (the others are zeros, so Phase C runs no backward through them)."""
+    num_experts = router.config.num_moe_experts
+    counts = probs = logits.new_zeros(num_experts)
+    if router.is_aux_loss_enabled():
+        map_aux, scores = compute_routing_scores_for_aux_loss(
+            logits, router.topk, router.score_function, fused=router.config.moe_router_fusion)
+        counts, probs = map_aux.sum(0), scores.sum(0)
+    lse2 = (torch.logsumexp(logits, dim=-1).square().sum()
+            if router.config.moe_z_loss_coeff is not None else logits.new_zeros(()))
+    return RouterStats(counts=counts, probs_graph=probs, lse2_graph=lse2,
+                       num_tokens=logits.shape[0])
 
 
 class _Row:
