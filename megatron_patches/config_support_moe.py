@@ -108,7 +108,8 @@ MOE_RULES: Dict[str, Rule] = _merge(
            "verified with prefix reuse", True),
     group("supported", "tests/test_moe_parallel.py (TP=2 x ETP=2; EP=2 x TP=2 x ETP=2; gloo): "
           "experts split over the expert-tensor-parallel ranks are a per-token function; the "
-          "executor checks that those ranks run the same plan",
+          "executor checks that those ranks run the same plan; moe.check_moe_supported refuses "
+          "expert TP other than TP",
           "expert_tensor_parallel_size"),
     refuse("expert_tensor_parallel_num_weight_shards", "expert GTP weight sharding",
            "expert GTP (weight shards beyond expert_tensor_parallel_size, whose ranks hold "

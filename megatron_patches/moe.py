@@ -305,6 +305,11 @@ def check_moe_supported(config) -> None:
         raise ValueError("MoE with tensor_model_parallel_size > 1 needs sequence_parallel=True "
                          "(as Megatron-LM requires): every TP rank then routes its own shard "
                          "of a row ([Note: MoE under sequence parallelism])")
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if etp != config.tensor_model_parallel_size:
+        raise ValueError(f"expert_tensor_parallel_size={etp} with tensor_model_parallel_size="
+                         f"{config.tensor_model_parallel_size}: prefix reuse is verified with "
+                         "expert TP equal to TP (Megatron's default); set them equal")
     if config.context_parallel_size > 1:
         raise ValueError("MoE in prefix-reuse steps is verified with CP=1 (router statistics "
                          "over context-parallel rows are not yet accounted); set "

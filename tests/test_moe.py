@@ -211,9 +211,12 @@ def test_expert_tensor_parallel_size_is_judged_only_with_moe(megatron_env):
     moe = dict(num_moe_experts=4, expert_tensor_parallel_size=2, tensor_model_parallel_size=1,
                sequence_parallel=False, context_parallel_size=1,
                moe_router_load_balancing_type="aux_loss", recompute_granularity=None)
-    check_moe_supported(types.SimpleNamespace(**moe))  # expert TP: tests/test_moe_parallel.py
+    with pytest.raises(ValueError, match="expert TP equal to TP"):
+        check_moe_supported(types.SimpleNamespace(**moe))
+    tp2 = dict(moe, tensor_model_parallel_size=2, sequence_parallel=True)
+    check_moe_supported(types.SimpleNamespace(**tp2))  # tests/test_moe_parallel.py
     with pytest.raises(ValueError, match="needs sequence_parallel=True"):
-        check_moe_supported(types.SimpleNamespace(**dict(moe, tensor_model_parallel_size=2)))
+        check_moe_supported(types.SimpleNamespace(**dict(tp2, sequence_parallel=False)))
 
 
 @pytest.mark.parametrize("overrides, message", [
