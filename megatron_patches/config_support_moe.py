@@ -111,10 +111,7 @@ MOE_RULES: Dict[str, Rule] = _merge(
           "executor checks that those ranks run the same plan; moe.check_moe_supported refuses "
           "expert TP other than TP",
           "expert_tensor_parallel_size"),
-    refuse("expert_tensor_parallel_num_weight_shards", "expert GTP weight sharding",
-           "expert GTP (weight shards beyond expert_tensor_parallel_size, whose ranks hold "
-           "distinct tokens) is not verified with prefix reuse; leave it None", 4,
-           allowed=lambda v: v is None),
-    group("irrelevant", "derived from expert_tensor_parallel_num_weight_shards (refused unless "
-          "None)", "expert_gtp_weight_remat_size"),
+    group("irrelevant", "read only with MoE; moe.check_moe_supported refuses expert GTP (weight "
+          "shards beyond expert_tensor_parallel_size; Megatron-LM sets it to ETP for dense models "
+          "too)", "expert_tensor_parallel_num_weight_shards expert_gtp_weight_remat_size"),
 )

@@ -310,6 +310,12 @@ def check_moe_supported(config) -> None:
         raise ValueError(f"expert_tensor_parallel_size={etp} with tensor_model_parallel_size="
                          f"{config.tensor_model_parallel_size}: prefix reuse is verified with "
                          "expert TP equal to TP (Megatron's default); set them equal")
+    if (getattr(config, "expert_gtp_weight_remat_size", 1) or 1) > 1:
+        raise ValueError(f"expert_tensor_parallel_num_weight_shards="
+                         f"{config.expert_tensor_parallel_num_weight_shards}: expert GTP (weight "
+                         "shards beyond expert_tensor_parallel_size, whose ranks hold distinct "
+                         "tokens) is not verified with prefix reuse; leave it None or equal to "
+                         "expert_tensor_parallel_size")
     if config.context_parallel_size > 1:
         raise ValueError("MoE in prefix-reuse steps is verified with CP=1 (router statistics "
                          "over context-parallel rows are not yet accounted); set "
