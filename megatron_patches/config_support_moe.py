@@ -106,9 +106,12 @@ MOE_RULES: Dict[str, Rule] = _merge(
            64, allowed=lambda v: v is None),
     refuse("moe_paged_stash", "paged stash", "the paged-stash kernels need CUDA and are not "
            "verified with prefix reuse", True),
-    group("irrelevant", "read only with MoE; moe.check_moe_supported refuses values other than 1 "
-          "there (Megatron sets it to the TP size for dense models too)",
+    group("supported", "tests/test_moe_parallel.py (TP=2 x ETP=2; EP=2 x TP=2 x ETP=2; gloo): "
+          "experts split over the expert-tensor-parallel ranks are a per-token function; the "
+          "executor checks that those ranks run the same plan; moe.check_moe_supported refuses "
+          "expert TP other than TP",
           "expert_tensor_parallel_size"),
-    group("irrelevant", "derived from expert_tensor_parallel_size (refused unless 1)",
-          "expert_tensor_parallel_num_weight_shards expert_gtp_weight_remat_size"),
+    group("irrelevant", "read only with MoE; moe.check_moe_supported refuses expert GTP (weight "
+          "shards beyond expert_tensor_parallel_size; Megatron-LM sets it to ETP for dense models "
+          "too)", "expert_tensor_parallel_num_weight_shards expert_gtp_weight_remat_size"),
 )

@@ -20,6 +20,10 @@ Without CUDA it replaces only things that would raise on this machine anyway:
   counter in every schedule, and the optimizer's flags / grad-norm buffers are created on the CPU.
 * `get_pos_emb_on_this_cp_rank` (RoPE table of a CP rank) sends a pinned host index to the GPU:
   a CPU version selects the same zigzag chunks.
+* Gathers and reduce-scatters of uneven first-dim splits (the alltoall MoE dispatcher over
+  expert-tensor-parallel ranks, EP x ETP > 1): gloo's all_gather takes equal sizes only and has
+  no list reduce_scatter, so `tensor_parallel.mappings` pads to the largest split and gathers,
+  or all-reduces and keeps the own split (the same sums).
 * The distributed optimizer sorts parameters by `param.type() == 'torch.cuda.FloatTensor'`
   (distrib_optimizer.py:401-481, 758): while it is built, CPU tensors report CUDA type names.
 See ../shared/notes/megatron-on-cpu.md for where each was measured.
@@ -204,6 +208,33 @@ def _cpu_pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
     return chunks.view(*shape[:seq_dim], -1, *shape[seq_dim + 1:])
 
 
+def _uneven_splits_on_gloo(stock, uneven):
+    """Megatron's first-dim gather / reduce-scatter, with `uneven` for given split sizes."""
+
+    @functools.wraps(stock)
+    def call(input_, group, split_sizes=None, use_global_buffer=False):
+        if split_sizes is None or group.size() == 1:
+            return stock(input_, group, split_sizes, use_global_buffer)
+        return uneven(input_, group, [int(n) for n in split_sizes])
+
+    return call
+
+
+def _gather_uneven(input_, group, sizes):
+    padded = input_.new_zeros((max(sizes),) + tuple(input_.shape[1:]))
+    padded[:input_.shape[0]] = input_
+    parts = [torch.empty_like(padded) for _ in sizes]
+    torch.distributed.all_gather(parts, padded.contiguous(), group=group)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
+def _reduce_scatter_uneven(input_, group, sizes):
+    total = input_.contiguous().clone()
+    torch.distributed.all_reduce(total, group=group)
+    start = sum(sizes[:group.rank()])
+    return total[start:start + sizes[group.rank()]].clone()
+
+
 def _patch_megatron_modules() -> None:
     from megatron.core.fusions import fused_softmax
     from megatron.core.pipeline_parallel import schedules
@@ -235,6 +266,13 @@ def _patch_megatron_modules() -> None:
     # The alltoall MoE dispatcher moves its split sizes to the host as numpy arrays; on a CPU
     # tensor the stock helper returns the tensor itself, which all_to_all_single refuses.
     token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
+
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._gather_along_first_dim = _uneven_splits_on_gloo(
+        mappings._gather_along_first_dim, _gather_uneven)
+    mappings._reduce_scatter_along_first_dim = _uneven_splits_on_gloo(
+        mappings._reduce_scatter_along_first_dim, _reduce_scatter_uneven)
 
     mp_random._get_cuda_rng_state = _get_rng_state
     mp_random._set_cuda_rng_state = lambda state, *_args, **_kwargs: torch.set_rng_state(state)

@@ -243,13 +243,20 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig,
+def _sequence_parallel_block_spec(spec, config: TransformerConfig,
                                   vp_stage: Optional[int] = None) -> TransformerBlockSubmodules:
-    layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
-    layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    if config.qk_layernorm:  # per-head norms: their TP grad sum is finalize_model_grads' job
-        attention = layer_spec.submodules.self_attention.submodules
-        attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
+    """A layer spec (or an MoE model's block spec, its layers in place) with sequence-parallel
+    norms."""
+    for layer_spec in getattr(spec, "layer_specs", [spec]):
+        layer_spec.submodules.input_layernorm = SequenceParallelTorchNorm
+        layer_spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+        if config.qk_layernorm:  # per-head norms: their TP grad sum is finalize_model_grads' job
+            attention = layer_spec.submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = SequenceParallelTorchNorm
+    if hasattr(spec, "layer_specs"):
+        spec.layer_norm = SequenceParallelTorchNorm
+        return spec
+    layer_spec = spec
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers,
                                       layer_norm=SequenceParallelTorchNorm)
@@ -257,9 +264,6 @@ def _sequence_parallel_block_spec(layer_spec, config: TransformerConfig,
 
 def _check_buildable(config: TransformerConfig, fused_attention: bool) -> None:
     """Options this builder's layer spec would not honour: refused, never dropped."""
-    if config.num_moe_experts and config.sequence_parallel:
-        raise ValueError("build_model builds MoE models with Megatron's local decoder block "
-                         "spec: sequence_parallel is not supported with num_moe_experts")
     if config.multi_latent_attention:
         raise ValueError("build_model builds GQA self-attention; multi_latent_attention is not "
                          "supported by these builders")

@@ -16,6 +16,19 @@ choice, scores and expert-bias routing are Megatron's own) and then:
   z-loss with every prefix token of the row's trajectories counted with its multiplicity, and
   attaches them with Megatron's own `attach_and_log_load_balancing_loss` (loss scale, per-token
   scaling, logging): the prefix's share of the gradient lands in the cache (Phase C applies it).
+
+[Note: MoE under sequence parallelism]
+With TP > 1 Megatron-LM requires sequence parallelism for MoE: each TP rank routes its
+contiguous shard of every row (a reuse row's padding sits at its end, so a rank's real tokens
+are a prefix of its shard), all-reduces the expert counts over the TP group and keeps the score
+sums and lse^2 local (the gradients of the shards add up). So in Phase A each rank records its
+shard's prefix sums (and the whole prefix's token count), and in Phase B each rank adds n_g x its
+own shard's prefix sums to its shard's sums. Megatron scales a rank's per-token aux terms and
+divides its z-loss by that rank's own valid tokens: dense equals "T / TP per rank" only when
+every TP rank holds as many valid tokens, i.e. dense microbatches of equal-length rows (no
+padding); a reuse rank uses T_logical / TP, which equals that dense run. Expert tensor
+parallelism (experts split over the ETP ranks) is a per-token function; its ranks must run the
+same plan (`check_expert_parallel_schedule`).
 """
 
 from __future__ import annotations
@@ -111,43 +124,69 @@ def _counting(router) -> bool:
         router.is_aux_loss_enabled() or router.config.moe_z_loss_coeff is not None)
 
 
+def _local_real(router, flat, num_real: int) -> int:
+    """How many of this rank's rows are real when the first `num_real` rows of the whole row
+    are: under sequence parallelism (TP > 1) each tensor-parallel rank routes its contiguous
+    shard of the row, and padding sits at the row's end ([Note: MoE under sequence
+    parallelism])."""
+    size = flat.shape[0]
+    start = router.tp_cp_group.rank() * size
+    return max(0, min(size, num_real - start))
+
+
 def _prefix_routing(router, flat, routing_map, context: PrefixForwardContext) -> None:
     if context.recomputing:  # Phase C recompute: everything was counted in Phase A
         return
-    real = flat.shape[0] - context.padding
+    real = flat.shape[0] * router.tp_cp_group.size() - context.padding  # the whole prefix unit
+    local = _local_real(router, flat, real)
     if _counting(router):
-        map_aux, scores = compute_routing_scores_for_aux_loss(
-            flat[:real], router.topk, router.score_function, fused=router.config.moe_router_fusion)
-        stats = RouterStats(counts=map_aux.sum(0), probs_graph=scores.sum(0),
-                            lse2_graph=torch.logsumexp(flat[:real], dim=-1).square().sum(),
-                            num_tokens=real)
-        context.cache.store_router_stats(context.group, router.layer_number, stats,
+        context.cache.store_router_stats(context.group, router.layer_number,
+                                         _prefix_stats(router, flat[:local], real),
                                          chunk=context.chunk)
     if router.enable_expert_bias and torch.is_grad_enabled():
         with torch.no_grad():  # dense routes each prefix token `multiplicity` times
-            router.local_tokens_per_expert += context.multiplicity * routing_map[:real].sum(0)
+            router.local_tokens_per_expert += context.multiplicity * routing_map[:local].sum(0)
     if context.stop_in_router and context.stop_after_layer == router.layer_number:
         raise PrefixForwardDone()
 
 
+def _prefix_stats(router, logits, num_tokens: int) -> RouterStats:
+    """Phase A's sums over this rank's real prefix tokens (`num_tokens`: the whole prefix's);
+    only those a statistic reads carry a graph (the others are zeros, so Phase C runs no
+    backward through them)."""
+    num_experts = router.config.num_moe_experts
+    counts = probs = logits.new_zeros(num_experts)
+    if router.is_aux_loss_enabled():
+        map_aux, scores = compute_routing_scores_for_aux_loss(
+            logits, router.topk, router.score_function, fused=router.config.moe_router_fusion)
+        counts, probs = map_aux.sum(0), scores.sum(0)
+    lse2 = (torch.logsumexp(logits, dim=-1).square().sum()
+            if router.config.moe_z_loss_coeff is not None else logits.new_zeros(()))
+    return RouterStats(counts=counts, probs_graph=probs, lse2_graph=lse2, num_tokens=num_tokens)
+
+
 class _Row:
-    """A suffix row's sequences with their prefixes' statistics at one layer."""
+    """A suffix row's sequences with their prefixes' statistics at one layer: `lengths` are
+    this rank's tokens of each sequence, `num_tokens` the logical tokens of the whole row and
+    `local_tokens` a tensor-parallel rank's equal share of them ([Note: MoE under sequence
+    parallelism])."""
 
     def __init__(self, router, flat, context):
         cu = context.meta.cu_seqlens
-        lengths = [b - a for a, b in zip(cu, cu[1:])]
         groups = list(context.sequence_groups)
         if context.num_padding:  # the row's padding sequence counts nowhere
-            assert groups[-1] is None and lengths[-1] == context.num_padding
-            lengths, groups = lengths[:-1], groups[:-1]
-        self.lengths, self.groups = lengths, groups
-        self.valid = sum(lengths)
-        self.logits = flat[:self.valid]
+            assert groups[-1] is None and cu[-1] - cu[-2] == context.num_padding
+            cu, groups = cu[:-1], groups[:-1]
+        start = router.tp_cp_group.rank() * flat.shape[0]
+        local = [min(max(c - start, 0), flat.shape[0]) for c in cu]
+        self.lengths, self.groups = [b - a for a, b in zip(local, local[1:])], groups
+        self.logits = flat[:local[-1]]
         self.prefix = {g: context.cache.read_router_stats(g, router.layer_number)
                        for g in dict.fromkeys(g for g in groups if g is not None)}
         self.multiplicity: Dict[int, int] = collections.Counter(g for g in groups if g is not None)
-        self.num_tokens = self.valid + sum(n * self.prefix[g].num_tokens
-                                           for g, n in self.multiplicity.items())
+        self.num_tokens = cu[-1] - cu[0] + sum(n * self.prefix[g].num_tokens
+                                               for g, n in self.multiplicity.items())
+        self.local_tokens = self.num_tokens / router.tp_cp_group.size()
 
     def prefix_sum(self, field: str):
         return sum(n * getattr(self.prefix[g], field) for g, n in self.multiplicity.items())
@@ -167,24 +206,24 @@ def _suffix_routing(router, flat, probs, routing_map, context):
             probs = _global_aux_loss(router, probs, row, map_aux, scores)
     if router.enable_expert_bias and torch.is_grad_enabled():
         with torch.no_grad():
-            valid = context.meta.total_len - context.num_padding
+            valid = _local_real(router, flat, context.meta.total_len - context.num_padding)
             router.local_tokens_per_expert += routing_map[:valid].sum(0)
     return probs
 
 
-def _per_token(router, loss, num_tokens):
+def _per_token(router, loss, local_tokens):
     """Megatron's scaling of an aux term under calculate_per_token_loss (router.py)."""
     if router.calculate_per_token_loss:
-        return loss * num_tokens * router.tp_cp_group.size()
+        return loss * local_tokens * router.tp_cp_group.size()
     return loss
 
 
 def _z_loss(router, probs, row: _Row):
     coeff = router.config.moe_z_loss_coeff / router.tp_cp_group.size()
     lse2 = torch.logsumexp(row.logits, dim=-1).square().sum() + row.prefix_sum("lse2")
-    z_loss = lse2 / row.num_tokens * coeff
+    z_loss = lse2 / row.local_tokens * coeff
     # stock attaches to the logits; the probabilities carry it back to them alike
-    probs = MoEAuxLossAutoScaler.apply(probs, _per_token(router, z_loss, row.num_tokens))
+    probs = MoEAuxLossAutoScaler.apply(probs, _per_token(router, z_loss, row.local_tokens))
     get_moe_metrics_tracker().record("z_loss", z_loss / coeff, router.layer_number,
                                      router.config.num_layers, avg_group=router.tp_dp_cp_group)
     return probs
@@ -202,7 +241,7 @@ def _aux_loss(router, probs, row: _Row, map_aux, scores):
         topk=router.topk, num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff)
     return router.attach_and_log_load_balancing_loss(
         probs, coeff, aux, "load_balancing_loss", router.tp_cp_group,
-        valid_token_count=row.num_tokens)
+        valid_token_count=row.local_tokens)
 
 
 def _seq_aux_loss(router, probs, row: _Row, map_aux, scores):
@@ -228,7 +267,7 @@ def _seq_aux_loss(router, probs, row: _Row, map_aux, scores):
         num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff) / bsz
     return router.attach_and_log_load_balancing_loss(
         probs, coeff, aux, "seq_load_balancing_loss", router.tp_cp_group,
-        valid_token_count=row.num_tokens)
+        valid_token_count=row.local_tokens)
 
 
 def _global_aux_loss(router, probs, row: _Row, map_aux, scores):
@@ -246,7 +285,7 @@ def _global_aux_loss(router, probs, row: _Row, map_aux, scores):
         num_experts=router.config.num_moe_experts, moe_aux_loss_coeff=coeff)
     return router.attach_and_log_load_balancing_loss(
         probs, coeff, aux, "global_load_balancing_loss", router.tp_dp_cp_group,
-        needs_dp_avg=False, valid_token_count=row.num_tokens)
+        needs_dp_avg=False, valid_token_count=row.local_tokens)
 
 
 def check_moe_supported(config) -> None:
@@ -262,14 +301,25 @@ def check_moe_supported(config) -> None:
         raise ValueError("global_aux_loss all-reduces expert counts over the data-parallel ranks "
                          "once per microbatch, but reuse plans give data-parallel ranks different "
                          "numbers of microbatches; use aux_loss or seq_aux_loss with DP > 1")
-    if (config.expert_tensor_parallel_size or 1) > 1:
-        raise ValueError(f"expert_tensor_parallel_size={config.expert_tensor_parallel_size}: "
-                         "expert tensor parallelism is not verified with prefix reuse; set "
-                         "expert_tensor_parallel_size=1")
-    if config.tensor_model_parallel_size > 1 or config.context_parallel_size > 1:
-        raise ValueError("MoE in prefix-reuse steps is verified with TP=1 and CP=1 (router "
-                         "statistics over a sequence-parallel row are not yet accounted); set "
-                         "tensor_model_parallel_size=1")
+    if config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
+        raise ValueError("MoE with tensor_model_parallel_size > 1 needs sequence_parallel=True "
+                         "(as Megatron-LM requires): every TP rank then routes its own shard "
+                         "of a row ([Note: MoE under sequence parallelism])")
+    etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+    if etp != config.tensor_model_parallel_size:
+        raise ValueError(f"expert_tensor_parallel_size={etp} with tensor_model_parallel_size="
+                         f"{config.tensor_model_parallel_size}: prefix reuse is verified with "
+                         "expert TP equal to TP (Megatron's default); set them equal")
+    if (getattr(config, "expert_gtp_weight_remat_size", 1) or 1) > 1:
+        raise ValueError(f"expert_tensor_parallel_num_weight_shards="
+                         f"{config.expert_tensor_parallel_num_weight_shards}: expert GTP (weight "
+                         "shards beyond expert_tensor_parallel_size, whose ranks hold distinct "
+                         "tokens) is not verified with prefix reuse; leave it None or equal to "
+                         "expert_tensor_parallel_size")
+    if config.context_parallel_size > 1:
+        raise ValueError("MoE in prefix-reuse steps is verified with CP=1 (router statistics "
+                         "over context-parallel rows are not yet accounted); set "
+                         "context_parallel_size=1")
     modules = set(config.recompute_modules or ()) if config.recompute_granularity else set()
     if config.recompute_granularity == "selective" and modules - {"core_attn"}:
         raise ValueError(f"recompute_modules={sorted(modules)} with MoE: recomputing the MLP "
@@ -287,7 +337,8 @@ def check_expert_parallel_schedule(step, device) -> None:
 
     from prefix_schedule.pipeline import ActionKind
 
-    group = parallel_state.get_expert_model_parallel_group()
+    # expert-parallel and expert-tensor-parallel ranks (with TP=1, ETP > 1 spans DP ranks)
+    group = parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False)
     if group is None or group.size() == 1:
         return
     compute = (ActionKind.PREFIX_FORWARD, ActionKind.SUFFIX_FORWARD, ActionKind.SUFFIX_BACKWARD,

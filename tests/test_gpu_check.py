@@ -16,7 +16,7 @@ from prefix_schedule.attention.backends import _reset, get_backend
 ROOT = Path(__file__).resolve().parents[1]
 CPU, F64 = torch.device("cpu"), torch.float64
 TOP = {"schema", "mode", "device", "capability", "libraries", "sizes", "availability", "correctness",
-       "cp_correctness", "timing", "e2e", "env", "claims", "failures", "elapsed_s"}
+       "cp_correctness", "timing", "e2e", "moe_e2e", "env", "claims", "failures", "elapsed_s"}
 E2E = {"claim", "ok", "settings", "model", "workload", "grad_rel_err_vs_fp32",
        "grad_rel_diff_reuse_vs_dense", "losses", "phases"}
 PHASES = ["reference_fp32_dense", "dense_bf16", "reuse_bf16", "reuse_bf16_offload_prefix_activations"]
@@ -51,6 +51,10 @@ def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
     assert {(t["backend"], t["mode"]) for t in report["timing"]} == {
         (b, m) for b in ("torch", "math") for m in ("two_part", "copy")}
     assert all(t["ms"] > 0 and t["peak_extra_mib"] is None for t in report["timing"])  # CPU: no allocator
+    moe = report["moe_e2e"]  # grouped experts on a GPU; SequentialMLP stands in here
+    assert moe["ok"] and moe["settings"]["expert_mlp"] == ["SequentialMLP"], moe
+    assert moe["grad_rel_err_vs_fp32"]["reuse_bf16"] <= 1.5 * moe["grad_rel_err_vs_fp32"]["dense_bf16"]
+    assert moe["aux_loss"]["dense_bf16"] > 0
     e2e = report["e2e"]
     assert set(e2e) == E2E and e2e["ok"] and [p["phase"] for p in e2e["phases"]] == PHASES
     model_peaks = {p["phase"]: p.get("model_peak_mib") for p in e2e["phases"]}
@@ -62,7 +66,7 @@ def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
     assert {(r["backend"], r["cp"], r["layout"]) for r in cp_rows} == {
         (b, 2, lay) for b in ("torch", "math") for lay in ("3groups", "empty_slot")}
     assert all(r["ok"] and r["dprefix_k"] <= r["tol"] for r in cp_rows)
-    assert [c["status"] for c in report["claims"]] == ["proved"] * 5
+    assert [c["status"] for c in report["claims"]] == ["proved"] * 6
     assert "[proved]" in proc.stdout and "0 failure(s)" in proc.stdout
 
 

@@ -196,7 +196,8 @@ def test_prefix_chunks(megatron_env):
 
 
 def test_expert_tensor_parallel_size_is_judged_only_with_moe(megatron_env):
-    """Megatron sets expert_tensor_parallel_size to the TP size for dense models too."""
+    """Megatron sets expert_tensor_parallel_size to the TP size for dense models too; with MoE,
+    expert TP is supported and TP > 1 needs sequence parallelism."""
     import types
 
     from megatron_patches.config_support import check_config_supported
@@ -207,10 +208,15 @@ def test_expert_tensor_parallel_size_is_judged_only_with_moe(megatron_env):
     dense.expert_tensor_parallel_size = 2
     check_config_supported(dense)
     check_moe_supported(dense)
-    moe = types.SimpleNamespace(num_moe_experts=4, expert_tensor_parallel_size=2,
-                                moe_router_load_balancing_type="aux_loss")
-    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2"):
-        check_moe_supported(moe)
+    moe = dict(num_moe_experts=4, expert_tensor_parallel_size=2, tensor_model_parallel_size=1,
+               sequence_parallel=False, context_parallel_size=1,
+               moe_router_load_balancing_type="aux_loss", recompute_granularity=None)
+    with pytest.raises(ValueError, match="expert TP equal to TP"):
+        check_moe_supported(types.SimpleNamespace(**moe))
+    tp2 = dict(moe, tensor_model_parallel_size=2, sequence_parallel=True)
+    check_moe_supported(types.SimpleNamespace(**tp2))  # tests/test_moe_parallel.py
+    with pytest.raises(ValueError, match="needs sequence_parallel=True"):
+        check_moe_supported(types.SimpleNamespace(**dict(tp2, sequence_parallel=False)))
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -1,4 +1,5 @@
-"""MoE with expert parallelism on gloo: EP=2 (2 processes) and EP=2 x PP=2 (4 processes).
+"""MoE with expert parallelism on gloo: EP=2 (2 processes), EP=2 x PP=2 and EP=2 x TP=2 (4
+processes), TP=2 with expert TP=2 (2 processes).
 
 Each rank holds its own groups (same shapes, different tokens: the expert-parallel ranks' plans
 run the same action sequence, which the executor checks), the alltoall dispatcher exchanges
@@ -24,6 +25,10 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
            moe_aux_loss_coeff=[0.1, 0.05], moe_z_loss_coeff=0.01,
            moe_shared_expert_intermediate_size=48)
 STEPS = ((5, [(26, [5, 8, 3]), (14, [6, 6])]), (6, [(17, [4, 5, 3]), (23, [3, 5, 2])]))
+# TP > 1: dense rows of one length, a multiple of TP (no padding: Megatron normalises the
+# per-token aux terms by each TP rank's own valid tokens, [Note: MoE under sequence
+# parallelism]); groups still span and share microbatches
+TP_STEPS = ((5, [(21, [6, 6, 6]), (21, [6, 6])]), (6, [(16, [5, 5, 5]), (16, [5, 5])]))
 
 
 def _rel(a, b) -> float:
@@ -50,7 +55,7 @@ def _qwen3_moe_tiny():
     return cfg, moe
 
 
-def ep_rank(ep: int, pp: int, qwen: bool = False) -> dict:
+def ep_rank(ep: int, pp: int, qwen: bool = False, tp: int = 1) -> dict:
     import megatron_patches
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_logging import (destroy_moe_metrics_tracker,
@@ -61,22 +66,27 @@ def ep_rank(ep: int, pp: int, qwen: bool = False) -> dict:
     from prefix_schedule.planning.planner import plan_microbatches
 
     megatron_patches.install()
-    initialize_distributed(seed=1234, pp=pp, ep=ep)
+    initialize_distributed(seed=1234, pp=pp, ep=ep, tp=tp)
     cfg, moe = _qwen3_moe_tiny() if qwen else (TinyLlamaConfig(**MODEL), MOE)
+    if tp > 1:  # Megatron-LM's rule for MoE with TP; experts TP-split too (ETP = TP)
+        moe = dict(moe, sequence_parallel=True)
     models = [prepare_for_training(build_model(cfg, **moe), ddp=True) for _ in range(2)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-    ep_rank_ = parallel_state.get_expert_model_parallel_rank()
+    data_rank = parallel_state.get_data_parallel_rank()  # TP ranks share their data
 
     def metrics():
-        values = {k: e.values.clone() for k, e in get_moe_metrics_tracker().metrics.items()}
+        tracker = get_moe_metrics_tracker()
+        if tp > 1:  # each TP rank logs its shard's terms: compare what Megatron reports,
+            tracker._sync_metrics(list(tracker.metrics))  # reduced over TP (and PP, DP)
+        values = {k: e.values.clone() for k, e in tracker.metrics.items()}
         destroy_moe_metrics_tracker()
         return values
 
     out = {"steps": [], "experts": sum(1 for n, _ in models[0].named_parameters()
                                        if "local_experts" in n)}
-    for seed, shapes in STEPS:
-        batch = make_batch(seed + 100 * ep_rank_, shapes)  # each EP rank its own data
-        plan = plan_microbatches(batch, token_budget=9, max_seq_len=512)
+    for seed, shapes in TP_STEPS if tp > 1 else STEPS:
+        batch = make_batch(seed + 100 * data_rank, shapes)  # each EP (DP) rank its own data
+        plan = plan_microbatches(batch, token_budget=9, max_seq_len=512, row_multiple=tp)
         for model in models:
             zero_grads(model)
         dense = dense_step(models[0], batch, LOSS, packing=plan)
@@ -123,6 +133,21 @@ def test_qwen3_30b_a3b_tiny_twin_expert_parallel_2(megatron_env):
 
 def test_expert_parallel_2_x_pipeline_2(megatron_env):
     results = run_distributed(ep_rank, world_size=4, kwargs=dict(ep=2, pp=2), timeout_s=600)
+    _check(results)
+
+
+def test_tensor_parallel_2_with_expert_tensor_parallel_2(megatron_env):
+    """TP=2 with sequence parallelism: each TP rank routes its shard of every row (prefix and
+    suffix rows alike); experts split over the same 2 ranks (ETP=2)."""
+    results = run_distributed(ep_rank, world_size=2, kwargs=dict(ep=1, pp=1, tp=2),
+                              timeout_s=300)
+    _check(results)
+    assert all("z_loss" in out["steps"][0]["metric_names"] for out in results)
+
+
+def test_expert_parallel_2_x_tensor_parallel_2(megatron_env):
+    results = run_distributed(ep_rank, world_size=4, kwargs=dict(ep=2, pp=1, tp=2),
+                              timeout_s=600)
     _check(results)
 
 

@@ -10,6 +10,8 @@ Phase A records, from the real (unpadded) prefix tokens:
 - `probs` [E]: the sum of the aux-loss scores, carrying the prefix graph;
 - `lse2` []: the sum of logsumexp(logits)^2 (z-loss), carrying the prefix graph;
 - `num_tokens`.
+A sum no statistic reads (scores without aux losses, lse2 without z-loss) is a constant zero
+with no graph: Phase C then runs no backward for it.
 A suffix microbatch holding n_g trajectories of group g adds n_g x these to its own sums
 (probabilities through `read`, whose backward accumulates the prefix's share of the aux-loss and
 z-loss gradient in fp32, as gK/gV do); Phase C runs backward once from `probs` / `lse2` with the
@@ -70,6 +72,7 @@ class _AccumulateStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, probs, lse2, entry):
         ctx.entry = entry
+        ctx.set_materialize_grads(False)  # an unused sum (no z-loss, say) gets no zero buffer
         return probs.view_as(probs), lse2.view_as(lse2)
 
     @staticmethod

@@ -163,7 +163,13 @@ class BenchConfig:
             raise ValueError(f"--ep={self.ep} must divide --dp={self.dp} (expert-parallel ranks "
                              f"are data-parallel ranks) and --num-experts={self.num_experts}")
         if self.tp > 1:
-            raise ValueError("MoE reuse steps run with --tp 1 (see docs/DESIGN.md \"MoE\")")
+            raise ValueError("the bench runs MoE with --tp 1 (MoE with TP needs sequence "
+                             "parallelism: tests/test_moe_parallel.py, docs/DESIGN.md \"MoE\")")
+        if self.ep > 1 and len(set(self.rows_per_rank())) > 1:
+            raise ValueError(f"--ep={self.ep}: the one-row-per-microbatch dense path exchanges "
+                             "tokens in every microbatch, so every data-parallel rank needs as "
+                             f"many trajectories; they get {self.rows_per_rank()}: change "
+                             "--num-groups / --group-size")
         if self.tree is not None:
             raise ValueError("--tree with --num-experts: MoE router statistics over prefix trees "
                              "(a node's tokens counted once per trajectory below it) are not "

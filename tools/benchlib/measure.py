@@ -6,8 +6,12 @@ reuse, dense, ...) after the same number of untimed warm-up steps per path:
 - dense: stock Megatron dense schedule, one [prefix; suffix] row per microbatch, fused-SDPA core
   attention (the kernel family the reuse path uses);
 - dense_batched: the same with `micro_batch_size` rows per microbatch (up to the reuse path's
-  token budget, or --dense-micro-batch-size); not timed at 1 row (it would be `dense`);
-- stock_dense: Megatron's local spec as shipped (unfused attention; --skip-stock drops it);
+  token budget, or --dense-micro-batch-size); not timed at 1 row (it would be `dense`). With MoE
+  it is the dense packing the reuse plan equals (microbatch b = the full rows of reuse
+  microbatch b's trajectories: the aux-loss reference, docs/DESIGN.md "MoE"), always timed;
+  `dense` stays one row per microbatch (the same FLOPs; its aux loss is another packing's);
+- stock_dense: Megatron's local spec as shipped (unfused attention; --skip-stock drops it;
+  with MoE in the plan's packing: the gradient reference);
 - reuse: the prefix-reuse schedule (its hooks replace the local spec's core attention).
 Each step is timed with benchlib.timing.RegionTimer (CUDA events and synchronisation on a GPU);
 with several ranks a step's time is the slowest rank's. The gradient check runs after timing.
@@ -114,15 +118,17 @@ def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
     """(wall seconds, process CPU seconds) per timed step and path; with several ranks a step's
     time is the slowest rank's."""
     rows = config.dense_rows_per_microbatch
-    dense = _dense_run(config, plan)
+    reference = _dense_run(config, plan)
+    batched = (reference if config.num_experts else
+               lambda model, batch: dense_step(model, batch, LOSS, micro_batch_size=rows))
     runs = {
-        "dense": (fused, lambda: dense(fused, batch)),
-        "dense_batched": (fused, lambda: dense_step(fused, batch, LOSS, micro_batch_size=rows)),
-        "stock_dense": (local, lambda: dense(local, batch)),
+        "dense": (fused, lambda: dense_step(fused, batch, LOSS)),
+        "dense_batched": (fused, lambda: batched(fused, batch)),
+        "stock_dense": (local, lambda: reference(local, batch)),
         "reuse": (local, lambda: reuse_step(local, batch, plan, LOSS,
                                             offload_prefix_activations=config.offload_prefix_activations)),
     }
-    if rows == 1 or config.num_experts:  # MoE: dense microbatches are the plan's already
+    if rows == 1 and not config.num_experts:
         del runs["dense_batched"]
     if config.skip_stock:
         del runs["stock_dense"]
@@ -141,6 +147,7 @@ def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
                 cpu[name].append(cpu_seconds)
     zero(local)
     zero(fused)
+    _aux_loss(1)  # the timed steps' logged aux losses (the one-row dense's too) are dropped
     return times, cpu
 
 
@@ -157,7 +164,6 @@ def _check_step(config: BenchConfig, local, batch: GroupBatch, plan: StepPlan) -
         return result, result_grads
 
     dense_run = _dense_run(config, plan)
-    _aux_loss(1)  # drop what the timed steps logged
     dense, reference = grads_of(lambda: dense_run(local, batch))
     aux_dense = _aux_loss(len(plan.microbatches))
     reuse, reuse_grads = grads_of(lambda: reuse_step(
@@ -251,4 +257,5 @@ def measure(config: BenchConfig, distributed: bool = False) -> dict:
     timer = RegionTimer(param.device)
     return {"times": times, "cpu_times": cpu_times, "attention_backend": backend, **check, "memory": memory,
             "layout": _megatron_layout(), "timing_basis": timer.basis,
-            "reuse_microbatch_tokens": [m.num_tokens for m in plan.microbatches]}
+            "reuse_microbatch_tokens": [m.num_tokens for m in plan.microbatches],
+            "plan_dense_rows": [len(m.segments) for m in plan.microbatches]}

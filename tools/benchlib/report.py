@@ -42,7 +42,9 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
     median = {name: statistics.median(values) for name, values in times.items()}
     speedup = median["dense"] / median["reuse"]
     reuse_tokens = measured.pop("reuse_microbatch_tokens")
+    plan_rows = measured.pop("plan_dense_rows", None)  # benchlib/cp.py (no MoE) has none
     batched_diff = measured.pop("dense_batched_grad_rel_diff", None)
+    rows = max(plan_rows) if config.num_experts else config.dense_rows_per_microbatch
     result = {
         "dense_seconds": median["dense"],
         "stock_dense_seconds": median.get("stock_dense"),
@@ -53,8 +55,11 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
         "efficiency": speedup / ideal,
         "dense_batched": None if "dense_batched" not in median else {
             "seconds": median["dense_batched"],
-            "micro_batch_size": config.dense_rows_per_microbatch,
-            "tokens_per_microbatch": config.dense_rows_per_microbatch * config.row_len,
+            "micro_batch_size": rows,
+            "tokens_per_microbatch": rows * config.row_len,
+            "packing": ("the reuse plan's (microbatch b = reuse microbatch b's trajectories, "
+                        "full rows; max rows shown): the MoE aux-loss reference"
+                        if config.num_experts else "equal rows up to the token budget"),
             "speedup": median["dense_batched"] / median["reuse"],
             "efficiency": median["dense_batched"] / median["reuse"] / ideal,
             "max_grad_rel_diff_vs_stock_dense": batched_diff},
@@ -134,12 +139,14 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         f"{'fwd+bwd seconds' + (' (slowest rank)' if world > 1 else ''):<34}"
         f"{'median':>12}{'min':>10}{'max':>10}{'cpu s':>10}",
         row("dense (fused SDPA, 1 row/mb)", "dense", result["dense_seconds"]),
-        row(f"dense batched ({batched['micro_batch_size']} rows/mb)" if batched else "dense batched",
+        row(f"dense batched ({batched['micro_batch_size']} rows/mb"
+            + (", plan)" if m.get("num_experts") else ")") if batched else "dense batched",
             "dense_batched", batched and batched["seconds"]),
         row("stock dense (local, unfused)", "stock_dense", result["stock_dense_seconds"]),
         row("reuse", "reuse", result["reuse_seconds"]),
         f"speedup {result['speedup']:.3f}x"
-        + (f" (vs batched dense {batched['speedup']:.3f}x)" if batched else "")
+        + (f" (vs batched dense {batched['speedup']:.3f}x, efficiency "
+           f"{batched['efficiency']:.3f})" if batched else "")
         + f"  ideal {result['ideal_speedup']:.3f}x (whole-batch FLOPs)  efficiency "
         f"{result['efficiency']:.3f}",
         f"cpu-time speedup {cpu['dense'] / cpu['reuse']:.3f}x"
@@ -148,7 +155,7 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         f"max grad rel diff vs stock dense {result['max_grad_rel_diff']:.2e}"
         + (f"  aux loss dense {result['aux_loss_dense']:.6f}  reuse "
            f"{result['aux_loss_reuse']:.6f}" if result.get("aux_loss_dense") is not None else "")
-        + (f" (batched dense {batched['max_grad_rel_diff_vs_stock_dense']:.2e})" if batched else ""),
+        + (f" (batched dense {batched['max_grad_rel_diff_vs_stock_dense']:.2e})" if batched and batched["max_grad_rel_diff_vs_stock_dense"] is not None else ""),
         f"timing: {result['timing']['basis']}",
         _memory_line(result["memory"]),
         *_budget_lines(result),
