@@ -51,7 +51,7 @@ from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
                                                      compute_routing_scores_for_aux_loss,
                                                      switch_load_balancing_loss_func)
 
-__all__ = ["install", "uninstall", "routers", "stops_in_router", "needs_prefix_stats",
+__all__ = ["install", "uninstall", "routers", "needs_prefix_stats",
            "check_moe_supported", "check_expert_parallel_schedule"]
 
 ROUTING_WRAPPER = ("megatron.core.transformer.moe.router.TopKRouter.routing",
@@ -83,13 +83,6 @@ def needs_prefix_stats(router) -> bool:
     """Whether a router's statistics see the prefix tokens: aux losses, z-loss, expert bias."""
     return (router.is_aux_loss_enabled() or router.config.moe_z_loss_coeff is not None
             or router.enable_expert_bias)
-
-
-def stops_in_router(model, layer_number: Optional[int]) -> bool:
-    """True when the prefix forward must stop after layer `layer_number`'s router (an MoE layer
-    whose router statistics count the prefix), not after its K/V."""
-    return layer_number is not None and any(
-        r.layer_number == layer_number and needs_prefix_stats(r) for r in routers(model))
 
 
 @contextlib.contextmanager
