@@ -20,8 +20,10 @@ from prefix_schedule.runtime.cp import ZigzagLayout
 TOL = 1e-5
 TIMEOUT_S = 240
 # cached prefixes P-1 = 33, 17, 22 and suffix rows 6, 9, 3, 5, 7, ...: most not multiples of 4;
-# the last group runs dense (dense_groups: no cache), in the same packed rows as cached ones.
-SHAPES = [(34, [6, 9, 3]), (18, [5, 7]), (23, [4, 6, 2, 5]), (9, [6])]
+# group 3 runs dense (dense_groups: no cache), in the same packed rows as cached ones. Phase B
+# rows of every kind ([Note: whole suffixes per CP rank]): all zigzag-split ([6, 9], [3, 5, 7]),
+# all whole ([4, 6, 2]) and mixed ([12, 2, 2]: the 12 split, the 2s whole on ranks 0 and 1).
+SHAPES = [(34, [6, 9, 3]), (18, [5, 7]), (23, [4, 6, 2, 5]), (9, [6]), (13, [12, 2, 2])]
 BUDGET = 16
 
 
@@ -42,8 +44,28 @@ def test_zigzag_layout_is_megatrons():
         layout.shard(torch.arange(12))
 
 
-@pytest.mark.parametrize("cp", [2, 3])
-def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp):
+def test_balance_owners_whole_sequences_then_split_longest():
+    from prefix_schedule.runtime.cp import balance_owners
+
+    assert balance_owners([64] * 8, [1023] * 8, 2) == (0, 1, 0, 1, 0, 1, 0, 1)
+    assert balance_owners([12, 2, 2], [12] * 3, 2) == (-1, 0, 1)  # the long one split
+    assert balance_owners([7], [5], 2) == ()  # one sequence: Megatron's zigzag
+    assert balance_owners([3, 5, 7], [33, 17, 17], 2) == ()  # no balance within 5%
+    # equal tokens but unequal prefixes: attention pairs must balance too
+    assert balance_owners([4, 4], [100, 0], 2) == ()
+    layout = ZigzagLayout((5, 3, 8), 2, 1, owners=(1, 0, -1))
+    assert layout.padded == (6, 4, 8) and layout.split  # whole ones padded to even length
+    assert layout.chunks(1) == [(0, 0, 6), (2, 2, 4), (2, 4, 6)]
+    assert layout.local_len == 10 and layout.split_rows().tolist() == [6, 7, 8, 9]
+    assert sorted(layout.gather_index().tolist()) == list(range(10, 18))
+    assert layout.shard(torch.arange(1, 17)).tolist() == [1, 2, 3, 4, 5, 0, 11, 12, 13, 14]
+    with pytest.raises(ValueError, match="owners"):
+        ZigzagLayout((5, 3), 2, 0, owners=(2, 0))
+
+
+@pytest.mark.parametrize("cp,owners", [(2, ()), (3, ()), (2, (1, -1, 0, -1)), (3, (2, 0, 1, 1))],
+                         ids=["cp2", "cp3", "cp2_mixed", "cp3_whole"])
+def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp, owners):
     torch.manual_seed(0)
     hq, hkv, d = 4, 2, 8
     # slots: two sequences share group 0's prefix, one has none (a dense row), one group 2's
@@ -57,7 +79,7 @@ def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp):
     reference = reference_attention(q, k, v, pk, pv, meta, scale=0.3)
     grad_out = torch.randn_like(reference)
     expected = torch.autograd.grad(reference, leaves, grad_out)
-    got = all_ranks_attention(q, k, v, pk, pv, meta, cp=cp, scale=0.3)
+    got = all_ranks_attention(q, k, v, pk, pv, meta, cp=cp, scale=0.3, owners=owners)
     assert torch.allclose(got, reference, atol=1e-12)
     grads = torch.autograd.grad(got, leaves, grad_out, allow_unused=True)
     for i, (e, g) in enumerate(zip(expected, grads)):
