@@ -61,6 +61,11 @@ def test_balance_owners_whole_sequences_then_split_longest():
     assert layout.shard(torch.arange(1, 17)).tolist() == [1, 2, 3, 4, 5, 0, 11, 12, 13, 14]
     with pytest.raises(ValueError, match="owners"):
         ZigzagLayout((5, 3), 2, 0, owners=(2, 0))
+    # sequence parallelism (TP=3): every local row a multiple of lcm(2, 3) on every rank
+    for owners in ((), (1, 0, -1), (0, 0, 1)):
+        for rank in range(2):
+            local = ZigzagLayout((5, 3, 8), 2, rank, owners, multiple=3).local_len
+            assert local % 6 == 0 and local > 0, (owners, rank, local)
 
 
 @pytest.mark.parametrize("cp,owners", [(2, ()), (3, ()), (2, (1, -1, 0, -1)), (3, (2, 0, 1, 1))],
@@ -89,11 +94,13 @@ def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp, owners):
 
 # ---- Megatron, multi-process --------------------------------------------------------------------
 
-def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, overrides=None):
+def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, overrides=None,
+             dense_ddp=False):
     """Reuse at CP=`cp` (x TP, x PP), then stock dense at CP=1 with the same TP/PP and weights
     on the whole batch (every rank: each pipeline / TP group runs it), compared on this rank.
     `ddp`: the reuse model in Megatron's DDP with finalize_model_grads (gradients and the token
-    count reduced over the DP x CP group), else the plain CP-summing finalize."""
+    count reduced over the DP x CP group), else the plain CP-summing finalize; `dense_ddp`: the
+    dense model too (sequence parallelism needs DDP's finalize for the norms' TP-partial grads)."""
     import megatron_patches
     from megatron.core import parallel_state
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
@@ -114,7 +121,7 @@ def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, over
         initialize_distributed(seed=1234, tp=tp, pp=pp, cp=cp_size)
         model = build_model(cfg, **(overrides or {}))
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-        model = prepare_for_training(model, ddp=ddp and reuse)
+        model = prepare_for_training(model, ddp=ddp and (reuse or dense_ddp))
         result = (reuse_step(model, batch, plan, LOSS) if reuse else dense_step(model, batch, LOSS))
         grads = {n.removeprefix("module."): g for n, g in param_grads(model).items()}
         return result, grads, weights
@@ -168,6 +175,14 @@ def test_cp2_reuse_with_prefix_chunks():
 @pytest.mark.megatron
 def test_cp2_x_tp2_reuse_equals_stock_dense_tp2_cp1():
     _check(run_distributed(_cp_rank, world_size=4, kwargs={"tp": 2}, timeout_s=TIMEOUT_S))
+
+
+@pytest.mark.megatron
+def test_cp2_x_tp2_sequence_parallel_reuse_equals_stock_dense():
+    """TP=2 with sequence parallelism x CP=2: each CP rank's local row is padded to a multiple
+    of TP by the layout (context_parallel_group(config)); dense SP rows right-padded."""
+    _check(run_distributed(_cp_rank, world_size=4, timeout_s=TIMEOUT_S, kwargs={
+        "tp": 2, "ddp": True, "dense_ddp": True, "overrides": {"sequence_parallel": True}}))
 
 
 @pytest.mark.megatron

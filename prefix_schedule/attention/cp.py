@@ -155,4 +155,7 @@ def all_ranks_attention(q, k, v, prefix_k, prefix_v, meta, *, cp: int, scale=Non
         out = out.index_put((local,), zigzag_attention(
             q_full[local], k_full[local], v_full[local], k_full, v_full, layout, cached_k,
             cached_v, scale=scale, backend=backend))
-    return out[real]
+    # a slot with an empty prefix reads nothing; keep it in the graph (zero gradient) as
+    # shared_prefix_attention does, so callers may differentiate w.r.t. every prefix entry
+    keep = [p.sum() * 0 for p in (*prefix_k, *prefix_v) if p.shape[0] == 0 and p.requires_grad]
+    return out[real] + sum(keep) if keep else out[real]

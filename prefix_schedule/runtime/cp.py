@@ -30,6 +30,7 @@ Megatron-free: the group is a torch.distributed process group.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -52,12 +53,16 @@ class ZigzagLayout:
     rank: int
     owners: Tuple[int, ...] = ()
     """Per sequence: the CP rank that holds it whole, or -1 for zigzag-split; () = all split."""
+    multiple: int = 1
+    """Every local row is a multiple of this (TP under sequence parallelism) and even."""
 
     def __post_init__(self) -> None:
         if self.cp_size < 1 or not 0 <= self.rank < self.cp_size:
             raise ValueError(f"CP rank {self.rank} of {self.cp_size}: need 0 <= rank < size")
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError(f"every sequence of a CP row needs >= 1 token, got {self.lengths}")
+        if self.multiple < 1:
+            raise ValueError(f"row multiple {self.multiple}: need >= 1")
         if self.owners and (len(self.owners) != len(self.lengths)
                             or not all(-1 <= o < self.cp_size for o in self.owners)):
             raise ValueError(f"owners {self.owners}: one per sequence, each -1 (split) or a CP "
@@ -73,11 +78,14 @@ class ZigzagLayout:
 
     @property
     def padded(self) -> Tuple[int, ...]:
-        """Each split sequence's length padded to a multiple of 2*CP, a whole one's to a
-        multiple of 2: every local row is then even, as Megatron's RoPE table sharding
-        (`get_pos_emb_on_this_cp_rank`, run before the reuse hook replaces the table) needs."""
+        """Each sequence's length padded at its end: with u = lcm(2, multiple), a split one to
+        a multiple of CP*u (2*CP at multiple 1, as Megatron pads), a whole one to a multiple of
+        u. Every local row is then a multiple of u: even, as Megatron's RoPE table sharding
+        (`get_pos_emb_on_this_cp_rank`, run before the reuse hook replaces the table) needs,
+        and a multiple of TP for sequence parallelism."""
+        u = math.lcm(2, self.multiple)
         return tuple(-(-n // m) * m for n, m in zip(
-            self.lengths, (2 * self.cp_size if self.owner(i) < 0 else 2
+            self.lengths, (self.cp_size * u if self.owner(i) < 0 else u
                            for i in range(len(self.lengths)))))
 
     @property
@@ -197,8 +205,11 @@ class CPGroup:
     phase ("A", "B", "C") and collective: keys like "B.all_gather", "C.reduce_scatter".
     """
 
-    def __init__(self, group, *, size: int = None, rank: int = None) -> None:
+    def __init__(self, group, *, size: int = None, rank: int = None,
+                 row_multiple: int = 1) -> None:
         self.group = group
+        self.row_multiple = row_multiple
+        """Every local row a multiple of this: the TP size under sequence parallelism."""
         self.size = dist.get_world_size(group) if size is None else size
         self.rank = dist.get_rank(group) if rank is None else rank
         self.traffic: Dict[str, int] = {}
@@ -217,7 +228,7 @@ class CPGroup:
 
     def layout(self, lengths: Sequence[int], owners: Sequence[int] = ()) -> ZigzagLayout:
         return ZigzagLayout(tuple(int(n) for n in lengths), self.size, self.rank,
-                            tuple(int(o) for o in owners))
+                            tuple(int(o) for o in owners), self.row_multiple)
 
     def _count(self, phase: str, nbytes: int) -> None:
         self.traffic[phase] = self.traffic.get(phase, 0) + nbytes * (self.size - 1) // self.size

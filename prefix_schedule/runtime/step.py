@@ -47,10 +47,10 @@ class ReuseStep:
         self.plan = plan
         self.cp = cp_group if cp_group is not None and cp_group.size > 1 else None
         if self.cp is not None and plan.row_multiple != 1:
-            raise ValueError(f"context parallelism pads every sequence to a multiple of 2*CP "
-                             f"itself; plan the step with row_multiple=1 (got "
-                             f"{plan.row_multiple}: sequence parallelism with CP is not "
-                             "supported)")
+            raise ValueError(f"context parallelism pads every sequence itself; plan the step "
+                             f"with row_multiple=1 (got {plan.row_multiple}) and give the CP "
+                             "group the row multiple sequence parallelism needs: "
+                             "CPGroup(group, row_multiple=tp)")
         self.offload_prefix_activations = offload_prefix_activations
         """Keep what Phase A saves for backward in (pinned) host memory until Phase C, parameters
         and the cached K/V excepted ([Note: prefix activation offload] in runtime/offload.py)."""
