@@ -55,6 +55,7 @@ def test_balance_owners_whole_sequences_then_split_longest():
     assert balance_owners([4, 4], [100, 0], 2) == ()
     layout = ZigzagLayout((5, 3, 8), 2, 1, owners=(1, 0, -1))
     assert layout.padded == (6, 4, 8) and layout.split  # whole ones padded to even length
+    assert not ZigzagLayout((5, 3), 2, 0, owners=(1, 0)).split  # the hook gathers nothing
     assert layout.chunks(1) == [(0, 0, 6), (2, 2, 4), (2, 4, 6)]
     assert layout.local_len == 10 and layout.split_rows().tolist() == [6, 7, 8, 9]
     assert sorted(layout.gather_index().tolist()) == list(range(10, 18))
