@@ -69,8 +69,9 @@ def test_balance_owners_whole_sequences_then_split_longest():
             assert local % 6 == 0 and local > 0, (owners, rank, local)
 
 
-@pytest.mark.parametrize("cp,owners", [(2, ()), (3, ()), (2, (1, -1, 0, -1)), (3, (2, 0, 1, 1))],
-                         ids=["cp2", "cp3", "cp2_mixed", "cp3_whole"])
+@pytest.mark.parametrize("cp,owners", [(2, ()), (3, ()), (2, (1, -1, 0, -1)), (3, (2, 0, 1, 1)),
+                                        (4, (0, 1, 2, 0))],
+                         ids=["cp2", "cp3", "cp2_mixed", "cp3_whole", "cp4_rank_without_rows"])
 def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp, owners):
     torch.manual_seed(0)
     hq, hkv, d = 4, 2, 8

@@ -151,6 +151,8 @@ def all_ranks_attention(q, k, v, prefix_k, prefix_v, meta, *, cp: int, scale=Non
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = q.new_zeros(q_full.shape)
     for layout in layouts:
+        if layout.local_len == 0:  # owners that leave a rank nothing (balance_owners never does)
+            continue
         local = layout.local_index().to(q.device)
         out = out.index_put((local,), zigzag_attention(
             q_full[local], k_full[local], v_full[local], k_full, v_full, layout, cached_k,
