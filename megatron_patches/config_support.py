@@ -72,7 +72,8 @@ FIELD_RULES: Dict[str, Rule] = _merge(
         allowed=lambda v: v is None or set(v) <= {"core_attn", "mlp"}, example=["layernorm"],
         fix="only recompute_modules 'core_attn' and 'mlp' are verified with prefix reuse")},
     {"context_parallel_size": Rule(
-        "supported", "tests/test_context_parallel.py (CP=2 reuse == CP=1 stock dense; x TP, x PP)",
+        "supported",
+        "tests/test_context_parallel.py (CP=2 reuse == CP=1 stock dense; x TP, x TP/SP, x PP)",
         allowed=lambda v: isinstance(v, int) and v >= 1, example=0,
         fix="context_parallel_size must be an int >= 1")},
     {"calculate_per_token_loss": Rule(

@@ -110,9 +110,13 @@ def _check_context_parallel(config, step) -> None:
             f"the context-parallel size is {cp} (config: {config.context_parallel_size}) but the "
             f"step runs CP={planned}; build it with ReuseStep(batch, plan, cp_group="
             "megatron_patches.training.context_parallel_group())")
-    if cp > 1 and config.sequence_parallel:
-        raise ValueError("sequence_parallel=True with context parallelism is not supported by "
-                         "prefix reuse yet; set sequence_parallel=False")
+    tp = config.tensor_model_parallel_size
+    if cp > 1 and config.sequence_parallel and step.cp.row_multiple % tp:
+        raise ValueError(
+            f"sequence_parallel=True splits every CP rank's local row over the {tp} TP ranks, but "
+            f"the step's CP group pads local rows to a multiple of {step.cp.row_multiple}; build "
+            "it with ReuseStep(..., cp_group=megatron_patches.training.context_parallel_group("
+            "config)) (or CPGroup(group, row_multiple=tp))")
 
 
 def _check_deferred_embedding_wgrad(config, step) -> None:

@@ -93,15 +93,17 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
 
 
 def _cp_attention(context, layer, q, k, v, key, value, scale):
-    """A zigzag local row ([Note: zigzag CP layout], runtime/cp.py): the row's K/V are
-    all-gathered over the CP group (backward: reduce-scatter), local queries attend through
-    attention/cp.py. A prefix row caches its local K/V with the gathered whole
-    ([Note: CP prefix cache], cache.py)."""
+    """A CP local row ([Note: zigzag CP layout], runtime/cp.py): the split sequences' K/V are
+    all-gathered over the CP group in one collective (backward: one reduce-scatter), local
+    queries attend through attention/cp.py. A prefix row caches its local K/V with the gathered
+    whole ([Note: CP prefix cache], cache.py). A row of whole sequences gathers nothing."""
     cp, layout = context.cp.group, context.cp.layout
     prefix = isinstance(context, PrefixForwardContext)
     phases = ("A", "C") if prefix else ("B", "B")
-    k_full = cp.all_gather_rows(k, layout, *phases)
-    v_full = cp.all_gather_rows(v, layout, *phases)
+    k_full = v_full = None
+    if layout.split:
+        kv_full = cp.all_gather_rows(torch.cat([k, v], dim=-1), layout, *phases)
+        k_full, v_full = kv_full.split([k.shape[-1], v.shape[-1]], dim=-1)
     if prefix:
         if not context.recomputing:
             real = cp.index(layout, "real", k.device)

@@ -74,11 +74,13 @@ def scale_grads_by_token_count(models, num_tokens, **_kwargs) -> None:
                 p.grad.div_(count)
 
 
-def context_parallel_group() -> Optional[CPGroup]:
-    """This rank's CP group for a ReuseStep (None at CP=1)."""
+def context_parallel_group(config=None) -> Optional[CPGroup]:
+    """This rank's CP group for a ReuseStep (None at CP=1); with the model's `config`, local
+    rows are padded to a multiple of TP under sequence parallelism (`row_multiple_for`)."""
     if parallel_state.get_context_parallel_world_size() == 1:
         return None
-    return CPGroup(parallel_state.get_context_parallel_group())
+    return CPGroup(parallel_state.get_context_parallel_group(),
+                   row_multiple=1 if config is None else row_multiple_for(config))
 
 
 def _check_plain_finalize(config) -> None:
@@ -183,7 +185,8 @@ def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss_config: PolicyLoss
     if step is None:
         step = ReuseStep(batch, plan,
                          num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
-                         num_model_chunks=len(models), cp_group=context_parallel_group())
+                         num_model_chunks=len(models),
+                         cp_group=context_parallel_group(get_model_config(models[0])))
     with megatron_patches.use_prefix_reuse_schedule():
         forward_backward = get_forward_backward_func()
     reports = forward_backward(

@@ -20,8 +20,10 @@ from prefix_schedule.runtime.cp import ZigzagLayout
 TOL = 1e-5
 TIMEOUT_S = 240
 # cached prefixes P-1 = 33, 17, 22 and suffix rows 6, 9, 3, 5, 7, ...: most not multiples of 4;
-# the last group runs dense (dense_groups: no cache), in the same packed rows as cached ones.
-SHAPES = [(34, [6, 9, 3]), (18, [5, 7]), (23, [4, 6, 2, 5]), (9, [6])]
+# group 3 runs dense (dense_groups: no cache), in the same packed rows as cached ones. Phase B
+# rows of every kind ([Note: whole suffixes per CP rank]): all zigzag-split ([6, 9], [3, 5, 7]),
+# all whole ([4, 6, 2]) and mixed ([12, 2, 2]: the 12 split, the 2s whole on ranks 0 and 1).
+SHAPES = [(34, [6, 9, 3]), (18, [5, 7]), (23, [4, 6, 2, 5]), (9, [6]), (13, [12, 2, 2])]
 BUDGET = 16
 
 
@@ -42,8 +44,35 @@ def test_zigzag_layout_is_megatrons():
         layout.shard(torch.arange(12))
 
 
-@pytest.mark.parametrize("cp", [2, 3])
-def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp):
+def test_balance_owners_whole_sequences_then_split_longest():
+    from prefix_schedule.runtime.cp import balance_owners
+
+    assert balance_owners([64] * 8, [1023] * 8, 2) == (0, 1, 0, 1, 0, 1, 0, 1)
+    assert balance_owners([12, 2, 2], [12] * 3, 2) == (-1, 0, 1)  # the long one split
+    assert balance_owners([7], [5], 2) == ()  # one sequence: Megatron's zigzag
+    assert balance_owners([3, 5, 7], [33, 17, 17], 2) == ()  # no balance within 5%
+    # equal tokens but unequal prefixes: attention pairs must balance too
+    assert balance_owners([4, 4], [100, 0], 2) == ()
+    layout = ZigzagLayout((5, 3, 8), 2, 1, owners=(1, 0, -1))
+    assert layout.padded == (6, 4, 8) and layout.split  # whole ones padded to even length
+    assert not ZigzagLayout((5, 3), 2, 0, owners=(1, 0)).split  # the hook gathers nothing
+    assert layout.chunks(1) == [(0, 0, 6), (2, 2, 4), (2, 4, 6)]
+    assert layout.local_len == 10 and layout.split_rows().tolist() == [6, 7, 8, 9]
+    assert sorted(layout.gather_index().tolist()) == list(range(10, 18))
+    assert layout.shard(torch.arange(1, 17)).tolist() == [1, 2, 3, 4, 5, 0, 11, 12, 13, 14]
+    with pytest.raises(ValueError, match="owners"):
+        ZigzagLayout((5, 3), 2, 0, owners=(2, 0))
+    # sequence parallelism (TP=3): every local row a multiple of lcm(2, 3) on every rank
+    for owners in ((), (1, 0, -1), (0, 0, 1)):
+        for rank in range(2):
+            local = ZigzagLayout((5, 3, 8), 2, rank, owners, multiple=3).local_len
+            assert local % 6 == 0 and local > 0, (owners, rank, local)
+
+
+@pytest.mark.parametrize("cp,owners", [(2, ()), (3, ()), (2, (1, -1, 0, -1)), (3, (2, 0, 1, 1)),
+                                        (4, (0, 1, 2, 0))],
+                         ids=["cp2", "cp3", "cp2_mixed", "cp3_whole", "cp4_rank_without_rows"])
+def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp, owners):
     torch.manual_seed(0)
     hq, hkv, d = 4, 2, 8
     # slots: two sequences share group 0's prefix, one has none (a dense row), one group 2's
@@ -57,7 +86,7 @@ def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp):
     reference = reference_attention(q, k, v, pk, pv, meta, scale=0.3)
     grad_out = torch.randn_like(reference)
     expected = torch.autograd.grad(reference, leaves, grad_out)
-    got = all_ranks_attention(q, k, v, pk, pv, meta, cp=cp, scale=0.3)
+    got = all_ranks_attention(q, k, v, pk, pv, meta, cp=cp, scale=0.3, owners=owners)
     assert torch.allclose(got, reference, atol=1e-12)
     grads = torch.autograd.grad(got, leaves, grad_out, allow_unused=True)
     for i, (e, g) in enumerate(zip(expected, grads)):
@@ -67,11 +96,13 @@ def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp):
 
 # ---- Megatron, multi-process --------------------------------------------------------------------
 
-def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, overrides=None):
+def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, overrides=None,
+             dense_ddp=False):
     """Reuse at CP=`cp` (x TP, x PP), then stock dense at CP=1 with the same TP/PP and weights
     on the whole batch (every rank: each pipeline / TP group runs it), compared on this rank.
     `ddp`: the reuse model in Megatron's DDP with finalize_model_grads (gradients and the token
-    count reduced over the DP x CP group), else the plain CP-summing finalize."""
+    count reduced over the DP x CP group), else the plain CP-summing finalize; `dense_ddp`: the
+    dense model too (sequence parallelism needs DDP's finalize for the norms' TP-partial grads)."""
     import megatron_patches
     from megatron.core import parallel_state
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
@@ -92,7 +123,7 @@ def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, over
         initialize_distributed(seed=1234, tp=tp, pp=pp, cp=cp_size)
         model = build_model(cfg, **(overrides or {}))
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-        model = prepare_for_training(model, ddp=ddp and reuse)
+        model = prepare_for_training(model, ddp=ddp and (reuse or dense_ddp))
         result = (reuse_step(model, batch, plan, LOSS) if reuse else dense_step(model, batch, LOSS))
         grads = {n.removeprefix("module."): g for n, g in param_grads(model).items()}
         return result, grads, weights
@@ -146,6 +177,14 @@ def test_cp2_reuse_with_prefix_chunks():
 @pytest.mark.megatron
 def test_cp2_x_tp2_reuse_equals_stock_dense_tp2_cp1():
     _check(run_distributed(_cp_rank, world_size=4, kwargs={"tp": 2}, timeout_s=TIMEOUT_S))
+
+
+@pytest.mark.megatron
+def test_cp2_x_tp2_sequence_parallel_reuse_equals_stock_dense():
+    """TP=2 with sequence parallelism x CP=2: each CP rank's local row is padded to a multiple
+    of TP by the layout (context_parallel_group(config)); dense SP rows right-padded."""
+    _check(run_distributed(_cp_rank, world_size=4, timeout_s=TIMEOUT_S, kwargs={
+        "tp": 2, "ddp": True, "dense_ddp": True, "overrides": {"sequence_parallel": True}}))
 
 
 @pytest.mark.megatron

@@ -16,7 +16,8 @@ from prefix_schedule.attention.backends import _reset, get_backend
 ROOT = Path(__file__).resolve().parents[1]
 CPU, F64 = torch.device("cpu"), torch.float64
 TOP = {"schema", "mode", "device", "capability", "libraries", "sizes", "availability", "correctness",
-       "cp_correctness", "timing", "e2e", "moe_e2e", "env", "claims", "failures", "elapsed_s"}
+       "cp_correctness", "te_cp_filter", "timing", "e2e", "moe_e2e", "env", "claims", "failures",
+       "elapsed_s"}
 E2E = {"claim", "ok", "settings", "model", "workload", "grad_rel_err_vs_fp32",
        "grad_rel_diff_reuse_vs_dense", "losses", "phases"}
 PHASES = ["reference_fp32_dense", "dense_bf16", "reuse_bf16", "reuse_bf16_offload_prefix_activations"]
@@ -63,10 +64,12 @@ def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
     errors = e2e["grad_rel_err_vs_fp32"]
     assert 0 < errors["dense_bf16"] < 0.2 and errors["reuse_bf16"] <= 1.5 * errors["dense_bf16"]
     cp_rows = report["cp_correctness"]
-    assert {(r["backend"], r["cp"], r["layout"]) for r in cp_rows} == {
-        (b, 2, lay) for b in ("torch", "math") for lay in ("3groups", "empty_slot")}
+    assert {(r["backend"], r["cp"], r["layout"], r["owners"]) for r in cp_rows} == {
+        (b, 2, lay, o) for b in ("torch", "math") for lay in ("3groups", "empty_slot")
+        for o in ("zigzag", "whole", "mixed")}
     assert all(r["ok"] and r["dprefix_k"] <= r["tol"] for r in cp_rows)
-    assert [c["status"] for c in report["claims"]] == ["proved"] * 6
+    statuses = [c["status"] for c in report["claims"]]
+    assert statuses == ["proved"] * 3 + ["not run: no CUDA device (dry run)"] + ["proved"] * 3
     assert "[proved]" in proc.stdout and "0 failure(s)" in proc.stdout
 
 
@@ -89,3 +92,40 @@ def test_a_wrong_backend_is_reported(gpu_check, monkeypatch):
     monkeypatch.setattr(math_backend, "varlen_bwd", lambda *a: [2 * g for g in original(*a)])
     rows = gpu_check.check_correctness(CPU, sizes, ["math"])
     assert [r["ok"] for r in rows] == [False, True] and rows[0]["out"] < 1e-12 < rows[0]["dq"]
+
+
+def _fake_te_filter(enable_bottom_right: bool):
+    """AttentionParams / get_attention_backend with TE's CP rule (utils.py, "Filter: Context
+    parallelism"): under CP, bottom-right masks and causal s_q != s_kv disable flash and fused;
+    unfused never runs CP. `enable_bottom_right`: a hypothetical TE that lifts the first rule."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Params:
+        attn_mask_type: str = "no_mask"
+        max_seqlen_q: int = 1
+        max_seqlen_kv: int = 1
+        context_parallel: bool = False
+        cp_comm_type: str = "p2p"
+        qkv_layout: str = "sbh3d"
+
+    def select(p):
+        refused = p.context_parallel and (
+            ("bottom_right" in p.attn_mask_type and not enable_bottom_right)
+            or ("causal" in p.attn_mask_type and "bottom_right" not in p.attn_mask_type
+                and p.max_seqlen_q != p.max_seqlen_kv))
+        return (None, None, None, None, None, [False, not refused, False])
+
+    return Params, select
+
+
+@pytest.mark.parametrize("lifted", [False, True])
+def test_te_cp_filter_check_reads_te_backend_filter(monkeypatch, lifted):
+    sys.path.insert(0, str(ROOT / "tools"))
+    import gpu_check_te_cp
+
+    monkeypatch.setattr(gpu_check_te_cp, "_load", lambda: _fake_te_filter(lifted))
+    result = gpu_check_te_cp.te_cp_filter(torch.device("cuda"))
+    assert len(result["rows"]) == 3 * len(gpu_check_te_cp.CP_COMM_TYPES)
+    assert result["ok"] is (not lifted)  # a TE that serves reuse rows fails the premise
+    assert gpu_check_te_cp.te_cp_filter(CPU) == {"skipped": "no CUDA device (dry run)"}

@@ -7,7 +7,9 @@
    Context parallelism: every CP rank's zigzag pieces (attention/cp.py all_ranks_attention, the
    CP=2 / CP=4 layouts of the same rows) on each backend against the same oracle: the non-CP
    kernel calls a CP reuse step makes on each rank (TE's own CP attention is never used: it
-   disables every backend for bottom-right masks; docs/DESIGN.md "Context parallelism").
+   disables every backend for bottom-right masks; docs/DESIGN.md "Context parallelism"), with
+   CP layouts that hold whole sequences too. And TE's own CP backend filter, asked for a reuse
+   row under each cp_comm_type (tools/gpu_check_te_cp.py): every backend must be disabled.
 2. Attention timings (CUDA events, warm-up first) and peak memory (torch.cuda.max_memory_allocated,
    reset per phase) for every backend x mode: prefix 4096, 16 suffixes x 512, bf16.
 3. End to end (tools/gpu_check_e2e.py): one training step, dense vs prefix reuse, bf16, with
@@ -44,6 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, gpu_check_e2e
+import gpu_check_te_cp  # noqa: E402
 from benchlib.timing import PhaseMemory, RegionTimer  # noqa: E402
 from prefix_schedule.attention import PackedMeta, reference_attention, shared_prefix_attention  # noqa: E402
 from prefix_schedule.attention.backends import availability  # noqa: E402
@@ -167,13 +170,16 @@ def check_cp_correctness(device, sizes: Sizes, names):
         rounded = leaves(base, dtype)
         want = out_and_grads(reference_attention, leaves(rounded, torch.float64), meta,
                              grad_out.to(dtype).double())
+        n = meta.num_seqs
         for name in names:
-            for cp in sizes.cp_sizes:
-                row = dict(backend=name, cp=cp, dtype=dtype_name, layout=layout_name,
-                           tol=TOL[dtype_name])
+            for cp, (kind, owners) in ((cp, o) for cp in sizes.cp_sizes for o in (
+                    ("zigzag", ()), ("whole", tuple(i % cp for i in range(n))),
+                    ("mixed", (-1,) + tuple(i % cp for i in range(1, n))))):
+                row = dict(backend=name, cp=cp, owners=kind, dtype=dtype_name,
+                           layout=layout_name, tol=TOL[dtype_name])
                 try:
                     got = out_and_grads(all_ranks_attention, leaves(rounded, dtype), meta,
-                                        grad_out, cp=cp, backend=name)
+                                        grad_out, cp=cp, backend=name, owners=owners)
                     row.update({g: rel_err(a, b) for g, a, b in zip(GRADS, got, want)})
                     row["ok"] = all(row[g] <= TOL[dtype_name] for g in GRADS)
                 except Exception as e:  # noqa: BLE001 -- report and go on
@@ -241,6 +247,10 @@ def claims(report, checked_backends, dry_run) -> list[dict]:
                     f"{sorted({r['backend'] for r in cp_rows})} match the float64 oracle",
                     status="proved" if cp_rows and all(r["ok"] for r in cp_rows)
                     else "failed" if cp_rows else "not run: no backend available"))
+    te_cp = report["te_cp_filter"]
+    out.append(dict(claim=te_cp.get("claim", "Transformer Engine's CP attention backend filter"),
+                    status=f"not run: {te_cp['skipped']}" if "skipped" in te_cp
+                    else "proved" if te_cp["ok"] else "failed"))
     timing = report["timing"]
     out.append(dict(claim="attention fwd+bwd time (synchronized) and peak memory per backend x mode",
                     status="proved" if timing and all(t["ok"] for t in timing)
@@ -295,6 +305,7 @@ def main(argv=None) -> int:
     names = [n for n in sizes.backends if avail[n]]
     report["correctness"] = check_correctness(device, sizes, names)
     report["cp_correctness"] = check_cp_correctness(device, sizes, names)
+    report["te_cp_filter"] = gpu_check_te_cp.te_cp_filter(device)
     _save(args.json, report)
     report["timing"] = []
     for name in names:
@@ -328,6 +339,7 @@ def main(argv=None) -> int:
                    + report["cp_correctness"])
     failures += sum(int(bool(report[k]) and report[k].get("ok") is False)
                     for k in ("e2e", "moe_e2e"))
+    failures += int(report["te_cp_filter"].get("ok") is False)
     report["failures"], report["elapsed_s"] = failures, time.monotonic() - started
     _save(args.json, report)
     for claim in report["claims"]:

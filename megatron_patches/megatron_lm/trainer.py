@@ -71,13 +71,16 @@ def _data(args, local: GroupBatch, row_multiple: int, num_model_chunks: int):
         if num_model_chunks > 1:  # Megatron's interleaved schedule: one iterator per chunk
             return [items() for _ in range(num_model_chunks)], count, count
         return items(), count, count
-    plan = _plan(args, local, row_multiple)
     from megatron_patches.training import context_parallel_group
 
+    cp_group = context_parallel_group()
+    if cp_group is not None:  # the CP layout pads each rank's local row itself
+        cp_group.row_multiple, row_multiple = row_multiple, 1
+    plan = _plan(args, local, row_multiple)
     step = ReuseStep(local, plan, num_stages=ps.get_pipeline_model_parallel_world_size(),
                      num_model_chunks=num_model_chunks,
                      offload_prefix_activations=args.prefix_reuse_offload_prefix_activations,
-                     cp_group=context_parallel_group())
+                     cp_group=cp_group)
     return step, step.num_microbatches, len(plan.microbatches)
 
 

@@ -7,9 +7,22 @@ sequence, in that order, sequence after sequence (TE's `thd_get_partitioned_indi
 work is then balanced. Padding tokens sit at the end of their sequence: causal attention hides
 them from every real token, they carry no loss, and the prefix cache never exposes them
 (`real_index`), so they change nothing and receive exactly zero gradient.
-Phase A runs each prefix unit as one such sequence, Phase B each suffix microbatch as its
-packed sequences: each phase has its own balance. Only K/V (forward, all-gather) and their
-gradients (backward, reduce-scatter) cross the CP group; never activations.
+Phase A runs each prefix unit as one such sequence: each phase has its own balance. Only K/V
+(forward, all-gather) and their gradients (backward, reduce-scatter) cross the CP group; never
+activations.
+
+[Note: whole suffixes per CP rank]
+A suffix microbatch packs many short sequences that all read a prefix every rank already holds
+whole (the cache keeps Phase A's gathered K/V). So Phase B first tries to give each CP rank
+whole sequences (`balance_owners`: largest first onto the least-loaded rank, balancing both
+tokens and attention pairs within `BALANCE_TOLERANCE`): such a sequence needs no K/V from any
+other rank -- its attention is exactly the non-CP two-part attention -- and a microbatch of
+them moves no bytes at all. Only when whole sequences cannot be balanced (too few, or a long
+one) are the longest ones zigzag-split (owner -1) until the rest balance; the all-gather then
+carries just the split sequences' rows. Measured at prefix 1024 / suffix 64 / G=8 (CP=2):
+per-piece zigzag of every suffix cost each rank ~3x the attention time of the same queries as
+whole sequences (a prefix copy per piece, 16-query kernel calls) plus two collectives per layer
+(docs/BENCHMARKS.md).
 
 Megatron-free: the group is a torch.distributed process group.
 """
@@ -17,34 +30,63 @@ Megatron-free: the group is a torch.distributed process group.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ZigzagLayout", "CPGroup", "CPRow"]
+__all__ = ["BALANCE_TOLERANCE", "ZigzagLayout", "CPGroup", "CPRow", "balance_owners"]
+
+BALANCE_TOLERANCE = 0.05
+"""Largest CP rank load (tokens, attention pairs) over the mean that whole suffixes may leave."""
 
 
 @dataclasses.dataclass(frozen=True)
 class ZigzagLayout:
-    """The zigzag CP layout of one packed row ([Note: zigzag CP layout]); host ints only."""
+    """The CP layout of one packed row ([Note: zigzag CP layout], [Note: whole suffixes per CP
+    rank]); host ints only."""
 
     lengths: Tuple[int, ...]
     """Real length of each sequence of the row."""
     cp_size: int
     rank: int
+    owners: Tuple[int, ...] = ()
+    """Per sequence: the CP rank that holds it whole, or -1 for zigzag-split; () = all split."""
+    multiple: int = 1
+    """Every local row is a multiple of this (TP under sequence parallelism) and even."""
 
     def __post_init__(self) -> None:
         if self.cp_size < 1 or not 0 <= self.rank < self.cp_size:
             raise ValueError(f"CP rank {self.rank} of {self.cp_size}: need 0 <= rank < size")
         if not self.lengths or min(self.lengths) < 1:
             raise ValueError(f"every sequence of a CP row needs >= 1 token, got {self.lengths}")
+        if self.multiple < 1:
+            raise ValueError(f"row multiple {self.multiple}: need >= 1")
+        if self.owners and (len(self.owners) != len(self.lengths)
+                            or not all(-1 <= o < self.cp_size for o in self.owners)):
+            raise ValueError(f"owners {self.owners}: one per sequence, each -1 (split) or a CP "
+                             f"rank < {self.cp_size}")
+
+    def owner(self, sequence: int) -> int:
+        return self.owners[sequence] if self.owners else -1
+
+    @property
+    def split(self) -> bool:
+        """Whether some sequence is zigzag-split (its K/V must be all-gathered)."""
+        return not self.owners or -1 in self.owners
 
     @property
     def padded(self) -> Tuple[int, ...]:
-        """Each sequence's length padded to a multiple of 2*CP."""
-        m = 2 * self.cp_size
-        return tuple(-(-n // m) * m for n in self.lengths)
+        """Each sequence's length padded at its end: with u = lcm(2, multiple), a split one to
+        a multiple of CP*u (2*CP at multiple 1, as Megatron pads), a whole one to a multiple of
+        u. Every local row is then a multiple of u: even, as Megatron's RoPE table sharding
+        (`get_pos_emb_on_this_cp_rank`, run before the reuse hook replaces the table) needs,
+        and a multiple of TP for sequence parallelism."""
+        u = math.lcm(2, self.multiple)
+        return tuple(-(-n // m) * m for n, m in zip(
+            self.lengths, (self.cp_size * u if self.owner(i) < 0 else u
+                           for i in range(len(self.lengths)))))
 
     @property
     def starts(self) -> Tuple[int, ...]:
@@ -61,27 +103,46 @@ class ZigzagLayout:
 
     @property
     def local_len(self) -> int:
-        return self.full_len // self.cp_size
+        return sum(b - a for _, a, b in self.chunks(self.rank))
 
     def chunks(self, rank: int) -> List[Tuple[int, int, int]]:
         """(sequence, start, end) in sequence coordinates of `rank`'s pieces, in local order."""
         out = []
         for i, p in enumerate(self.padded):
-            c = p // (2 * self.cp_size)
-            for j in (rank, 2 * self.cp_size - 1 - rank):
-                out.append((i, j * c, (j + 1) * c))
+            owner = self.owner(i)
+            if owner == rank:
+                out.append((i, 0, p))
+            elif owner < 0:
+                c = p // (2 * self.cp_size)
+                for j in (rank, 2 * self.cp_size - 1 - rank):
+                    out.append((i, j * c, (j + 1) * c))
         return out
 
     def local_index(self, rank: int = None) -> torch.Tensor:
         """Indices into the padded full row of `rank`'s local row (default: this rank)."""
         rank = self.rank if rank is None else rank
+        return self._index(self.chunks(rank))
+
+    def _index(self, pieces) -> torch.Tensor:
         starts = self.starts
-        return torch.cat([torch.arange(starts[i] + a, starts[i] + b)
-                          for i, a, b in self.chunks(rank)])
+        return torch.cat([torch.arange(starts[i] + a, starts[i] + b) for i, a, b in pieces]
+                         or [torch.zeros(0, dtype=torch.long)])
+
+    def split_rows(self) -> torch.Tensor:
+        """Positions in this rank's local row of its split sequences' pieces (what the
+        all-gather sends; every rank sends as many)."""
+        at, rows = 0, []
+        for i, a, b in self.chunks(self.rank):
+            if self.owner(i) < 0:
+                rows.append(torch.arange(at, at + b - a))
+            at += b - a
+        return torch.cat(rows or [torch.zeros(0, dtype=torch.long)])
 
     def gather_index(self) -> torch.Tensor:
-        """Full-row index of each row of the rank-major concatenation of all local rows."""
-        return torch.cat([self.local_index(r) for r in range(self.cp_size)])
+        """Full-row index of each row of the rank-major concatenation of all ranks' split
+        pieces (all of every local row when every sequence is split)."""
+        return torch.cat([self._index([c for c in self.chunks(r) if self.owner(c[0]) < 0])
+                          for r in range(self.cp_size)])
 
     def real_index(self) -> torch.Tensor:
         """Indices of the real (non-padding) tokens in the padded full row, in row order."""
@@ -105,6 +166,37 @@ class ZigzagLayout:
         return full[self.local_index()]
 
 
+def balance_owners(lengths: Sequence[int], cached: Sequence[int], cp_size: int,
+                   tolerance: float = BALANCE_TOLERANCE) -> Tuple[int, ...]:
+    """Owners for ZigzagLayout ([Note: whole suffixes per CP rank]): whole sequences, largest
+    first onto the least-loaded rank, after zigzag-splitting the k longest for the smallest k
+    that leaves every rank >= 1 token and tokens and attention pairs (n*cached + n*(n+1)/2)
+    each within (1 + tolerance) x their mean. k = all is Megatron's zigzag (always balanced).
+    Deterministic: every rank computes the same owners."""
+    n = len(lengths)
+    order = sorted(range(n), key=lambda i: (-lengths[i], i))
+    work = [(lengths[i], lengths[i] * cached[i] + lengths[i] * (lengths[i] + 1) // 2)
+            for i in range(n)]
+    total = [sum(w[j] for w in work) for j in range(2)]
+    for k in range(n):
+        owners = [-1] * n
+        loads = [[0.0, 0.0] for _ in range(cp_size)]
+        for i in order[:k]:
+            for load in loads:
+                load[0] += work[i][0] / cp_size
+                load[1] += work[i][1] / cp_size
+        for i in order[k:]:
+            r = min(range(cp_size), key=lambda r: (loads[r][0], loads[r][1], r))
+            owners[i] = r
+            loads[r][0] += work[i][0]
+            loads[r][1] += work[i][1]
+        if all(any(o == r for o in owners) or k for r in range(cp_size)) and all(
+                max(load[j] for load in loads) <= (1 + tolerance) * total[j] / cp_size
+                for j in range(2)):
+            return tuple(owners)
+    return ()
+
+
 class CPGroup:
     """The CP process group of this rank, its collectives and the bytes they move.
 
@@ -113,8 +205,11 @@ class CPGroup:
     phase ("A", "B", "C") and collective: keys like "B.all_gather", "C.reduce_scatter".
     """
 
-    def __init__(self, group, *, size: int = None, rank: int = None) -> None:
+    def __init__(self, group, *, size: int = None, rank: int = None,
+                 row_multiple: int = 1) -> None:
         self.group = group
+        self.row_multiple = row_multiple
+        """Every local row a multiple of this: the TP size under sequence parallelism."""
         self.size = dist.get_world_size(group) if size is None else size
         self.rank = dist.get_rank(group) if rank is None else rank
         self.traffic: Dict[str, int] = {}
@@ -127,12 +222,13 @@ class CPGroup:
         key = (layout, kind, str(device))
         if key not in self._indices:
             build = {"local": layout.local_index, "gather": layout.gather_index,
-                     "real": layout.real_index}[kind]
+                     "real": layout.real_index, "split": layout.split_rows}[kind]
             self._indices[key] = build().to(device)
         return self._indices[key]
 
-    def layout(self, lengths: Sequence[int]) -> ZigzagLayout:
-        return ZigzagLayout(tuple(int(n) for n in lengths), self.size, self.rank)
+    def layout(self, lengths: Sequence[int], owners: Sequence[int] = ()) -> ZigzagLayout:
+        return ZigzagLayout(tuple(int(n) for n in lengths), self.size, self.rank,
+                            tuple(int(o) for o in owners), self.row_multiple)
 
     def _count(self, phase: str, nbytes: int) -> None:
         self.traffic[phase] = self.traffic.get(phase, 0) + nbytes * (self.size - 1) // self.size
@@ -141,7 +237,10 @@ class CPGroup:
                         backward_phase: str) -> torch.Tensor:
         """The padded full row [full_len, ...] from every rank's local `x` [local_len, ...],
         differentiable: its backward (counted under `backward_phase`: Phase A's runs in Phase C)
-        reduce-scatters the gradient back to the local rows."""
+        reduce-scatters the gradient back to the local rows. Only split sequences move; the
+        rows of whole ones ([Note: whole suffixes per CP rank]) are zero in the result."""
+        if layout.owners:
+            x = x[self.index(layout, "split", x.device)]
         return _GatherRows.apply(x, layout, self, phase, backward_phase)
 
     def reduce_scatter_rows(self, fulls: List[torch.Tensor], layout: ZigzagLayout,
@@ -163,7 +262,7 @@ class CPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.group)
         self._count(phase + ".all_gather", x.numel() * x.element_size() * self.size)
-        full = x.new_empty((layout.full_len, *x.shape[1:]))
+        full = (x.new_zeros if layout.owners else x.new_empty)((layout.full_len, *x.shape[1:]))
         full[self.index(layout, "gather", x.device)] = torch.cat(parts)
         return full
 
@@ -171,12 +270,13 @@ class CPGroup:
                         phase: str) -> torch.Tensor:
         ranked = full[self.index(layout, "gather", full.device)].contiguous()  # rank-major
         self._count(phase + ".reduce_scatter", ranked.numel() * ranked.element_size())
+        rows = ranked.shape[0] // self.size  # local_len when every sequence is split
         if dist.get_backend(self.group) == "nccl":
-            out = ranked.new_empty((layout.local_len, *ranked.shape[1:]))
+            out = ranked.new_empty((rows, *ranked.shape[1:]))
             dist.reduce_scatter_tensor(out, ranked, group=self.group)
             return out
         dist.all_reduce(ranked, group=self.group)  # gloo has no reduce-scatter
-        return ranked[self.rank * layout.local_len:(self.rank + 1) * layout.local_len].clone()
+        return ranked[self.rank * rows:(self.rank + 1) * rows].clone()
 
 
 class _GatherRows(torch.autograd.Function):

@@ -21,7 +21,7 @@ import torch
 from prefix_schedule.attention import PackedMeta
 from prefix_schedule.runtime.cache import PrefixKVCache
 from prefix_schedule.runtime.context import PrefixForwardContext, SuffixForwardContext
-from prefix_schedule.runtime.cp import CPGroup, CPRow, ZigzagLayout
+from prefix_schedule.runtime.cp import CPGroup, CPRow, ZigzagLayout, balance_owners
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.inputs import (build_prefix_inputs, build_prefix_loss,
                                              build_suffix_inputs)
@@ -47,10 +47,10 @@ class ReuseStep:
         self.plan = plan
         self.cp = cp_group if cp_group is not None and cp_group.size > 1 else None
         if self.cp is not None and plan.row_multiple != 1:
-            raise ValueError(f"context parallelism pads every sequence to a multiple of 2*CP "
-                             f"itself; plan the step with row_multiple=1 (got "
-                             f"{plan.row_multiple}: sequence parallelism with CP is not "
-                             "supported)")
+            raise ValueError(f"context parallelism pads every sequence itself; plan the step "
+                             f"with row_multiple=1 (got {plan.row_multiple}) and give the CP "
+                             "group the row multiple sequence parallelism needs: "
+                             "CPGroup(group, row_multiple=tp)")
         self.offload_prefix_activations = offload_prefix_activations
         """Keep what Phase A saves for backward in (pinned) host memory until Phase C, parameters
         and the cached K/V excepted ([Note: prefix activation offload] in runtime/offload.py)."""
@@ -96,6 +96,7 @@ class ReuseStep:
         self.cache = self.caches[0]
         self._pending: Optional[Dict[str, torch.Tensor]] = None
         self._suffix_contexts: Dict[tuple, SuffixForwardContext] = {}
+        self._mb_layouts: Dict[int, ZigzagLayout] = {}
         self._chains: Dict[tuple, tuple] = {}
         self._started = False
 
@@ -156,8 +157,14 @@ class ReuseStep:
         return self.cp.layout([self._units[unit].length])
 
     def microbatch_layout(self, microbatch: int) -> ZigzagLayout:
-        """CP layout of suffix microbatch `microbatch`'s row: its packed sequences."""
-        return self.cp.layout([s.length for s in self.plan.microbatches[microbatch].segments])
+        """CP layout of suffix microbatch `microbatch`'s row: its packed sequences, whole on
+        one rank each where that balances ([Note: whole suffixes per CP rank] in cp.py)."""
+        if microbatch not in self._mb_layouts:
+            segments = self.plan.microbatches[microbatch].segments
+            lengths = [s.length for s in segments]
+            owners = balance_owners(lengths, [s.cached_len for s in segments], self.cp.size)
+            self._mb_layouts[microbatch] = self.cp.layout(lengths, owners)
+        return self._mb_layouts[microbatch]
 
     def _cp_row(self, layout: ZigzagLayout, offsets) -> CPRow:
         return CPRow(group=self.cp, layout=layout, position_ids=layout.positions(offsets),

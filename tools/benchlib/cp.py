@@ -3,11 +3,14 @@
 Stock Megatron runs dense CP only on Transformer Engine's attention, which this CPU machine
 lacks (and TE's CP attention cannot serve reuse rows: docs/DESIGN.md "Context parallelism"). So
 each rank of the pp*tp*cp processes:
-1. times the reuse step at CP=N (its CPGroup counts the bytes every phase moves, per rank);
-2. re-initialises Megatron at CP=1 -- the same processes now form N data-parallel replicas --
-   and times the fused-SDPA dense step on its share of the rows (place_groups, Megatron DDP): the
-   dense layout stock Megatron can run on these processes;
-3. checks gradients: stock dense (local spec, CP=1) over the whole batch against reuse at CP=N.
+1. builds the reuse model at CP=N, then at CP=1 -- the same processes now form N data-parallel
+   replicas -- the stock (local spec) reference and the fused-SDPA dense model (Megatron DDP),
+   and runs stock dense over the whole batch (the gradient reference);
+2. times reuse at CP=N (its CPGroup counts the bytes every phase moves, per rank) and the
+   fused dense step on this rank's share of the rows (place_groups) at CP=1 -- the dense layout
+   stock Megatron can run on these processes -- step by step interleaved, Megatron
+   re-initialised at each path's CP size before its step;
+3. checks gradients: one more reuse step at CP=N against the stock dense reference.
 `cp_traffic` gives reuse's measured bytes per phase and collective next to what dense CP
 (K/V all-gather per layer per row in forward, reduce-scatter in backward, rows padded to
 2*CP) would move for the same rows: the same ring accounting, computed from the dense rows.
@@ -28,19 +31,28 @@ from prefix_schedule.runtime.cp import ZigzagLayout
 __all__ = ["measure_cp", "dense_cp_traffic"]
 
 
-def _time(config: BenchConfig, model, run) -> tuple[List[float], List[float]]:
+def _time_interleaved(config: BenchConfig, paths) -> tuple[dict, dict]:
+    """(wall, CPU) seconds per path and timed step; `paths`: name -> (cp, model, run). Steps
+    alternate between the paths (reuse, dense, reuse, ...), each after Megatron is
+    re-initialised at the path's CP size, so that machine noise hits both alike. Re-initialising
+    forgets Megatron's groups without destroying them: each model keeps the ones it was built
+    with."""
+    from megatron_patches.models import initialize_distributed
     from megatron_patches.training import zero_grads
 
-    times, cpu = [], []
-    device = next(model.parameters()).device
+    times = {name: [] for name in paths}
+    cpu = {name: [] for name in paths}
     for step in range(config.warmup + config.steps):
-        zero_grads(model)
-        with RegionTimer(device) as timer:
-            run()
-        seconds, cpu_seconds = _reduce_max(timer.seconds), _reduce_max(timer.cpu_seconds)
-        if step >= config.warmup:
-            times.append(seconds)
-            cpu.append(cpu_seconds)
+        for name, (cp, model, run) in paths.items():
+            initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=cp)
+            zero_grads(model)
+            device = next(model.parameters()).device
+            with RegionTimer(device) as timer:
+                run()
+            seconds, cpu_seconds = _reduce_max(timer.seconds), _reduce_max(timer.cpu_seconds)
+            if step >= config.warmup:
+                times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
     return times, cpu
 
 
@@ -82,27 +94,30 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
         groups.append(CPGroup(ps.get_context_parallel_group()))
         return reuse_step(local, batch, plan, LOSS, cp_group=groups[-1])
 
-    reuse_times, reuse_cpu = _time(config, local, run_reuse)
-    zero_grads(local)
-    reuse = run_reuse()
-    reuse_grads = param_grads(local)
-    traffic = groups[-1].traffic
     layout = {"pp": config.pp, "tp": config.tp, "dp": 1, "cp": config.cp}
 
     initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=1)  # DP = cp
     stock = prepare_for_training(build_model(model_shape(config), seed=config.seed), ddp=False)
     dense = stock_dense_step(stock, batch, LOSS)  # the reference: whole batch, CP=1
-    check = {"loss_dense": dense.loss, "max_grad_rel_diff": _reduce_max(
-        max_relative_diff(param_grads(stock), reuse_grads))}
+    reference = param_grads(stock)
     fused = build_model(model_shape(config), fused_attention=True, seed=config.seed)
     fused = prepare_for_training(fused, ddp=True)
     share = place_groups(batch, dp_size=config.cp, token_budget=config.token_budget,
                          max_seq_len=config.prefix_len + config.suffix_len)
     mine = share.ranks[ps.get_data_parallel_rank()].batch
-    dense_times, dense_cpu = _time(config, fused, lambda: dense_step(fused, mine, LOSS))
+    times, cpu = _time_interleaved(config, {
+        "reuse": (config.cp, local, run_reuse),
+        "dense": (1, fused, lambda: dense_step(fused, mine, LOSS))})
+    initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=config.cp)
+    zero_grads(local)
+    reuse = run_reuse()
+    traffic = groups[-1].traffic
+    check = {"loss_dense": dense.loss, "max_grad_rel_diff": _reduce_max(
+        max_relative_diff(reference, param_grads(local)))}
+    initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=1)  # as _cp_loss reads
     check["loss_reuse"] = _cp_loss(reuse, config)
-    return {"times": {"dense": dense_times, "reuse": reuse_times},
-            "cpu_times": {"dense": dense_cpu, "reuse": reuse_cpu},
+    return {"times": {"dense": times["dense"], "reuse": times["reuse"]},
+            "cpu_times": {"dense": cpu["dense"], "reuse": cpu["reuse"]},
             "attention_backend": backend, **check, "memory": None, "layout": layout,
             "timing_basis": RegionTimer(param.device).basis,
             "reuse_microbatch_tokens": [m.num_tokens for m in plan.microbatches],
