@@ -47,6 +47,12 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
         )
     check_config_supported(config)  # every TransformerConfig field: config_support.py
     check_moe_supported(config)  # MoE settings that need the process groups to judge
+    chosen = getattr(step.plan, "memory", None)  # plan_microbatches(memory_budget_bytes=...)
+    if chosen is not None and chosen.options.recompute == "full" \
+            and config.recompute_granularity != "full":
+        raise ValueError("the plan fits its memory budget only with full activation recompute "
+                         "(plan.memory); build the model with recompute_granularity='full', "
+                         "recompute_method='uniform', recompute_num_layers=1")
     if config.recompute_granularity == "full":
         _check_full_recompute(config, step)
     if config.num_moe_experts and any(w.nodes is not None for w in step.plan.prefixes):

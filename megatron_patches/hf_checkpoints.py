@@ -157,12 +157,16 @@ def export_hf_weights(models, directory, config: dict) -> None:
     spec = from_hf_config(config)
     gpt = unwrap_model(models[0])
     layout = rank_layout(gpt)
-    params = {n: p.detach().float().cpu() for n, p in gpt.named_parameters()}
-    dense = {n: t for n, t in params.items() if ".experts." not in n}
-    experts = {n: t for n, t in params.items() if ".experts." in n}
-    local = ((layout.pp_rank, layout.tp_rank, dense) if ps.get_data_parallel_rank() == 0 else None,
+    send_dense = ps.get_data_parallel_rank() == 0
+    send_experts = ps.get_expert_data_parallel_rank() == 0
+    params = {n: p for n, p in gpt.named_parameters()
+              if (send_experts if ".experts." in n else send_dense)}  # host copies: what we send
+    dense = {n: p.detach().float().cpu() for n, p in params.items() if ".experts." not in n}
+    experts = {n: p.detach().float().cpu() for n, p in params.items() if ".experts." in n}
+    has_experts = any(".experts." in n for n, _ in gpt.named_parameters())
+    local = ((layout.pp_rank, layout.tp_rank, dense) if send_dense else None,
              (layout.pp_rank, layout.ep_rank, layout.expert_tp_rank, experts)
-             if experts and ps.get_expert_data_parallel_rank() == 0 else None)
+             if has_experts and send_experts else None)
     rank0 = torch.distributed.get_rank() == 0
     gathered = [None] * torch.distributed.get_world_size() if rank0 else None
     torch.distributed.gather_object(local, gathered, dst=0)

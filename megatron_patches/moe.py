@@ -330,7 +330,7 @@ def check_expert_parallel_schedule(step, device) -> None:
 
     from prefix_schedule.pipeline import ActionKind
 
-    # expert-parallel and expert-tensor-parallel ranks (with TP=1, ETP > 1 spans DP ranks)
+    # expert-parallel and expert-tensor-parallel ranks (expert TP = TP: check_moe_supported)
     group = parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False)
     if group is None or group.size() == 1:
         return

@@ -104,14 +104,17 @@ def _build(spec):
 
 
 def _megatron_logits(model, tokens):
-    """Full-vocabulary logits [b, s, V] on every rank (manual PP forward, TP all-gather)."""
+    """Full-vocabulary logits [b, s, V] on every rank (manual PP forward, TP all-gather;
+    sequence parallel: each stage sends its sequence shard)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     positions = torch.arange(tokens.shape[1]).unsqueeze(0)
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_rank, pp_size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    hidden_shape = (tokens.shape[1], tokens.shape[0], model.config.hidden_size)
+    seq = tokens.shape[1] // (ps.get_tensor_model_parallel_world_size()
+                              if model.config.sequence_parallel else 1)
+    hidden_shape = (seq, tokens.shape[0], model.config.hidden_size)
     with torch.no_grad():
         if pp_rank > 0:
             received = torch.empty(hidden_shape)

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from dist_harness import run_distributed  # noqa: E402
 from megatron_patches.checkpoints import RankLayout, to_hf, to_megatron  # noqa: E402
 from megatron_patches.model_configs import MODELS, from_hf_config  # noqa: E402
-from test_hf_checkpoints import hf_model  # noqa: E402
+from test_hf_checkpoints import _megatron_logits, hf_model  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 TWIN = MODELS["qwen3-30b-a3b-tiny"]
@@ -134,32 +134,6 @@ def _build(spec, etp):
                     rotary_base=spec.rope_theta).eval()
 
 
-def _logits(model, tokens):
-    """Full-vocabulary logits [b, s, V] on every rank (manual PP forward, TP all-gather;
-    sequence parallel: each stage sends its sequence shard)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    positions = torch.arange(tokens.shape[1]).unsqueeze(0)
-    group = ps.get_pipeline_model_parallel_group()
-    rank, size = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
-    seq = tokens.shape[1] // (ps.get_tensor_model_parallel_world_size()
-                              if model.config.sequence_parallel else 1)
-    with torch.no_grad():
-        if rank > 0:
-            received = torch.empty(seq, tokens.shape[0], model.config.hidden_size)
-            torch.distributed.recv(received, group=group, group_src=rank - 1)
-            model.set_input_tensor(received)
-        out = model(tokens, positions, None)
-        if rank < size - 1:
-            torch.distributed.send(out.contiguous(), group=group, group_dst=rank + 1)
-            logits = torch.empty(*tokens.shape, model.vocab_size)
-        else:
-            logits = gather_from_tensor_model_parallel_region(out).contiguous()
-        torch.distributed.broadcast(logits, group=group, group_src=size - 1)
-    return logits
-
-
 def _load_compare_export(tp, pp, ep, etp, checkpoint, export_dir):
     from megatron_patches.hf_checkpoints import export_hf_weights, load_hf_weights, read_hf_config
     from megatron.core import parallel_state, tensor_parallel
@@ -172,7 +146,7 @@ def _load_compare_export(tp, pp, ep, etp, checkpoint, export_dir):
     model = _build(spec, etp)
     load_hf_weights(model, checkpoint)
     tokens = torch.randint(0, spec.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
-    logits = _logits(model, tokens)
+    logits = _megatron_logits(model, tokens)
     export_hf_weights([model], export_dir, config)
     return logits
 

@@ -108,6 +108,7 @@ def _pp2_rank():
         dense_metrics, dense_grads = _metrics(), param_grads(models[0])
         reuse = reuse_step(models[1], batch, plan, LOSS)
         reuse_metrics, reuse_grads = _metrics(), param_grads(models[1])
+        assert dense_metrics.keys() == reuse_metrics.keys()
         for model, optimizer in zip(models, optimizers):
             _sgd_step(model, optimizer)
         weights = [{n: p.detach() for n, p in m.named_parameters()} for m in models]

@@ -53,6 +53,18 @@ def test_infeasible_budget_names_the_smallest_that_fits():
         MemoryOptions(offload=True, recompute="full")
 
 
+def test_a_step_takes_the_offload_its_budget_plan_chose():
+    from prefix_schedule.runtime.step import ReuseStep
+
+    batch, plain = _plan(10 ** 9)
+    batch, plan = _plan(int(plain.memory.peaks["step"] * 0.6),
+                        memory_options=[MemoryOptions(offload=True)])
+    assert plan.memory.options.offload
+    assert ReuseStep(batch, plan).offload_prefix_activations  # the default: as planned
+    assert not ReuseStep(batch, plan, offload_prefix_activations=False).offload_prefix_activations
+    assert not ReuseStep(batch, plain).offload_prefix_activations
+
+
 def test_capacity_tool_reports_every_path_and_the_ratio(tmp_path):
     capacity = tool("capacity")
     spec = capacity.MODELS["llama3-8b"]
@@ -63,6 +75,12 @@ def test_capacity_tool_reports_every_path_and_the_ratio(tmp_path):
     assert reuse["no offload, no recompute"]["trajectory"] > dense["none"]
     best = max(v["trajectory"] for v in reuse.values())
     assert r["capacity_ratio"] == pytest.approx(best / max(dense.values()))
+    # the distributed optimizer shards over DP x CP (experts over DP x CP / EP)
+    moe = capacity.MODELS["qwen3-30b-a3b"]
+    for model, ep in ((spec, 1), (moe, 8)):
+        one = capacity.static_bytes(model, capacity.Layout(dp=8, cp=1, ep=ep))["optimizer"]
+        two = capacity.static_bytes(model, capacity.Layout(dp=8, cp=2, ep=ep))["optimizer"]
+        assert two == pytest.approx(one / 2)
     png = tmp_path / "frontier.png"
     assert capacity.main(["--model", "tiny", "--memory-gib", "0.05", "--dp", "1",
                           "--reserve-gib", "0", "--group-size", "2", "4", "--prefix-share",
@@ -147,4 +165,9 @@ def test_planner_chosen_configuration_equals_dense(megatron_env, fraction, recom
     model = _model(**(dict(FULL["uniform"], recompute_num_layers=1) if recompute == "full" else {}))
     vs_dense, _, _ = _compare(model, batch, plan, offload_prefix_activations=choice.options.offload)
     assert vs_dense <= TOL
+    if recompute == "full":  # the plan needs the recompute it chose: refused without it
+        from megatron_patches.training import reuse_step
+
+        with pytest.raises(ValueError, match="only with full activation recompute"):
+            reuse_step(_model(), batch, plan, BENCH_LOSS)
     torch.manual_seed(0)

@@ -89,7 +89,9 @@ def static_bytes(spec: ModelSpec, layout: Layout) -> Dict[str, float]:
     expert = experts / (layout.tp * layout.ep)
     params = dense + expert
     return {"weights": 2 * params, "grads": 4 * params,
-            "optimizer": 12 * dense / layout.dp + 12 * expert / max(1, layout.dp // layout.ep)}
+            # the distributed optimizer shards over DP x CP (experts: expert DP = DP x CP / EP)
+            "optimizer": 12 * dense / (layout.dp * layout.cp)
+            + 12 * expert / max(1, layout.dp * layout.cp // layout.ep)}
 
 
 def activation_models(spec: ModelSpec, layout: Layout, act_bytes: int) -> List[ActivationModel]:
@@ -255,9 +257,9 @@ def main(argv=None) -> int:
     spec = MODELS[CHOICES[args.model]]
     layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep)
     bad = [f"--{k}={v}" for k, v in dataclasses.asdict(layout).items() if v < 1]
-    if bad or spec.num_layers % args.pp or spec.num_query_groups % args.tp or args.dp % args.ep:
+    if bad or spec.num_layers % args.pp or spec.num_query_groups % args.tp or (args.dp * args.cp) % args.ep:
         p.error(f"layout {layout}: sizes >= 1, --pp dividing {spec.num_layers} layers, --tp "
-                f"dividing {spec.num_query_groups} K/V heads, --ep dividing --dp")
+                f"dividing {spec.num_query_groups} K/V heads, --ep dividing --dp x --cp")
     if any(g < 1 for g in args.group_size) or not all(0 < s < 1 for s in args.prefix_share):
         p.error("--group-size >= 1 and --prefix-share in (0, 1)")
     kw = dict(memory_gib=args.memory_gib, layout=layout, pack=args.pack,

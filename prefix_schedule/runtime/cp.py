@@ -216,13 +216,13 @@ class CPGroup:
         self._indices: Dict[tuple, torch.Tensor] = {}
 
     def index(self, layout: ZigzagLayout, kind: str, device) -> torch.Tensor:
-        """layout's "local", "gather" or "real" index on `device`, built and copied once per
+        """layout's "gather", "real" or "split" index on `device`, built and copied once per
         (layout, device) for the group's lifetime (a step): no host work or pageable
         host-to-device copy per layer."""
         key = (layout, kind, str(device))
         if key not in self._indices:
-            build = {"local": layout.local_index, "gather": layout.gather_index,
-                     "real": layout.real_index, "split": layout.split_rows}[kind]
+            build = {"gather": layout.gather_index, "real": layout.real_index,
+                     "split": layout.split_rows}[kind]
             self._indices[key] = build().to(device)
         return self._indices[key]
 
@@ -271,7 +271,7 @@ class CPGroup:
         ranked = full[self.index(layout, "gather", full.device)].contiguous()  # rank-major
         self._count(phase + ".reduce_scatter", ranked.numel() * ranked.element_size())
         rows = ranked.shape[0] // self.size  # local_len when every sequence is split
-        if dist.get_backend(self.group) == "nccl":
+        if ranked.is_cuda and dist.get_backend(self.group) != "gloo":  # NCCL (or a mixed one)
             out = ranked.new_empty((rows, *ranked.shape[1:]))
             dist.reduce_scatter_tensor(out, ranked, group=self.group)
             return out

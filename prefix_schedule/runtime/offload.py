@@ -106,6 +106,8 @@ class PrefixActivationOffloader:
                  keep: Callable[[torch.Tensor], bool] = lambda t: False,
                  pool: Optional[PinnedHostPool] = None, min_bytes: int = 1024) -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:  # compare with t.device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._params = {storage_key(p)[0] for p in params}
         self.keep, self.min_bytes = keep, min_bytes
         cuda = self.device.type == "cuda"

@@ -36,7 +36,8 @@ class ReuseStep:
     """Data, plan, schedule and prefix cache of one step (one per rank)."""
 
     def __init__(self, batch: GroupBatch, plan: StepPlan, *, num_stages: int = 1,
-                 num_model_chunks: int = 1, offload_prefix_activations: bool = False,
+                 num_model_chunks: int = 1,
+                 offload_prefix_activations: Optional[bool] = None,
                  cp_group: Optional[CPGroup] = None,
                  offload_pool_bytes: Optional[int] = None) -> None:
         """`num_stages`: the pipeline size (ranks); `num_model_chunks`: Megatron's virtual
@@ -51,7 +52,10 @@ class ReuseStep:
                              f"with row_multiple=1 (got {plan.row_multiple}) and give the CP "
                              "group the row multiple sequence parallelism needs: "
                              "CPGroup(group, row_multiple=tp)")
-        self.offload_prefix_activations = offload_prefix_activations
+        if offload_prefix_activations is None:  # what a memory-budget plan chose (plan.memory)
+            chosen = getattr(plan, "memory", None)
+            offload_prefix_activations = chosen is not None and chosen.options.offload
+        self.offload_prefix_activations = bool(offload_prefix_activations)
         """Keep what Phase A saves for backward in (pinned) host memory until Phase C, parameters
         and the cached K/V excepted ([Note: prefix activation offload] in runtime/offload.py)."""
         if offload_pool_bytes is not None and offload_pool_bytes < 0:
