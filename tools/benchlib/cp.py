@@ -28,23 +28,49 @@ from benchlib.steps import dense_step, reuse_step
 from benchlib.timing import RegionTimer
 from prefix_schedule.runtime.cp import ZigzagLayout
 
-__all__ = ["measure_cp", "dense_cp_traffic"]
+__all__ = ["ParallelStates", "measure_cp", "dense_cp_traffic"]
 
 
-def _time_interleaved(config: BenchConfig, paths) -> tuple[dict, dict]:
+class ParallelStates:
+    """Megatron's parallel state at each CP size, initialised once per size: `use(cp)` makes it
+    current again by restoring parallel_state's module globals (its groups, ranks, sizes).
+
+    Re-initialising instead (destroy_model_parallel + initialize_model_parallel) forgets the old
+    groups without destroying them and creates new ones, each with its gloo threads: re-initialising
+    before every step grew each rank from ~550 to ~970 threads over 16 steps here and slowed
+    later steps of both paths (up to 2-3x after 45 re-initialisations), so timings drifted with
+    the step index."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        self.config = config
+        self._saved: Dict[int, dict] = {}
+
+    def use(self, cp: int) -> None:
+        from megatron.core import parallel_state as ps
+        from megatron_patches.models import initialize_distributed
+
+        if cp not in self._saved:
+            initialize_distributed(seed=self.config.seed, tp=self.config.tp, pp=self.config.pp,
+                                   cp=cp)
+            self._saved[cp] = {name: value for name, value in vars(ps).items()
+                               if name.startswith("_") and name[1:2].isupper()}
+        for name, value in self._saved[cp].items():
+            setattr(ps, name, value)
+
+
+def _time_interleaved(config: BenchConfig, states: ParallelStates,
+                      paths) -> tuple[dict, dict]:
     """(wall, CPU) seconds per path and timed step; `paths`: name -> (cp, model, run). Steps
-    alternate between the paths (reuse, dense, reuse, ...), each after Megatron is
-    re-initialised at the path's CP size, so that machine noise hits both alike. Re-initialising
-    forgets Megatron's groups without destroying them: each model keeps the ones it was built
-    with."""
-    from megatron_patches.models import initialize_distributed
+    alternate between the paths (reuse, dense, reuse, ...), each with Megatron's parallel state
+    at the path's CP size current (`states`), so that machine noise hits both alike. Each model
+    keeps the groups it was built with."""
     from megatron_patches.training import zero_grads
 
     times = {name: [] for name in paths}
     cpu = {name: [] for name in paths}
     for step in range(config.warmup + config.steps):
         for name, (cp, model, run) in paths.items():
-            initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=cp)
+            states.use(cp)
             zero_grads(model)
             device = next(model.parameters()).device
             with RegionTimer(device) as timer:
@@ -74,7 +100,7 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
 
     megatron_patches.enable_cpu_support()
     from megatron.core import parallel_state as ps
-    from megatron_patches.models import build_model, initialize_distributed
+    from megatron_patches.models import build_model
     from megatron_patches.training import (max_relative_diff, param_grads, prepare_for_training,
                                            zero_grads)
     from megatron_patches.training import dense_step as stock_dense_step
@@ -84,7 +110,8 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
     megatron_patches.install()
     batch = config_batch(config)
     plan = config_plan(config, batch)
-    initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=config.cp)
+    states = ParallelStates(config)
+    states.use(config.cp)
     local = prepare_for_training(build_model(model_shape(config), seed=config.seed), ddp=False)
     param = next(local.parameters())
     backend = selected_backend(config, param.device, param.dtype)
@@ -96,7 +123,7 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
 
     layout = {"pp": config.pp, "tp": config.tp, "dp": 1, "cp": config.cp}
 
-    initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=1)  # DP = cp
+    states.use(1)  # the same processes as DP = cp
     stock = prepare_for_training(build_model(model_shape(config), seed=config.seed), ddp=False)
     dense = stock_dense_step(stock, batch, LOSS)  # the reference: whole batch, CP=1
     reference = param_grads(stock)
@@ -105,16 +132,16 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
     share = place_groups(batch, dp_size=config.cp, token_budget=config.token_budget,
                          max_seq_len=config.prefix_len + config.suffix_len)
     mine = share.ranks[ps.get_data_parallel_rank()].batch
-    times, cpu = _time_interleaved(config, {
+    times, cpu = _time_interleaved(config, states, {
         "reuse": (config.cp, local, run_reuse),
         "dense": (1, fused, lambda: dense_step(fused, mine, LOSS))})
-    initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=config.cp)
+    states.use(config.cp)
     zero_grads(local)
     reuse = run_reuse()
     traffic = groups[-1].traffic
     check = {"loss_dense": dense.loss, "max_grad_rel_diff": _reduce_max(
         max_relative_diff(reference, param_grads(local)))}
-    initialize_distributed(seed=config.seed, tp=config.tp, pp=config.pp, cp=1)  # as _cp_loss reads
+    states.use(1)  # as _cp_loss reads
     check["loss_reuse"] = _cp_loss(reuse, config)
     return {"times": {"dense": times["dense"], "reuse": times["reuse"]},
             "cpu_times": {"dense": cpu["dense"], "reuse": cpu["reuse"]},
