@@ -41,6 +41,11 @@ __all__ = ["BALANCE_TOLERANCE", "ZigzagLayout", "CPGroup", "CPRow", "balance_own
 BALANCE_TOLERANCE = 0.05
 """Largest CP rank load (tokens, attention pairs) over the mean that whole suffixes may leave."""
 
+# single-tensor collectives (NCCL and gloo): the newer torch names where they exist (the
+# older ones then warn as deprecated), else the older ones
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclasses.dataclass(frozen=True)
 class ZigzagLayout:
@@ -259,11 +264,11 @@ class CPGroup:
     # ---- the two collectives (rank-major local rows)
     def _all_gather(self, x: torch.Tensor, layout: ZigzagLayout, phase: str) -> torch.Tensor:
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
-        self._count(phase + ".all_gather", x.numel() * x.element_size() * self.size)
+        ranked = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # rank-major
+        _ALL_GATHER(ranked, x, group=self.group)
+        self._count(phase + ".all_gather", ranked.numel() * ranked.element_size())
         full = (x.new_zeros if layout.owners else x.new_empty)((layout.full_len, *x.shape[1:]))
-        full[self.index(layout, "gather", x.device)] = torch.cat(parts)
+        full[self.index(layout, "gather", x.device)] = ranked
         return full
 
     def _reduce_scatter(self, full: torch.Tensor, layout: ZigzagLayout,
@@ -271,12 +276,9 @@ class CPGroup:
         ranked = full[self.index(layout, "gather", full.device)].contiguous()  # rank-major
         self._count(phase + ".reduce_scatter", ranked.numel() * ranked.element_size())
         rows = ranked.shape[0] // self.size  # local_len when every sequence is split
-        if ranked.is_cuda and dist.get_backend(self.group) != "gloo":  # NCCL (or a mixed one)
-            out = ranked.new_empty((rows, *ranked.shape[1:]))
-            dist.reduce_scatter_tensor(out, ranked, group=self.group)
-            return out
-        dist.all_reduce(ranked, group=self.group)  # gloo has no reduce-scatter
-        return ranked[self.rank * rows:(self.rank + 1) * rows].clone()
+        out = ranked.new_empty((rows, *ranked.shape[1:]))
+        _REDUCE_SCATTER(out, ranked, group=self.group)  # NCCL and gloo alike (one code path)
+        return out
 
 
 class _GatherRows(torch.autograd.Function):
