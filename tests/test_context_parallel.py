@@ -279,6 +279,9 @@ def test_bench_cp2_records_layout_and_bytes_per_phase(tmp_path):
     # 6 dense rows of 51 tokens, padded to 52
     assert dense["all_gather"] == dense["reduce_scatter"] == 6 * 2 * 52 * 2 * 16 * 4 * 2 // 2
     assert "cp 2 = 2 process(es)" in proc.stdout and "CP MiB per rank" in proc.stdout
+    reference = result["cp_reference"]  # the same reuse at CP=1 x DP=2, timed alongside
+    assert len(reference["reuse_cp1_seconds_all"]) == 1 and reference["cp_overhead"] > 0
+    assert "reuse at CP=1 x DP=2" in proc.stdout
 
 
 def test_bench_cp_config():

@@ -10,6 +10,8 @@ each rank of the pp*tp*cp processes:
    fused dense step on this rank's share of the rows (place_groups) at CP=1 -- the dense layout
    stock Megatron can run on these processes -- step by step interleaved, Megatron
    re-initialised at each path's CP size before its step;
+   and, as a third path, the same reuse at CP=1 on the dense path's shares (`cp_reference`:
+   what CP itself costs at equal work per rank);
 3. checks gradients: one more reuse step at CP=N against the stock dense reference.
 `cp_traffic` gives reuse's measured bytes per phase and collective next to what dense CP
 (K/V all-gather per layer per row in forward, reduce-scatter in backward, rows padded to
@@ -17,6 +19,7 @@ each rank of the pp*tp*cp processes:
 """
 from __future__ import annotations
 
+import statistics
 from typing import Dict, List
 
 import torch
@@ -132,9 +135,13 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
     share = place_groups(batch, dp_size=config.cp, token_budget=config.token_budget,
                          max_seq_len=config.prefix_len + config.suffix_len)
     mine = share.ranks[ps.get_data_parallel_rank()].batch
+    # the CP overhead at equal work: the same reuse on the dense path's shares, no CP
+    reuse_dp = prepare_for_training(build_model(model_shape(config), seed=config.seed), ddp=True)
+    plan_dp = config_plan(config, mine)
     times, cpu = _time_interleaved(config, states, {
         "reuse": (config.cp, local, run_reuse),
-        "dense": (1, fused, lambda: dense_step(fused, mine, LOSS))})
+        "dense": (1, fused, lambda: dense_step(fused, mine, LOSS)),
+        "reuse_cp1": (1, reuse_dp, lambda: reuse_step(reuse_dp, mine, plan_dp, LOSS))})
     states.use(config.cp)
     zero_grads(local)
     reuse = run_reuse()
@@ -143,8 +150,17 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
         max_relative_diff(reference, param_grads(local)))}
     states.use(1)  # as _cp_loss reads
     check["loss_reuse"] = _cp_loss(reuse, config)
+    reuse_cp1 = statistics.median(times["reuse_cp1"])
     return {"times": {"dense": times["dense"], "reuse": times["reuse"]},
             "cpu_times": {"dense": cpu["dense"], "reuse": cpu["reuse"]},
+            "cp_reference": {
+                "layout": f"reuse at CP=1 x DP={config.cp} on the dense path's shares (same "
+                          "processes, same work per rank, no CP), timed interleaved",
+                "reuse_cp1_seconds": reuse_cp1,
+                "reuse_cp1_seconds_all": times["reuse_cp1"],
+                "reuse_cp1_cpu_seconds": statistics.median(cpu["reuse_cp1"]),
+                "cp_overhead": statistics.median(times["reuse"]) / reuse_cp1,
+                "speedup_cp1": statistics.median(times["dense"]) / reuse_cp1},
             "attention_backend": backend, **check, "memory": None, "layout": layout,
             "timing_basis": RegionTimer(param.device).basis,
             "reuse_microbatch_tokens": [m.num_tokens for m in plan.microbatches],

@@ -181,7 +181,12 @@ def _cp_lines(result: dict) -> List[str]:
     reuse = ", ".join(f"{k} {v / mib:.2f}" for k, v in sorted(
         traffic["reuse_bytes_per_rank"].items()))
     dense = traffic["dense_cp_bytes_per_rank_model"]
+    ref = result["cp_reference"]
     return [f"dense timed as: {result['dense_layout']}",
+            f"reuse at CP=1 x DP={result['layout']['cp']} (same work per rank, no CP): "
+            f"{ref['reuse_cp1_seconds']:.4f} s (min {min(ref['reuse_cp1_seconds_all']):.4f}), "
+            f"efficiency {ref['speedup_cp1'] / result['ideal_speedup']:.3f}; CP reuse / CP=1 "
+            f"reuse {ref['cp_overhead']:.3f}",
             f"CP MiB per rank per step: reuse {reuse} (total "
             f"{sum(traffic['reuse_bytes_per_rank'].values()) / mib:.2f}); dense CP would move "
             f"all_gather {dense['all_gather'] / mib:.2f}, reduce_scatter "
