@@ -8,9 +8,10 @@ so the pool is a small allocator over a few large host slabs, never one block pe
   block freed by a long tensor serves several short ones and vice versa;
 - a bounded pool (`capacity_bytes`) pins at most that: its slabs are the powers of two of the
   capacity's binary expansion (pieces >= 64 bytes), each pinned when first needed (the smallest
-  piece that fits). torch's pinned allocator rounds every allocation up to a power of two and
-  keeps freed ones cached, so exact powers of two make `allocated_bytes` the bytes really pinned
-  and a slab is never freed and re-pinned mid-step. A request that fits no free extent and no
+  piece that fits; a bound that is itself a power of two is one slab, pinned at the first
+  offload). torch's pinned allocator rounds every allocation up to a power of two and keeps
+  freed ones cached (the next step's pool gets them back without re-pinning), so exact powers
+  of two make `allocated_bytes` the bytes really pinned. A request that fits no free extent and no
   unpinned piece gets None: its tensor stays on the device (memory, never the math, changes);
 - an unbounded pool (None) pins a new slab (the request rounded up to a power of two, at least
   `min_slab_bytes`) when nothing free fits.
