@@ -110,8 +110,7 @@ def _cp_attention(context, layer, q, k, v, key, value, scale):
             context.cache.store(
                 context.group, layer, key, value, chunk=context.chunk,
                 full=(k_full.detach()[real], v_full.detach()[real]),
-                to_local=lambda grads: cp.reduce_scatter_rows(
-                    [_pad_rows(g, layout, real) for g in grads], layout, "C"))
+                to_local=cp.gradient_to_local(layout, key.device))
             if context.stop_after_layer == layer:
                 raise PrefixForwardDone()
         cached = ([context.cache.read(context.group, layer, before_chunk=context.chunk)]
@@ -126,13 +125,6 @@ def _cp_attention(context, layer, q, k, v, key, value, scale):
             cached.append(reads[group] if group is not None else (None, None))
     return zigzag_attention(q, k, v, k_full, v_full, layout, [c[0] for c in cached],
                             [c[1] for c in cached], scale=scale)
-
-
-def _pad_rows(grad, layout, real):
-    """A whole-prefix gradient [L, ...] placed at its real rows of the padded full row."""
-    full = grad.new_zeros((layout.full_len, *grad.shape[1:]))
-    full[real] = grad
-    return full
 
 
 def _prefix_attention(context, layer, q, k, v, scale):

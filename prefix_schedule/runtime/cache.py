@@ -125,8 +125,9 @@ class PrefixKVCache:
 
         Megatron gives [L, 1, H, D] (sbhd, one row); they are read back as [L, H, D].
         Context parallel ([Note: CP prefix cache]): `k`, `v` are this rank's zigzag rows, `full`
-        the chunk's whole gathered K/V [L, H, D] (what reads return) and `to_local(grads)` the
-        CP group's reduce-scatter of the whole-chunk gK/gV to this rank's rows.
+        the chunk's whole gathered K/V [L, H, D] (what reads return) and `to_local(grads,
+        shapes)` the CP group's reduce-scatter of the whole-chunk gK/gV (None: zeros of that
+        shape) to this rank's rows, which consumes the list.
         """
         if (full is None) != (to_local is None):
             raise ValueError("a CP cache entry needs both `full` and `to_local`")
@@ -251,14 +252,12 @@ class PrefixKVCache:
         if output is not None and output_grad is not None and output.requires_grad:
             tensors.append(output)
             grads.append(output_grad)
-        pairs = [(graph, grad) for entry in layers.values()
-                 for graph, grad in ((entry.k_graph, entry.grad_k), (entry.v_graph, entry.grad_v))]
         to_local = self._to_local.get((group, chunk))
         if to_local is not None:  # [Note: CP prefix cache]: one collective, every CP rank
-            leaves = [leaf for e in layers.values() for leaf in (e.k_leaf, e.v_leaf)]
-            full = [torch.zeros(leaf.shape, dtype=torch.float32, device=leaf.device)
-                    if grad is None else grad for (_, grad), leaf in zip(pairs, leaves)]
-            pairs = [(graph, local) for (graph, _), local in zip(pairs, to_local(full))]
+            pairs = self._local_grads(layers, to_local)
+        else:
+            pairs = [(graph, grad) for entry in layers.values() for graph, grad in
+                     ((entry.k_graph, entry.grad_k), (entry.v_graph, entry.grad_v))]
         for graph, grad in pairs:
             if grad is not None and graph.requires_grad:
                 tensors.append(graph)
@@ -270,6 +269,19 @@ class PrefixKVCache:
         if tensors:
             backward_fn(tensors, grads)
         self._free_chunk(group, chunk)
+
+    @staticmethod
+    def _local_grads(layers: Dict[int, _Entry], to_local: Callable) -> List[tuple]:
+        """(graph, this rank's rows of the CP group's summed gK/gV) per K and V; the entries
+        give up their whole-prefix gK/gV, which `to_local` frees as it packs them ([Note: CP
+        Phase C memory] in runtime/cp.py)."""
+        graphs, grads, shapes = [], [], []
+        for entry in layers.values():
+            graphs += [entry.k_graph, entry.v_graph]
+            grads += [entry.grad_k, entry.grad_v]
+            shapes += [entry.k_leaf.shape, entry.v_leaf.shape]
+            entry.grad_k = entry.grad_v = None
+        return list(zip(graphs, to_local(grads, shapes)))
 
     def free(self, group: int) -> None:
         """Drop every live chunk of `group` (forward-only steps; Phase C frees chunk by chunk)."""

@@ -24,6 +24,14 @@ per-piece zigzag of every suffix cost each rank ~3x the attention time of the sa
 whole sequences (a prefix copy per piece, 16-query kernel calls) plus two collectives per layer
 (docs/BENCHMARKS.md).
 
+[Note: CP Phase C memory]
+Before a CP prefix chunk's Phase C, each rank holds the fp32 gK/gV its queries gave every token
+of the chunk (every layer: at a 32k-token prefix, GiBs). `reduce_scatter_real` writes them
+straight into the collective's one rank-major send buffer (padding rows zeroed, no padded or
+concatenated intermediate), dropping each accumulator once packed, and frees the buffer as
+soon as this rank's rows are out: at most the accumulators plus that buffer (2 copies) are live,
+then the buffer plus the 1/CP result.
+
 Megatron-free: the group is a torch.distributed process group.
 """
 
@@ -31,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -149,6 +157,22 @@ class ZigzagLayout:
         return torch.cat([self._index([c for c in self.chunks(r) if self.owner(c[0]) < 0])
                           for r in range(self.cp_size)])
 
+    def ranked_real_index(self) -> torch.Tensor:
+        """Row of each real token (in row order) in the rank-major concatenation of all ranks'
+        local rows (every sequence split: the order a reduce-scatter cuts)."""
+        if self.owners:
+            raise ValueError("ranked_real_index needs every sequence zigzag-split (no owners)")
+        gather = self.gather_index()
+        ranked = torch.empty_like(gather)
+        ranked[gather] = torch.arange(gather.numel())
+        return ranked[self.real_index()]
+
+    def ranked_padding_index(self) -> torch.Tensor:
+        """Rows of the padding tokens in that concatenation."""
+        real = torch.zeros(self.full_len, dtype=torch.bool)
+        real[self.ranked_real_index()] = True
+        return (~real).nonzero().flatten()
+
     def real_index(self) -> torch.Tensor:
         """Indices of the real (non-padding) tokens in the padded full row, in row order."""
         return torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)])
@@ -221,13 +245,14 @@ class CPGroup:
         self._indices: Dict[tuple, torch.Tensor] = {}
 
     def index(self, layout: ZigzagLayout, kind: str, device) -> torch.Tensor:
-        """layout's "gather", "real" or "split" index on `device`, built and copied once per
-        (layout, device) for the group's lifetime (a step): no host work or pageable
-        host-to-device copy per layer."""
+        """layout's "gather", "real", "split", "ranked_real" or "ranked_padding" index on
+        `device`, built and copied once per (layout, device) for the group's lifetime (a step):
+        no host work or pageable host-to-device copy per layer."""
         key = (layout, kind, str(device))
         if key not in self._indices:
             build = {"gather": layout.gather_index, "real": layout.real_index,
-                     "split": layout.split_rows}[kind]
+                     "split": layout.split_rows, "ranked_real": layout.ranked_real_index,
+                     "ranked_padding": layout.ranked_padding_index}[kind]
             self._indices[key] = build().to(device)
         return self._indices[key]
 
@@ -248,16 +273,39 @@ class CPGroup:
             x = x[self.index(layout, "split", x.device)]
         return _GatherRows.apply(x, layout, self, phase, backward_phase)
 
-    def reduce_scatter_rows(self, fulls: List[torch.Tensor], layout: ZigzagLayout,
-                            phase: str) -> List[torch.Tensor]:
-        """Sum of every rank's full-row tensors [full_len, ...], each cut to this rank's local
-        rows: one collective for the whole list (fp32 in, fp32 out)."""
-        flat = torch.cat([f.reshape(f.shape[0], -1) for f in fulls], dim=1)
-        local = self._reduce_scatter(flat, layout, phase)
+    def gradient_to_local(self, layout: ZigzagLayout, device) -> Callable:
+        """A CP prefix row's `to_local` for the prefix cache ([Note: CP prefix cache]): Phase
+        C's reduce-scatter of the whole-prefix gK/gV."""
+        return lambda grads, shapes: self.reduce_scatter_real(grads, shapes, layout, "C", device)
+
+    def reduce_scatter_real(self, grads: List[Optional[torch.Tensor]],
+                            shapes: Sequence[torch.Size], layout: ZigzagLayout, phase: str,
+                            device) -> List[torch.Tensor]:
+        """Sum over the CP group of every rank's whole-sequence tensors [real tokens, ...] (fp32
+        on `device`; None: zeros of `shapes[i]`), each cut to this rank's local rows (padding
+        rows zero): one collective for the list ([Note: CP Phase C memory]). Consumes `grads`:
+        each entry is written straight into the one rank-major send buffer, then dropped from
+        the list, so a caller that passes the only references frees each as it is packed."""
+        if len(grads) != len(shapes):
+            raise ValueError(f"{len(grads)} gradients for {len(shapes)} shapes")
+        widths = [math.prod(shape[1:]) for shape in shapes]
+        rows = self.index(layout, "ranked_real", device)  # also refuses whole sequences
+        ranked = torch.empty((layout.full_len, sum(widths)), dtype=torch.float32, device=device)
+        ranked.index_fill_(0, self.index(layout, "ranked_padding", device), 0)  # no gradient
+        at = 0
+        for i, width in enumerate(widths):
+            columns = ranked[:, at:at + width]
+            if grads[i] is None:
+                columns.index_fill_(0, rows, 0)
+            else:
+                columns.index_copy_(0, rows, grads[i].reshape(rows.numel(), width))
+            grads[i] = None  # packed: free it now
+            at += width
+        local = self._reduce_scatter_ranked(ranked, phase)
+        del ranked
         out, at = [], 0
-        for f in fulls:
-            width = f[0].numel()
-            out.append(local[:, at:at + width].reshape(layout.local_len, *f.shape[1:]))
+        for shape, width in zip(shapes, widths):
+            out.append(local[:, at:at + width].reshape(local.shape[0], *shape[1:]))
             at += width
         return out
 
@@ -274,6 +322,10 @@ class CPGroup:
     def _reduce_scatter(self, full: torch.Tensor, layout: ZigzagLayout,
                         phase: str) -> torch.Tensor:
         ranked = full[self.index(layout, "gather", full.device)].contiguous()  # rank-major
+        return self._reduce_scatter_ranked(ranked, phase)
+
+    def _reduce_scatter_ranked(self, ranked: torch.Tensor, phase: str) -> torch.Tensor:
+        """This rank's rows of the sum of every rank's contiguous rank-major `ranked`."""
         self._count(phase + ".reduce_scatter", ranked.numel() * ranked.element_size())
         rows = ranked.shape[0] // self.size  # local_len when every sequence is split
         out = ranked.new_empty((rows, *ranked.shape[1:]))

@@ -17,8 +17,11 @@ Unlike `torch.autograd.graph.save_on_cpu`, which copies every saved tensor synch
   last-saved first: Phase C's first unpack (the last layer) waits for one copy, and each later
   copy overlaps the backward of the layers after it; an unpack without prefetch fetches
   synchronously;
-- host blocks come from a bounded `PinnedHostPool` and return to it once copied back; when the
-  pool is full the tensor simply stays on the device (memory, never the math, changes).
+- host blocks come from a bounded `PinnedHostPool` ([Note: pinned host pool] in host_pool.py:
+  best-fit extents of a few slabs, so varying sizes never pin past the bound) and return to it
+  once copied back; when nothing fits the tensor simply stays on the device (memory, never the
+  math, changes). Every copy from or into the pool runs on the one side stream, so a block's
+  reuse never waits on the host.
 Bits are copied exactly, so gradients equal those without offload bit for bit. Every offload unit
 is keyed (prefix unit, model chunk), so several groups in flight under PP never mix.
 """
@@ -31,43 +34,11 @@ from typing import Callable, Dict, Hashable, Iterable, Iterator, List, Optional,
 
 import torch
 
+from prefix_schedule.runtime.host_pool import ALIGN as _ALIGN
+from prefix_schedule.runtime.host_pool import PinnedHostPool
 from prefix_schedule.runtime.memory import active_meter, storage_key
 
-__all__ = ["PinnedHostPool", "PrefixActivationOffloader", "prefetch_points"]
-
-
-class PinnedHostPool:
-    """Host blocks (uint8) of at most `capacity_bytes` in use at once; freed blocks are reused."""
-
-    def __init__(self, capacity_bytes: Optional[int] = None, *, pin: bool = False) -> None:
-        if capacity_bytes is not None and capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes={capacity_bytes}; give bytes >= 0 or None")
-        self.capacity_bytes, self.pin = capacity_bytes, pin
-        self._free: Dict[int, List[torch.Tensor]] = {}
-        self.in_use_bytes = 0
-        self.peak_in_use_bytes = 0
-        self.allocated_bytes = 0
-
-    def take(self, nbytes: int) -> Optional[torch.Tensor]:
-        """A block of `nbytes`, or None if it would exceed the capacity."""
-        if self.capacity_bytes is not None and self.in_use_bytes + nbytes > self.capacity_bytes:
-            return None
-        free = self._free.get(nbytes)
-        if free:
-            block, event = free.pop()
-            if event is not None:  # a copy from this block may still be running
-                event.synchronize()
-        else:
-            block = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
-            self.allocated_bytes += nbytes
-        self.in_use_bytes += nbytes
-        self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
-        return block
-
-    def give(self, block: torch.Tensor, event=None) -> None:
-        """Return `block`; `event`: the copy reading it (waited for before the block is reused)."""
-        self.in_use_bytes -= block.numel()
-        self._free.setdefault(block.numel(), []).append((block, event))
+__all__ = ["PinnedHostPool", "PrefixActivationOffloader", "prefetch_points"]  # pool: host_pool.py
 
 
 class _Record:
@@ -83,9 +54,6 @@ class _Record:
         self.host_box = [host]  # emptied when fetched; returned to the pool if never fetched
         self.device_buf: Optional[torch.Tensor] = None
         self.event = None
-
-
-_ALIGN = 64  # bytes: the copy keeps the view's alignment modulo this (kernels pick paths by it)
 
 
 def _span(t: torch.Tensor) -> tuple:
@@ -155,7 +123,9 @@ class PrefixActivationOffloader:
             yield
 
     def _offload(self, t: torch.Tensor, nbytes: int, extent: int, lead: int) -> Optional[_Record]:
-        host = self.pool.take(nbytes)
+        # a reused block's earlier copies ran on this same stream, which keeps issue order: the
+        # pool's wait for them costs the host nothing ([Note: pinned host pool])
+        host = self.pool.take(nbytes, self._stream)
         if host is None:
             return None
         record = _Record(t, host, lead)
@@ -163,16 +133,19 @@ class PrefixActivationOffloader:
         # kernels of Phase C then round exactly as without offload); only its elements are read
         target = host.view(t.dtype)[lead:lead + extent]
         t = t.as_strided((extent,), (1,), t.storage_offset())
+        copied = None  # the copy into the block, if the record dies before it is fetched
         if self._stream is None:
             target.copy_(t)
         else:  # side stream: after the compute that produced t; t's memory waits for the copy
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
                 target.copy_(t, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self._stream)
             t.record_stream(self._stream)
         self.stats["offloaded_bytes"] += nbytes
         self._host_bytes(nbytes)
-        weakref.finalize(record, self._release_host, record.host_box, nbytes)
+        weakref.finalize(record, self._release_host, record.host_box, nbytes, copied)
         return record
 
     # ---- Phase C

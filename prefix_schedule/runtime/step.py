@@ -61,8 +61,9 @@ class ReuseStep:
         if offload_pool_bytes is not None and offload_pool_bytes < 0:
             raise ValueError(f"offload_pool_bytes={offload_pool_bytes}; give bytes >= 0 or None")
         self.offload_pool_bytes = offload_pool_bytes
-        """Bound of the host pool that offloaded activations take (None: unbounded); what does
-        not fit stays on the device."""
+        """Bound of the host pool that offloaded activations take (None: unbounded): the pinned
+        bytes, whatever the tensor sizes ([Note: pinned host pool] in runtime/host_pool.py);
+        what does not fit stays on the device."""
         self.offloader = None
         """The step's PrefixActivationOffloader, set by the executor when offloading."""
         self.observers: list = []
