@@ -24,6 +24,24 @@ per-piece zigzag of every suffix cost each rank ~3x the attention time of the sa
 whole sequences (a prefix copy per piece, 16-query kernel calls) plus two collectives per layer
 (docs/BENCHMARKS.md).
 
+[Note: packed CP prefix rows]
+Run one unit per group, a CP rank holds half of each short prefix: per group and layer a pass
+of Megatron over few tokens, a zigzag three-part attention and a blocking K/V all-gather (a
+sync point), and per group a gK/gV reduce-scatter. So without pipelining (PP = V = 1), a CP step
+packs every whole (unchunked, loss-free) prefix into ONE Phase A row (ReuseStep._pack_rows):
+its sequences are laid out like a suffix row's (`balance_owners` on the prefix lengths), so
+prefixes that balance run whole on one rank each -- plain causal attention, nothing gathered
+for it -- and only the longest are zigzag-split when they do not. The cache still needs every
+prefix's whole K/V on every rank for Phase B: `gather_all` all-gathers each layer's local K/V
+rows asynchronously (detached: reads need the values, gradients come back through Phase C)
+and the first read waits for it. Each member group keeps its own cache entries (reads by group
+are unchanged); they share the row's local K/V as their graph and one `to_local`, and Phase C
+runs the row once: one reduce-scatter of every member's gK/gV over all rows
+(`reduce_scatter_rows(..., every_row=True)`: whole prefixes reduce to their owner), one
+autograd call. Phase A then moves the same K/V bytes, with no blocking collective when every
+prefix runs whole, and Phase C one gK/gV reduce-scatter per row instead of one per group (split
+members keep their attention's per-layer all-gather and its reduce-scatter).
+
 Megatron-free: the group is a torch.distributed process group.
 """
 
@@ -31,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -122,6 +140,20 @@ class ZigzagLayout:
                 for j in (rank, 2 * self.cp_size - 1 - rank):
                     out.append((i, j * c, (j + 1) * c))
         return out
+
+    def local_len_of(self, rank: int) -> int:
+        return sum(b - a for _, a, b in self.chunks(rank))
+
+    def all_index(self) -> torch.Tensor:
+        """Rank-major index of every rank's whole local row, each padded to the longest one
+        with `full_len` (a zero row appended to the full row): the layout of the all-gather of
+        packed prefix rows ([Note: packed CP prefix rows])."""
+        width = max(self.local_len_of(r) for r in range(self.cp_size))
+        parts = []
+        for r in range(self.cp_size):
+            index = self.local_index(r)
+            parts += [index, torch.full((width - index.numel(),), self.full_len)]
+        return torch.cat(parts)
 
     def local_index(self, rank: int = None) -> torch.Tensor:
         """Indices into the padded full row of `rank`'s local row (default: this rank)."""
@@ -227,7 +259,7 @@ class CPGroup:
         key = (layout, kind, str(device))
         if key not in self._indices:
             build = {"gather": layout.gather_index, "real": layout.real_index,
-                     "split": layout.split_rows}[kind]
+                     "split": layout.split_rows, "all": layout.all_index}[kind]
             self._indices[key] = build().to(device)
         return self._indices[key]
 
@@ -248,12 +280,34 @@ class CPGroup:
             x = x[self.index(layout, "split", x.device)]
         return _GatherRows.apply(x, layout, self, phase, backward_phase)
 
+    def gather_all(self, x: torch.Tensor, layout: ZigzagLayout, phase: str) -> Callable:
+        """Start the all-gather of every rank's whole local row `x` [local_len, ...] (detached;
+        split and whole sequences alike) into the padded full row; returns `finish()`, which
+        waits for it and gives [full_len, ...] ([Note: packed CP prefix rows]): nothing
+        waits for the other ranks until a reader needs the rows."""
+        width = max(layout.local_len_of(r) for r in range(self.size))
+        padded = x.detach().new_zeros((width, *x.shape[1:]))
+        padded[:x.shape[0]] = x.detach()
+        ranked = padded.new_empty((self.size * width, *x.shape[1:]))
+        work = _ALL_GATHER(ranked, padded, group=self.group, async_op=True)
+        self._count(phase + ".all_gather", ranked.numel() * ranked.element_size())
+        index = self.index(layout, "all", x.device)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            full = ranked.new_zeros((layout.full_len + 1, *ranked.shape[1:]))
+            full[index] = ranked  # the padding entries all land in the extra last row
+            return full[:layout.full_len]
+
+        return finish
+
     def reduce_scatter_rows(self, fulls: List[torch.Tensor], layout: ZigzagLayout,
-                            phase: str) -> List[torch.Tensor]:
+                            phase: str, every_row: bool = False) -> List[torch.Tensor]:
         """Sum of every rank's full-row tensors [full_len, ...], each cut to this rank's local
-        rows: one collective for the whole list (fp32 in, fp32 out)."""
+        rows: one collective for the whole list (fp32 in, fp32 out). `every_row`: whole
+        sequences too (the inverse of gather_all), not only the split ones."""
         flat = torch.cat([f.reshape(f.shape[0], -1) for f in fulls], dim=1)
-        local = self._reduce_scatter(flat, layout, phase)
+        local = self._reduce_scatter(flat, layout, phase, "all" if every_row else "gather")
         out, at = [], 0
         for f in fulls:
             width = f[0].numel()
@@ -272,13 +326,15 @@ class CPGroup:
         return full
 
     def _reduce_scatter(self, full: torch.Tensor, layout: ZigzagLayout,
-                        phase: str) -> torch.Tensor:
-        ranked = full[self.index(layout, "gather", full.device)].contiguous()  # rank-major
+                        phase: str, kind: str = "gather") -> torch.Tensor:
+        if kind == "all":  # the index's padding entries read an appended zero row
+            full = torch.cat([full, full.new_zeros((1, *full.shape[1:]))])
+        ranked = full[self.index(layout, kind, full.device)].contiguous()  # rank-major
         self._count(phase + ".reduce_scatter", ranked.numel() * ranked.element_size())
         rows = ranked.shape[0] // self.size  # local_len when every sequence is split
         out = ranked.new_empty((rows, *ranked.shape[1:]))
         _REDUCE_SCATTER(out, ranked, group=self.group)  # NCCL and gloo alike (one code path)
-        return out
+        return out if kind == "gather" else out[:layout.local_len]
 
 
 class _GatherRows(torch.autograd.Function):
