@@ -147,7 +147,7 @@ def _check_sequence_parallel_rows(config, step) -> None:
     tp = config.tensor_model_parallel_size
     if not config.sequence_parallel or tp == 1:
         return
-    units = step.plan.prefix_units()
+    units = {u: step.prefix_unit(u) for u in range(step.num_prefix_units)}
     chunked = step.plan.prefix_chunk_tokens is not None or any(c.chunk for c in units.values())
     rows = [(f"prefix unit {c.chunk} of group {c.group}" if chunked
              else f"the cached prefix of group {c.group}", step.prefix_length(u))

@@ -6,6 +6,8 @@ process can train dense and with prefix reuse side by side.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from prefix_schedule.attention import PackedMeta, causal_attention, shared_prefix_attention
@@ -99,6 +101,8 @@ def _cp_attention(context, layer, q, k, v, key, value, scale):
     whole ([Note: CP prefix cache], cache.py). A row of whole sequences gathers nothing."""
     cp, layout = context.cp.group, context.cp.layout
     prefix = isinstance(context, PrefixForwardContext)
+    if prefix and context.packed:
+        return _packed_prefix_attention(context, layer, q, k, v, key, value, scale)
     phases = ("A", "C") if prefix else ("B", "B")
     k_full = v_full = None
     if layout.split:
@@ -125,6 +129,38 @@ def _cp_attention(context, layer, q, k, v, key, value, scale):
             cached.append(reads[group] if group is not None else (None, None))
     return zigzag_attention(q, k, v, k_full, v_full, layout, [c[0] for c in cached],
                             [c[1] for c in cached], scale=scale)
+
+
+def _packed_prefix_attention(context, layer, q, k, v, key, value, scale):
+    """A packed CP prefix row ([Note: packed CP prefix rows] in runtime/cp.py): each member
+    prefix's local rows go into the cache with the whole prefix's K/V, which an asynchronous
+    all-gather delivers by the first read; whole members attend locally, split ones through
+    the usual all-gather of split rows."""
+    cp, layout = context.cp.group, context.cp.layout
+    if not context.recomputing:
+        finish = cp.gather_all(torch.cat([k, v], dim=-1), layout, "A")
+        real = cp.index(layout, "real", k.device)
+        whole = []
+
+        def member_kv(a, b):
+            if not whole:  # the first reader waits; one copy per K and V for every member
+                kv = finish()[real]
+                whole.extend(t.contiguous() for t in kv.split([k.shape[-1], v.shape[-1]], -1))
+            return whole[0][a:b], whole[1][a:b]
+
+        to_local = cp.gradient_to_local(layout, key.device,
+                                        spans=[(ra, rb) for _, ra, rb in context.packed])
+        for group, ra, rb in context.packed:  # each keeps the whole local row as its graph
+            context.cache.store(group, layer, key, value,
+                                full=functools.partial(member_kv, ra, rb), to_local=to_local)
+        if context.stop_after_layer == layer:
+            raise PrefixForwardDone()
+    k_full = v_full = None
+    if layout.split:
+        kv_full = cp.all_gather_rows(torch.cat([k, v], dim=-1), layout, "A", "C")
+        k_full, v_full = kv_full.split([k.shape[-1], v.shape[-1]], dim=-1)
+    none = [None] * len(layout.lengths)
+    return zigzag_attention(q, k, v, k_full, v_full, layout, none, none, scale=scale)
 
 
 def _prefix_attention(context, layer, q, k, v, scale):

@@ -270,10 +270,11 @@ class StageRunner:
             if self.config.grad_scale_func is not None:
                 output = self.config.grad_scale_func(output)
             output_grad = torch.ones_like(output)
+        packed = [(c.group, c.chunk) for c in step.prefix_members(action.index)[1:]]
         with active_context(context):
             step.caches[chunk].backward(
                 unit.group, chunk=unit.chunk, output=output, output_grad=output_grad,
-                backward_fn=self.backward_fn)
+                backward_fn=self.backward_fn, packed=packed)
         if not self.is_first_stage(action):
             self.input_grads[key] = input_tensor.grad
 

@@ -97,7 +97,7 @@ def test_zigzag_attention_of_all_ranks_equals_dense_oracle(cp, owners):
 # ---- Megatron, multi-process --------------------------------------------------------------------
 
 def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, overrides=None,
-             dense_ddp=False):
+             dense_ddp=False, shapes=None):
     """Reuse at CP=`cp` (x TP, x PP), then stock dense at CP=1 with the same TP/PP and weights
     on the whole batch (every rank: each pipeline / TP group runs it), compared on this rank.
     `ddp`: the reuse model in Megatron's DDP with finalize_model_grads (gradients and the token
@@ -115,9 +115,10 @@ def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, over
     cfg = TinyLlamaConfig(num_layers=2 * pp, hidden_size=32, ffn_hidden_size=64,
                           num_attention_heads=4, num_query_groups=2, vocab_size=256,
                           max_seq_len=256)
-    batch = make_batch(seed, SHAPES)
+    batch = make_batch(seed, shapes or SHAPES)
     plan = plan_microbatches(batch, token_budget=BUDGET, max_seq_len=cfg.max_seq_len,
-                             prefix_chunk_tokens=prefix_chunk_tokens, dense_groups=(3,))
+                             prefix_chunk_tokens=prefix_chunk_tokens,
+                             dense_groups=() if shapes else (3,))
 
     def run(cp_size, reuse):
         initialize_distributed(seed=1234, tp=tp, pp=pp, cp=cp_size)
@@ -129,6 +130,12 @@ def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, over
         return result, grads, weights
 
     reuse, reuse_grads, reuse_weights = run(cp, True)
+    from megatron_patches.training import context_parallel_group
+    from prefix_schedule.runtime.step import ReuseStep
+
+    step = ReuseStep(batch, plan, num_stages=pp, cp_group=context_parallel_group())
+    packed = [(len(step.prefix_members(u)), step.prefix_layout(u).owners)
+              for u in range(step.num_prefix_units) if len(step.prefix_members(u)) > 1]
     cp_group = parallel_state.get_context_parallel_group()
     totals = torch.tensor([reuse.loss * reuse.num_tokens, float(reuse.num_tokens)],
                           dtype=torch.float64)
@@ -141,11 +148,16 @@ def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, over
         weights=max_relative_diff(dense_weights, reuse_weights),
         grads=max_relative_diff(dense_grads, reuse_grads),
         nonzero=all(bool(g.abs().max() > 0) for g in dense_grads.values()),
-        num_microbatches=len(plan.microbatches), num_units=len(plan.prefix_units()))
+        num_microbatches=len(plan.microbatches), num_units=len(plan.prefix_units()),
+        packed=packed)
 
 
-def _check(results, min_units=None):
+def _check(results, min_units=None, packed=None):
+    """`packed`: the (members, owners) of the step's packed prefix rows ([Note: packed CP
+    prefix rows]) every rank must report."""
     for r in results:
+        if packed is not None:
+            assert r["packed"] == packed, r
         assert r["weights"] == 0.0, "the CP and dense models do not hold the same weights"
         assert r["nonzero"], "a parameter got no gradient"
         assert r["grads"] <= TOL, r
@@ -163,15 +175,39 @@ def _check(results, min_units=None):
                          ids=["plain", "core_attn_recompute"])
 def test_cp2_reuse_equals_stock_dense_cp1(overrides):
     """Also with selective core-attention recompute: the hook then runs again inside backward,
-    its K/V all-gather and that gather's reduce-scatter included, on every CP rank alike."""
+    its K/V all-gather and that gather's reduce-scatter included, on every CP rank alike. The
+    four cached prefixes (33, 17, 22, 12) run as one packed row that cannot balance whole: all
+    zigzag-split ([Note: packed CP prefix rows])."""
     _check(run_distributed(_cp_rank, world_size=2, kwargs={"overrides": overrides},
-                           timeout_s=TIMEOUT_S))
+                           timeout_s=TIMEOUT_S), packed=[(4, ())])
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("shapes,owners", [
+    ([(21, [5, 7, 9]), (21, [6, 4, 3, 8])], (0, 1)),
+    ([(41, [5, 7]), (11, [6, 4]), (11, [3, 9]), (11, [2, 5]), (11, [8])], (-1, 0, 1, 0, 1))],
+    ids=["whole", "mixed"])
+def test_cp2_packed_whole_prefixes_equal_stock_dense(shapes, owners):
+    """Prefixes that balance whole (20 | 20): each rank runs its own prefix in Phase A with no
+    attention all-gather, the K/V gathered asynchronously for Phase B, Phase C reduces their
+    gK/gV to the owner; mixed (40 split, four 10s whole, two per rank): both kinds in one
+    row."""
+    _check(run_distributed(_cp_rank, world_size=2, kwargs={"shapes": shapes},
+                           timeout_s=TIMEOUT_S), packed=[(len(shapes), owners)])
 
 
 @pytest.mark.megatron
 def test_cp2_reuse_with_prefix_chunks():
     _check(run_distributed(_cp_rank, world_size=2, kwargs={"prefix_chunk_tokens": 10},
-                           timeout_s=TIMEOUT_S), min_units=8)
+                           timeout_s=TIMEOUT_S), min_units=8, packed=[])
+
+
+@pytest.mark.megatron
+def test_cp2_packed_row_beside_chunked_prefixes():
+    """Chunks of 20: the 33- and 22-token prefixes run as chunk units, the 17- and 12-token
+    ones as one packed row (split); unit numbering and Phase C order hold."""
+    _check(run_distributed(_cp_rank, world_size=2, kwargs={"prefix_chunk_tokens": 20},
+                           timeout_s=TIMEOUT_S), min_units=6, packed=[(2, ())])
 
 
 @pytest.mark.megatron
@@ -248,8 +284,9 @@ def test_cp_refusals_are_value_errors_before_compute():
 def test_bench_cp2_records_layout_and_bytes_per_phase(tmp_path):
     """A tiny `bench.py --cp 2` (prompt and response lengths not multiples of 4): reuse's
     gradients equal stock dense's, the JSON names the layout, and Phase A's K/V all-gather moves
-    exactly its ring share: 2 groups x 2 layers x (K, V) x 44 padded rows x 2 heads x 16 dims x
-    4 bytes x (CP-1)/CP."""
+    exactly its ring share: the two 42-token prefixes run as one packed row, one whole prefix
+    per rank ([Note: packed CP prefix rows]), so 2 layers x (K, V) x 2 x 42 rows x 2 heads x
+    16 dims x 4 bytes x (CP-1)/CP (split per group, 44 padded rows each, it was 2 x 44)."""
     import json
     import os
     import subprocess
@@ -272,7 +309,7 @@ def test_bench_cp2_records_layout_and_bytes_per_phase(tmp_path):
     assert result["max_grad_rel_diff"] <= TOL
     assert abs(result["loss_dense"] - result["loss_reuse"]) <= TOL * abs(result["loss_dense"])
     reuse = result["cp_traffic"]["reuse_bytes_per_rank"]
-    assert reuse["A.all_gather"] == 2 * 2 * 2 * 44 * 2 * 16 * 4 // 2
+    assert reuse["A.all_gather"] == 2 * 2 * 2 * 42 * 2 * 16 * 4 // 2
     assert reuse["B.all_gather"] == reuse["B.reduce_scatter"] > 0
     assert reuse["C.reduce_scatter"] > 0
     dense = result["cp_traffic"]["dense_cp_bytes_per_rank_model"]

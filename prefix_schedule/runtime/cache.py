@@ -27,7 +27,7 @@ children instead of chunk c+1.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,21 +44,33 @@ class CacheProtocolError(RuntimeError):
 class _Entry:
     k_graph: torch.Tensor  # as stored, with the prefix graph (any layout; [L, 1, H, D] from Megatron)
     v_graph: torch.Tensor
-    k_leaf: torch.Tensor  # [L, H, D] detached view, requires_grad so reads build a graph node
-    v_leaf: torch.Tensor
+    k_leaf: Optional[torch.Tensor]  # [L, H, D] detached, requires_grad: reads build a node
+    v_leaf: Optional[torch.Tensor]
     grad_k: Optional[torch.Tensor] = None  # fp32 [L, H, D], allocated at the first gradient
     grad_v: Optional[torch.Tensor] = None
     num_reads: int = 0
+    pending: Optional[Callable] = None  # CP packed rows: () -> (k, v) once the gather is done
+
+    def leaves(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The detached whole K/V, waiting for a pending gather first ([Note: packed CP prefix
+        rows] in runtime/cp.py)."""
+        if self.pending is not None:
+            k, v = self.pending()
+            self.k_leaf = k.detach().requires_grad_(True)
+            self.v_leaf = v.detach().requires_grad_(True)
+            self.pending = None
+        return self.k_leaf, self.v_leaf
 
     def accumulate(self, gk: Optional[torch.Tensor], gv: Optional[torch.Tensor]) -> None:
         # fp32 accumulation: the sum over many microbatches keeps the bits dense training keeps.
+        k_leaf, v_leaf = self.leaves()
         if gk is not None:
             if self.grad_k is None:
-                self.grad_k = torch.zeros(self.k_leaf.shape, dtype=torch.float32, device=gk.device)
+                self.grad_k = torch.zeros(k_leaf.shape, dtype=torch.float32, device=gk.device)
             self.grad_k.add_(gk)
         if gv is not None:
             if self.grad_v is None:
-                self.grad_v = torch.zeros(self.v_leaf.shape, dtype=torch.float32, device=gv.device)
+                self.grad_v = torch.zeros(v_leaf.shape, dtype=torch.float32, device=gv.device)
             self.grad_v.add_(gv)
 
 
@@ -119,15 +131,16 @@ class PrefixKVCache:
 
     # ---- Phase A
     def store(self, group: int, layer: int, k: torch.Tensor, v: torch.Tensor, *,
-              chunk: int = 0, full: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-              to_local: Optional[Callable] = None) -> None:
+              chunk: int = 0, full=None, to_local: Optional[Callable] = None) -> None:
         """Keep `k`, `v` (carrying the prefix graph) of `group`'s chunk `chunk` at `layer`.
 
         Megatron gives [L, 1, H, D] (sbhd, one row); they are read back as [L, H, D].
         Context parallel ([Note: CP prefix cache]): `k`, `v` are this rank's zigzag rows, `full`
         the chunk's whole gathered K/V [L, H, D] (what reads return) and `to_local(grads,
         shapes)` the CP group's reduce-scatter of the whole-chunk gK/gV (None: zeros of that
-        shape) to this rank's rows, which consumes the list.
+        shape) to this rank's rows, which consumes the list. `full` may be a callable that
+        returns them once an asynchronous gather is done (a packed row: [Note: packed CP prefix
+        rows] in runtime/cp.py); the first read waits for it.
         """
         if (full is None) != (to_local is None):
             raise ValueError("a CP cache entry needs both `full` and `to_local`")
@@ -142,13 +155,19 @@ class PrefixKVCache:
             # no graph to keep (full recompute's Phase A): keep the K/V bytes, not the buffers
             # they view (Megatron's V is a slice of the whole fused QKV projection output)
             k, v = _compact(k), _compact(v)
-        source_k, source_v = (k, v) if full is None else full
-        k_leaf = source_k.detach().reshape(source_k.shape[0], *k.shape[-2:]).requires_grad_(True)
-        v_leaf = source_v.detach().reshape(source_v.shape[0], *v.shape[-2:]).requires_grad_(True)
         if layers and (to_local is None) != (self._to_local.get((group, chunk)) is None):
             raise CacheProtocolError(f"{_name(group, chunk)}: CP and non-CP layers mixed")
         self._to_local[(group, chunk)] = to_local
-        layers[layer] = _Entry(k_graph=k, v_graph=v, k_leaf=k_leaf, v_leaf=v_leaf)
+        if callable(full):
+            layers[layer] = _Entry(k_graph=k, v_graph=v, k_leaf=None, v_leaf=None, pending=full)
+        else:
+            source_k, source_v = (k, v) if full is None else full
+            layers[layer] = _Entry(
+                k_graph=k, v_graph=v,
+                k_leaf=source_k.detach().reshape(source_k.shape[0], *k.shape[-2:])
+                .requires_grad_(True),
+                v_leaf=source_v.detach().reshape(source_v.shape[0], *v.shape[-2:])
+                .requires_grad_(True))
         for t in (k, v):
             ptr = t.untyped_storage().data_ptr()
             self._storages[ptr] = self._storages.get(ptr, 0) + 1
@@ -220,7 +239,7 @@ class PrefixKVCache:
         for chunk in chunks:
             entry = self._entry(group, chunk, layer)
             entry.num_reads += 1
-            parts.append(_AccumulateInto.apply(entry.k_leaf, entry.v_leaf, entry))
+            parts.append(_AccumulateInto.apply(*entry.leaves(), entry))
         if len(parts) == 1:  # unchunked: no copy
             k, v = parts[0]
         else:
@@ -232,7 +251,8 @@ class PrefixKVCache:
     # ---- Phase C
     def backward(self, group: int, *, chunk: int = 0, output: Optional[torch.Tensor] = None,
                  output_grad: Optional[torch.Tensor] = None,
-                 backward_fn: Callable = torch.autograd.backward) -> None:
+                 backward_fn: Callable = torch.autograd.backward,
+                 packed: Sequence[Tuple[int, int]] = ()) -> None:
         """Run the prefix backward of `group`'s chunk once with its accumulated gK/gV, then free it.
 
         On a pipeline stage before the last, the prefix's output hidden states (`output`) also
@@ -240,47 +260,60 @@ class PrefixKVCache:
         autograd call covers both. `backward_fn(tensors, grads)` runs it (an executor whose
         pipeline pseudo-frees sent outputs passes one without torch's shape checks). A later
         chunk of the group still live is a protocol error: its backward would add to this
-        chunk's gK/gV afterwards.
+        chunk's gK/gV afterwards. `packed`: further (group, chunk) entries stored by the same
+        prefix row ([Note: packed CP prefix rows] in runtime/cp.py), run in the same autograd
+        call (their K/V share one graph) with one `to_local` for all.
         """
-        layers = self._live_layers(group, chunk)
-        later = self._live_children(group, chunk)
-        if later:
-            raise CacheProtocolError(f"{_name(group, chunk)}: backward before that of chunk "
-                                     f"{later[0]}, which still adds to its gK/gV")
+        members = [(group, chunk), *packed]
+        for g, c in members:
+            self._live_layers(g, c)
+            later = self._live_children(g, c)
+            if later:
+                raise CacheProtocolError(f"{_name(g, c)}: backward before that of chunk "
+                                         f"{later[0]}, which still adds to its gK/gV")
+        to_local = self._to_local.get((group, chunk))
+        if any(self._to_local.get(m) is not to_local for m in members[1:]):
+            raise CacheProtocolError(f"{_name(group, chunk)}: entries packed into one backward "
+                                     "must come from one prefix row (one to_local)")
         tensors: List[torch.Tensor] = []
         grads: List[torch.Tensor] = []
         if output is not None and output_grad is not None and output.requires_grad:
             tensors.append(output)
             grads.append(output_grad)
-        to_local = self._to_local.get((group, chunk))
         if to_local is not None:  # [Note: CP prefix cache]: one collective, every CP rank
-            pairs = self._local_grads(layers, to_local)
+            pairs = self._local_grads([self._entries[m] for m in members], to_local)
         else:
-            pairs = [(graph, grad) for entry in layers.values() for graph, grad in
-                     ((entry.k_graph, entry.grad_k), (entry.v_graph, entry.grad_v))]
+            pairs = [(graph, grad) for m in members for entry in self._entries[m].values()
+                     for graph, grad in ((entry.k_graph, entry.grad_k),
+                                         (entry.v_graph, entry.grad_v))]
         for graph, grad in pairs:
             if grad is not None and graph.requires_grad:
                 tensors.append(graph)
                 grads.append(grad.to(graph.dtype).reshape(graph.shape))
-        for stats in self._router.get((group, chunk), {}).values():  # MoE prefix router share
-            for graph, grad in stats.backward_pairs():
-                tensors.append(graph)
-                grads.append(grad)
+        for m in members:
+            for stats in self._router.get(m, {}).values():  # MoE prefix router share
+                for graph, grad in stats.backward_pairs():
+                    tensors.append(graph)
+                    grads.append(grad)
         if tensors:
             backward_fn(tensors, grads)
-        self._free_chunk(group, chunk)
+        for g, c in members:
+            self._free_chunk(g, c)
 
     @staticmethod
-    def _local_grads(layers: Dict[int, _Entry], to_local: Callable) -> List[tuple]:
-        """(graph, this rank's rows of the CP group's summed gK/gV) per K and V; the entries
-        give up their whole-prefix gK/gV, which `to_local` frees as it packs them ([Note: CP
-        Phase C memory] in runtime/cp.py)."""
+    def _local_grads(members: List[Dict[int, _Entry]], to_local: Callable) -> List[tuple]:
+        """(graph, this rank's rows of the CP group's summed gK/gV) per K and V, member after
+        member (a packed row's: [Note: packed CP prefix rows]); the entries give up their
+        whole-prefix gK/gV, which `to_local` frees as it packs them ([Note: CP Phase C memory]
+        in runtime/cp.py)."""
         graphs, grads, shapes = [], [], []
-        for entry in layers.values():
-            graphs += [entry.k_graph, entry.v_graph]
-            grads += [entry.grad_k, entry.grad_v]
-            shapes += [entry.k_leaf.shape, entry.v_leaf.shape]
-            entry.grad_k = entry.grad_v = None
+        for layers in members:
+            for entry in layers.values():
+                k_leaf, v_leaf = entry.leaves()
+                graphs += [entry.k_graph, entry.v_graph]
+                grads += [entry.grad_k, entry.grad_v]
+                shapes += [k_leaf.shape, v_leaf.shape]
+                entry.grad_k = entry.grad_v = None
         return list(zip(graphs, to_local(grads, shapes)))
 
     def free(self, group: int) -> None:
@@ -309,7 +342,7 @@ class PrefixKVCache:
         """The live K/V copies and fp32 gradient buffers (not the prefix graphs they came from)."""
         for layers in self._entries.values():
             for e in layers.values():
-                for t in (e.k_leaf, e.v_leaf, e.grad_k, e.grad_v):
+                for t in (*e.leaves(), e.grad_k, e.grad_v):
                     if t is not None:
                         yield t
 

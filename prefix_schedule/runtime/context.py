@@ -73,6 +73,10 @@ class PrefixForwardContext:
     (an MoE last layer whose prefix router statistics count: aux losses, z-loss, expert bias)."""
     cp: Optional["object"] = None
     """runtime.cp.CPRow when the row runs context-parallel (this rank's zigzag rows of it)."""
+    packed: tuple = ()
+    """A packed CP row ([Note: packed CP prefix rows] in runtime/cp.py): per member prefix,
+    (group, start, end) of its tokens among the row's real tokens; () for a row of one prefix
+    unit (`group`)."""
 
     def __post_init__(self) -> None:
         for name in ("group", "chunk", "position_offset", "padding", "multiplicity"):

@@ -32,6 +32,24 @@ concatenated intermediate), dropping each accumulator once packed, and frees the
 soon as this rank's rows are out: at most the accumulators plus that buffer (2 copies) are live,
 then the buffer plus the 1/CP result.
 
+[Note: packed CP prefix rows]
+Run one unit per group, a CP rank holds half of each short prefix: per group and layer a pass
+of Megatron over few tokens, a zigzag three-part attention and a blocking K/V all-gather (a
+sync point), and per group a gK/gV reduce-scatter. So without pipelining (PP = V = 1), a CP step
+packs every whole (unchunked, loss-free) prefix into ONE Phase A row (ReuseStep._pack_rows):
+its sequences are laid out like a suffix row's (`balance_owners` on the prefix lengths), so
+prefixes that balance run whole on one rank each -- plain causal attention, nothing gathered
+for it -- and only the longest are zigzag-split when they do not. The cache still needs every
+prefix's whole K/V on every rank for Phase B: `gather_all` all-gathers each layer's local K/V
+rows asynchronously (detached: reads need the values, gradients come back through Phase C)
+and the first read waits for it. Each member group keeps its own cache entries (reads by group
+are unchanged); they share the row's local K/V as their graph and one `to_local`, and Phase C
+runs the row once: one reduce-scatter of every member's gK/gV over all rows
+(`reduce_scatter_real(..., spans=)`: whole prefixes reduce to their owner), one
+autograd call. Phase A then moves the same K/V bytes, with no blocking collective when every
+prefix runs whole, and Phase C one gK/gV reduce-scatter per row instead of one per group (split
+members keep their attention's per-layer all-gather and its reduce-scatter).
+
 Megatron-free: the group is a torch.distributed process group.
 """
 
@@ -131,6 +149,20 @@ class ZigzagLayout:
                     out.append((i, j * c, (j + 1) * c))
         return out
 
+    def local_len_of(self, rank: int) -> int:
+        return sum(b - a for _, a, b in self.chunks(rank))
+
+    def all_index(self) -> torch.Tensor:
+        """Rank-major index of every rank's whole local row, each padded to the longest one
+        with `full_len` (a zero row appended to the full row): the layout of the all-gather of
+        packed prefix rows ([Note: packed CP prefix rows])."""
+        width = max(self.local_len_of(r) for r in range(self.cp_size))
+        parts = []
+        for r in range(self.cp_size):
+            index = self.local_index(r)
+            parts += [index, torch.full((width - index.numel(),), self.full_len)]
+        return torch.cat(parts)
+
     def local_index(self, rank: int = None) -> torch.Tensor:
         """Indices into the padded full row of `rank`'s local row (default: this rank)."""
         rank = self.rank if rank is None else rank
@@ -157,20 +189,22 @@ class ZigzagLayout:
         return torch.cat([self._index([c for c in self.chunks(r) if self.owner(c[0]) < 0])
                           for r in range(self.cp_size)])
 
-    def ranked_real_index(self) -> torch.Tensor:
+    def ranked_real_index(self, every_row: bool = False) -> torch.Tensor:
         """Row of each real token (in row order) in the rank-major concatenation of all ranks'
-        local rows (every sequence split: the order a reduce-scatter cuts)."""
-        if self.owners:
+        local rows (every sequence split: the order a reduce-scatter cuts); `every_row`: of
+        every rank's whole local row padded to the longest (`all_index`, packed prefix rows)."""
+        if self.owners and not every_row:
             raise ValueError("ranked_real_index needs every sequence zigzag-split (no owners)")
-        gather = self.gather_index()
-        ranked = torch.empty_like(gather)
-        ranked[gather] = torch.arange(gather.numel())
+        order = self.all_index() if every_row else self.gather_index()
+        ranked = torch.empty(self.full_len + 1, dtype=torch.long)
+        ranked[order] = torch.arange(order.numel())  # all_index's padding: the extra entry
         return ranked[self.real_index()]
 
-    def ranked_padding_index(self) -> torch.Tensor:
+    def ranked_padding_index(self, every_row: bool = False) -> torch.Tensor:
         """Rows of the padding tokens in that concatenation."""
-        real = torch.zeros(self.full_len, dtype=torch.bool)
-        real[self.ranked_real_index()] = True
+        size = self.all_index().numel() if every_row else self.full_len
+        real = torch.zeros(size, dtype=torch.bool)
+        real[self.ranked_real_index(every_row)] = True
         return (~real).nonzero().flatten()
 
     def real_index(self) -> torch.Tensor:
@@ -251,8 +285,12 @@ class CPGroup:
         key = (layout, kind, str(device))
         if key not in self._indices:
             build = {"gather": layout.gather_index, "real": layout.real_index,
-                     "split": layout.split_rows, "ranked_real": layout.ranked_real_index,
-                     "ranked_padding": layout.ranked_padding_index}[kind]
+                     "split": layout.split_rows, "all": layout.all_index,
+                     "ranked_real": layout.ranked_real_index,
+                     "ranked_padding": layout.ranked_padding_index,
+                     "ranked_real_all": lambda: layout.ranked_real_index(every_row=True),
+                     "ranked_padding_all": lambda: layout.ranked_padding_index(every_row=True),
+                     }[kind]
             self._indices[key] = build().to(device)
         return self._indices[key]
 
@@ -273,36 +311,81 @@ class CPGroup:
             x = x[self.index(layout, "split", x.device)]
         return _GatherRows.apply(x, layout, self, phase, backward_phase)
 
-    def gradient_to_local(self, layout: ZigzagLayout, device) -> Callable:
+    def gather_all(self, x: torch.Tensor, layout: ZigzagLayout, phase: str) -> Callable:
+        """Start the all-gather of every rank's whole local row `x` [local_len, ...] (detached;
+        split and whole sequences alike) into the padded full row; returns `finish()`, which
+        waits for it and gives [full_len, ...] ([Note: packed CP prefix rows]): nothing
+        waits for the other ranks until a reader needs the rows."""
+        width = max(layout.local_len_of(r) for r in range(self.size))
+        padded = x.detach().new_zeros((width, *x.shape[1:]))
+        padded[:x.shape[0]] = x.detach()
+        ranked = padded.new_empty((self.size * width, *x.shape[1:]))
+        work = _ALL_GATHER(ranked, padded, group=self.group, async_op=True)
+        self._count(phase + ".all_gather", ranked.numel() * ranked.element_size())
+        index = self.index(layout, "all", x.device)
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            full = ranked.new_zeros((layout.full_len + 1, *ranked.shape[1:]))
+            full[index] = ranked  # the padding entries all land in the extra last row
+            return full[:layout.full_len]
+
+        return finish
+
+    def gradient_to_local(self, layout: ZigzagLayout, device, spans=None) -> Callable:
         """A CP prefix row's `to_local` for the prefix cache ([Note: CP prefix cache]): Phase
-        C's reduce-scatter of the whole-prefix gK/gV."""
-        return lambda grads, shapes: self.reduce_scatter_real(grads, shapes, layout, "C", device)
+        C's reduce-scatter of the whole-prefix gK/gV. `spans`: a packed row's members' real
+        token ranges ([Note: packed CP prefix rows]): their gradients come member after member
+        and the whole local row's gradients go to the first member (None to the others: they
+        share its graph)."""
+        if spans is None:
+            return lambda grads, shapes: self.reduce_scatter_real(grads, shapes, layout, "C",
+                                                                  device)
+
+        def packed(grads, shapes):
+            local = self.reduce_scatter_real(grads, shapes, layout, "C", device, spans=spans)
+            return local + [None] * (len(grads) - len(local))
+
+        return packed
 
     def reduce_scatter_real(self, grads: List[Optional[torch.Tensor]],
                             shapes: Sequence[torch.Size], layout: ZigzagLayout, phase: str,
-                            device) -> List[torch.Tensor]:
+                            device, spans=None) -> List[torch.Tensor]:
         """Sum over the CP group of every rank's whole-sequence tensors [real tokens, ...] (fp32
         on `device`; None: zeros of `shapes[i]`), each cut to this rank's local rows (padding
         rows zero): one collective for the list ([Note: CP Phase C memory]). Consumes `grads`:
         each entry is written straight into the one rank-major send buffer, then dropped from
-        the list, so a caller that passes the only references frees each as it is packed."""
-        if len(grads) != len(shapes):
-            raise ValueError(f"{len(grads)} gradients for {len(shapes)} shapes")
-        widths = [math.prod(shape[1:]) for shape in shapes]
-        rows = self.index(layout, "ranked_real", device)  # also refuses whole sequences
-        ranked = torch.empty((layout.full_len, sum(widths)), dtype=torch.float32, device=device)
-        ranked.index_fill_(0, self.index(layout, "ranked_padding", device), 0)  # no gradient
-        at = 0
-        for i, width in enumerate(widths):
-            columns = ranked[:, at:at + width]
-            if grads[i] is None:
-                columns.index_fill_(0, rows, 0)
-            else:
-                columns.index_copy_(0, rows, grads[i].reshape(rows.numel(), width))
-            grads[i] = None  # packed: free it now
-            at += width
+        the list, so a caller that passes the only references frees each as it is packed.
+        `spans` ([Note: packed CP prefix rows]): the row's real tokens come in parts, [start,
+        end) each, given member after member (len(grads) = parts x tensors per part); every
+        rank's whole local row is then scattered (whole sequences reduce to their owner) and
+        one tensor per part position returns."""
+        parts = [(0, sum(layout.lengths))] if spans is None else list(spans)
+        count = len(grads) // len(parts)
+        if len(grads) != len(shapes) or count * len(parts) != len(grads):
+            raise ValueError(f"{len(grads)} gradients for {len(shapes)} shapes in "
+                             f"{len(parts)} parts")
+        widths = [math.prod(shape[1:]) for shape in shapes[:count]]
+        every = spans is not None
+        rows = self.index(layout, "ranked_real_all" if every else "ranked_real", device)
+        padding = self.index(layout, "ranked_padding_all" if every else "ranked_padding", device)
+        ranked = torch.empty((rows.numel() + padding.numel(), sum(widths)), dtype=torch.float32,
+                             device=device)
+        ranked.index_fill_(0, padding, 0)  # no gradient
+        for j, (start, end) in enumerate(parts):
+            at = 0
+            for t, width in enumerate(widths):
+                i, columns = j * count + t, ranked[:, at:at + width]
+                if grads[i] is None:
+                    columns.index_fill_(0, rows[start:end], 0)
+                else:
+                    columns.index_copy_(0, rows[start:end], grads[i].reshape(end - start, width))
+                grads[i] = None  # packed: free it now
+                at += width
         local = self._reduce_scatter_ranked(ranked, phase)
         del ranked
+        if every:
+            local = local[:layout.local_len]
         out, at = [], 0
         for shape, width in zip(shapes, widths):
             out.append(local[:, at:at + width].reshape(local.shape[0], *shape[1:]))

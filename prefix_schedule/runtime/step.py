@@ -14,7 +14,8 @@ planner.py); `prefix_length` / `microbatch_length` are the padded lengths every 
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from itertools import accumulate
+from typing import Dict, Optional, Tuple
 
 import torch
 
@@ -79,15 +80,24 @@ class ReuseStep:
                              "groups with one shared prompt each, or run with CP=1")
         self._unit_loss = {u: build_prefix_loss(batch, c) for u, c in self._units.items()}
         """Loss entries of prefix-tree units ([Note: loss inside shared nodes] in tree.py)."""
+        self._rows: Dict[int, Tuple[int, ...]] = self._pack_rows(num_stages * num_model_chunks)
+        """Step unit (the PF/PB index) -> the plan units its row runs: one, or several whole
+        prefixes packed into one CP row ([Note: packed CP prefix rows] in runtime/cp.py)."""
+        self._prefix_layouts: Dict[int, ZigzagLayout] = {}
         unit_of = {(c.group, c.chunk): u for u, c in self._units.items()}
         parents = ({u: (None if c.parent_chunk is None else unit_of[c.group, c.parent_chunk])
                     for u, c in self._units.items()} if self._trees else None)
+        # a packed row runs as one schedule group: its first member's
+        sid = {self._units[u].group: self._units[m[0]].group
+               for m in self._rows.values() for u in m}
         self.schedule: Schedule = build_schedule(
             unit_parents=parents,
             num_stages=num_stages * num_model_chunks,
-            microbatch_groups=plan.microbatch_groups(),
-            prefix_groups=[work.group for work in plan.prefixes],
-            prefix_units={u: (c.group, c.chunk) for u, c in self._units.items()},
+            microbatch_groups=[tuple(sorted({sid.get(g, g) for g in groups}))
+                               for groups in plan.microbatch_groups()],
+            prefix_groups=sorted({sid[work.group] for work in plan.prefixes}),
+            prefix_units={u: (sid[self._units[m[0]].group], self._units[m[0]].chunk)
+                          for u, m in self._rows.items()},
             num_model_chunks=num_model_chunks,
         )
         self.lowered: Schedule = lower(self.schedule)
@@ -104,6 +114,18 @@ class ReuseStep:
         self._mb_layouts: Dict[int, ZigzagLayout] = {}
         self._chains: Dict[tuple, tuple] = {}
         self._started = False
+
+    def _pack_rows(self, num_stages: int) -> Dict[int, Tuple[int, ...]]:
+        """[Note: packed CP prefix rows]: under CP without pipelining, every whole (unchunked)
+        prefix goes into one Phase A row; other units stay one row each."""
+        units = self._units
+        whole = [u for u, c in units.items()
+                 if c.chunk == 0 and sum(1 for d in units.values() if d.group == c.group) == 1
+                 and self._unit_loss.get(u) is None]
+        if self.cp is None or num_stages > 1 or self._trees or len(whole) < 2:
+            return {u: (u,) for u in sorted(units)}
+        firsts = sorted([whole[0]] + [u for u in units if u not in whole])
+        return {i: (tuple(whole) if u == whole[0] else (u,)) for i, u in enumerate(firsts)}
 
     @classmethod
     def from_trajectories(cls, trajectories, *, dims, max_seq_len: int, num_stages: int = 1,
@@ -132,14 +154,25 @@ class ReuseStep:
         """Suffix microbatches in the step (what Megatron calls num_microbatches)."""
         return len(self.plan.microbatches)
 
+    @property
+    def num_prefix_units(self) -> int:
+        """Prefix units of the schedule (PF/PB indices 0..n-1): one per row."""
+        return len(self._rows)
+
+    def prefix_members(self, unit: int) -> Tuple[PrefixChunk, ...]:
+        """The plan units (group prefixes or their chunks) that step unit `unit`'s row runs:
+        one, or several packed whole prefixes ([Note: packed CP prefix rows])."""
+        return tuple(self._units[u] for u in self._rows[unit])
+
     def prefix_unit(self, unit: int) -> PrefixChunk:
-        """The chunk that prefix unit `unit` (a PF/PB index of the schedule) runs."""
-        return self._units[unit]
+        """The chunk that prefix unit `unit` (a PF/PB index of the schedule) runs (of a packed
+        row: its first member)."""
+        return self._units[self._rows[unit][0]]
 
     def prefix_has_loss(self, unit: int) -> bool:
         """Whether prefix unit `unit` predicts loss tokens (a trained-on token inside a shared
         tree node): its last-stage forward then runs to the loss, and Phase C starts there."""
-        return self._unit_loss.get(unit) is not None
+        return self._unit_loss.get(self._rows[unit][0]) is not None
 
     def prefix_length(self, unit: int) -> int:
         """Length of prefix unit `unit`'s row (the whole cached prefix unchunked), padding
@@ -147,7 +180,7 @@ class ReuseStep:
         hidden states are this / TP long."""
         if self.cp is not None:
             return self.prefix_layout(unit).local_len
-        return self._units[unit].row_length
+        return self.prefix_unit(unit).row_length
 
     def microbatch_length(self, microbatch: int) -> int:
         """Length of suffix microbatch `microbatch`'s packed row, padding included: a multiple of
@@ -158,8 +191,15 @@ class ReuseStep:
         return self.plan.microbatches[microbatch].row_length
 
     def prefix_layout(self, unit: int) -> ZigzagLayout:
-        """CP layout of prefix unit `unit`'s row: one sequence (CP steps only)."""
-        return self.cp.layout([self._units[unit].length])
+        """CP layout of prefix unit `unit`'s row (CP steps only): one sequence, or a packed
+        row's prefixes, whole on one rank each where that balances ([Note: packed CP prefix
+        rows])."""
+        if unit not in self._prefix_layouts:
+            lengths = [c.length for c in self.prefix_members(unit)]
+            owners = (balance_owners(lengths, [0] * len(lengths), self.cp.size)
+                      if len(lengths) > 1 else ())
+            self._prefix_layouts[unit] = self.cp.layout(lengths, owners)
+        return self._prefix_layouts[unit]
 
     def microbatch_layout(self, microbatch: int) -> ZigzagLayout:
         """CP layout of suffix microbatch `microbatch`'s row: its packed sequences, whole on
@@ -195,11 +235,13 @@ class ReuseStep:
         a prefix backward too when Phase C re-runs the prefix forward under full recompute)."""
         assert self._pending is None, f"{action}: the previous forward was not finished"
         if action.kind in (ActionKind.PREFIX_FORWARD, ActionKind.PREFIX_BACKWARD):
-            item = build_prefix_inputs(self.batch, self._units[action.index])
-            item.update(self._unit_loss.get(action.index) or {})
+            members = self.prefix_members(action.index)
+            items = [build_prefix_inputs(self.batch, c) for c in members]
+            item = {k: torch.cat([i[k] for i in items], dim=1) for k in items[0]}
+            item.update(self._unit_loss.get(self._rows[action.index][0]) or {})
             if self.cp is not None:
                 item = self._shard(item, self.prefix_layout(action.index),
-                                   [self._units[action.index].start])
+                                   [c.start for c in members])
             item["kind"] = "prefix"
         elif action.kind is ActionKind.SUFFIX_FORWARD:
             mb = self.plan.microbatches[action.index]
@@ -250,19 +292,24 @@ class ReuseStep:
                        stop_in_router: bool = False) -> PrefixForwardContext:
         """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
         chunk `model_chunk` of this rank."""
-        chunk = self._units[unit]
+        chunk = self.prefix_unit(unit)
         reads = None
         if chunk.group in self._trees and chunk.chunk > 0:  # its ancestors ([Note: prefix trees])
             reads = self._ancestors(chunk)
+        members = self.prefix_members(unit)
         cp = (None if self.cp is None
-              else self._cp_row(self.prefix_layout(unit), [chunk.start]))
+              else self._cp_row(self.prefix_layout(unit), [c.start for c in members]))
+        packed = ()
+        if len(members) > 1:  # [Note: packed CP prefix rows]: each member's real rows
+            real = [0, *accumulate(c.length for c in members)]
+            packed = tuple((c.group, real[i], real[i + 1]) for i, c in enumerate(members))
         return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
                                     position_offset=chunk.start, cache=self.caches[model_chunk],
                                     stop_after_layer=stop_after_layer, recomputing=recomputing,
                                     padding=chunk.padding, reads=reads,
                                     multiplicity=self.prefix_multiplicity(chunk.group),
                                     stop_in_router=stop_in_router, cp=cp,
-                                    replay=replay, inject=inject)
+                                    replay=replay, inject=inject, packed=packed)
 
     def _chain(self, group: int, node: int) -> tuple:
         """The chunks a reader after tree node `node` attends to (memoised per step)."""
