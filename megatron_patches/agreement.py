@@ -11,12 +11,16 @@ then reaches the step's one agreement point (`StepChecks.agree`):
 1. with MoE and expert parallelism, the expert-parallel (x expert-TP) ranks all-gather what must
    be equal among them (the reuse schedule's compute actions, the dense step's microbatch count;
    a rank whose checks failed sends "failed") -- the check that existed before, now in place;
-2. one all-reduce of a failure count over all ranks of the job (a device tensor on the model's
-   device: NCCL reduces no host tensors). Every rank learns whether any rank failed, and if one
+2. one MAX all-reduce over all ranks of the job (a device tensor on the model's device: NCCL
+   reduces no host tensors) of a failure flag and, per data-parallel rank, the max and -min of
+   the step fingerprints of that replica's ranks (its TP, PP and CP ranks run one step together,
+   so they must hold one plan: `Shared`). Every rank learns whether any rank failed, and if one
    did, every rank raises `StepRefused` (a ValueError) naming the failing rank(s) with their
    messages (all-gathered on this failure path only, as fixed-size byte tensors on the device),
-   the failing rank chaining its own error. Nothing was computed.
-On the happy path that is one tiny all-reduce per step (none in a one-rank job). A rank that fails
+   the failing rank chaining its own error; a replica whose ranks hold different steps is
+   refused on every rank alike. Nothing was computed.
+On the happy path that is one tiny all-reduce per step (1 + 2 x DP int64s; none in a one-rank
+job). A rank that fails
 before it reaches the executor (reading its data, placing, planning, building the `ReuseStep`)
 joins the executor's agreement with `refuse_step(model, error)`: the same collectives in the same
 order, so the ranks still waiting in the executor raise with it. Only ValueErrors (bad input) are
@@ -26,19 +30,23 @@ the rank that failed first: megatron_patches/failures.py).
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["StepRefused", "StepChecks", "agree", "refuse_step", "model_device", "fingerprint"]
+__all__ = ["StepRefused", "StepChecks", "Shared", "agree", "refuse_step", "model_device",
+           "fingerprint"]
 
 MESSAGE_BYTES = 2048
 """Bytes of each failing rank's message that its peers see (the rank itself keeps all of it)."""
 
-_FAILED = (-1, -1)
+_FAILED = -1
 """The expert-parallel value of a rank whose own checks failed (compared with nothing)."""
+_NONE = -(2 ** 63)
+"""An empty slot of the agreement all-reduce (MAX)."""
 
 
 class StepRefused(ValueError):
@@ -61,27 +69,51 @@ def model_device(model) -> torch.device:
             else torch.device("cpu"))
 
 
-def fingerprint(text: str) -> Tuple[int, int]:
-    """Two ints that differ (but for a crc32 collision) when `text` differs."""
-    return zlib.crc32(text.encode()), len(text)
+def fingerprint(text: str) -> int:
+    """An int >= 0 (56 bits) that differs, but for a crc32 collision, when `text` differs."""
+    return (zlib.crc32(text.encode()) << 24) | (len(text) & 0xFFFFFF)
 
 
-def agree(error: Optional[BaseException], *, device, group=None) -> None:
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """A value that every rank of one set must hold alike (this rank is in set `index` of
+    `count`; `value` None: this rank has none); `mismatch(sets)` names the sets that differ."""
+
+    index: int
+    count: int
+    value: Optional[int]
+    mismatch: Callable[[List[int]], str]
+
+
+def agree(error: Optional[BaseException], *, device, group=None,
+          shared: Optional[Shared] = None) -> None:
     """Called once at the same point by every rank of `group` (default: all ranks): returns if no
-    rank's `error` is set, else raises `StepRefused` on every rank. One all-reduce of a flag;
-    with a failure, one all-gather of the messages. Without peers, `error` itself is raised."""
+    rank's `error` is set (and every set of `shared` holds one value), else raises `StepRefused`
+    on every rank. One MAX all-reduce of a flag (and two slots per set of `shared`: max and -min
+    of its values); with a failure, one all-gather of the messages. Without peers, `error` itself
+    is raised. Every rank must pass `shared` alike but for `index` and `value`."""
     world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
     if world == 1:
         if error is not None:
             raise error
         return
-    failed = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
-    dist.all_reduce(failed, group=group)
-    if int(failed.item()) == 0:
-        return
-    messages = _gather_messages(None if error is None else str(error), device, group, world)
-    refused = StepRefused(_describe(messages, dist.get_rank(), error), sorted(messages), messages)
-    raise refused from error
+    slots = torch.full((1 + 2 * (shared.count if shared else 0),), _NONE, dtype=torch.int64)
+    slots[0] = 0 if error is None else 1
+    if shared is not None and shared.value is not None and error is None:
+        slots[1 + 2 * shared.index:3 + 2 * shared.index] = torch.tensor([shared.value,
+                                                                         -shared.value])
+    slots = slots.to(device)
+    dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=group)
+    slots = slots.cpu().tolist()
+    if slots[0]:
+        messages = _gather_messages(None if error is None else str(error), device, group, world)
+        refused = StepRefused(_describe(messages, dist.get_rank(), error), sorted(messages),
+                              messages)
+        raise refused from error
+    differ = [i for i in range(shared.count if shared else 0)
+              if slots[1 + 2 * i] != _NONE and slots[1 + 2 * i] != -slots[2 + 2 * i]]
+    if differ:  # every rank saw every set: all raise alike
+        raise StepRefused(shared.mismatch(differ), (), {})
 
 
 def _gather_messages(mine: Optional[str], device, group, world: int) -> Dict[int, str]:
@@ -152,11 +184,14 @@ class StepChecks:
             self.error = error
         return self
 
-    def agree(self, expert_parallel: Optional[Tuple[int, int]] = None,
-              mismatch: Optional[Callable[[List[Tuple[int, int]]], str]] = None) -> None:
+    def agree(self, expert_parallel: Optional[int] = None,
+              mismatch: Optional[Callable[[List[int]], str]] = None,
+              replica: Optional[int] = None) -> None:
         """The step's agreement point; raises `StepRefused` on every rank if any rank failed.
         `expert_parallel`: what must be equal on the expert-parallel (x expert-TP) ranks of an MoE
-        model (two ints); `mismatch(values)` says what to fix when it is not."""
+        model (`mismatch(values)` says what to fix when it is not); `replica`: what must be equal
+        on the ranks of this rank's data-parallel replica (its TP, PP and CP ranks run one step
+        together: the same plan, the same row lengths). Both are `fingerprint`s."""
         device = model_device(self.model)
         group = _expert_parallel_group(self.model)
         if group is not None:  # every rank joins, a failed one with "failed"
@@ -164,7 +199,25 @@ class StepChecks:
             if self.error is None and _FAILED not in values and len(set(values)) > 1:
                 self.error = ValueError(mismatch(values) if mismatch else
                                         f"the expert-parallel ranks differ: {values}")
-        agree(self.error, device=device)
+        agree(self.error, device=device, shared=_replica(replica))
+
+
+def _replica(value: Optional[int]) -> Optional[Shared]:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return Shared(parallel_state.get_data_parallel_rank(),
+                  parallel_state.get_data_parallel_world_size(), value, _replica_mismatch)
+
+
+def _replica_mismatch(replicas: List[int]) -> str:
+    return (f"the ranks of data-parallel rank{'s' if len(replicas) > 1 else ''} "
+            f"{', '.join(map(str, replicas))} (the tensor-, pipeline- and context-parallel ranks "
+            "that run one step together) were given different steps (plans, microbatch counts "
+            "or row lengths): their p2p and collectives would not pair up. Give every rank of a "
+            "replica the same batch and plan, e.g. place_groups(batch, dp_size=...).ranks["
+            "parallel_state.get_data_parallel_rank()] of the same global batch")
 
 
 def refuse_step(model, error: ValueError) -> None:
@@ -185,8 +238,8 @@ def _expert_parallel_group(model):
     return None if group is None or group.size() == 1 else group
 
 
-def _gather_values(group, value: Optional[Tuple[int, int]], device) -> List[Tuple[int, int]]:
-    mine = torch.tensor(_FAILED if value is None else value, dtype=torch.int64, device=device)
+def _gather_values(group, value: Optional[int], device) -> List[int]:
+    mine = torch.tensor([_FAILED if value is None else value], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(group.size())]
     dist.all_gather(everyone, mine, group=group)
-    return [tuple(int(x) for x in t.cpu()) for t in everyone]
+    return [int(t.item()) for t in everyone]

@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config, unwrap_model
 
-from megatron_patches.agreement import StepChecks
+from megatron_patches.agreement import StepChecks, fingerprint
 from megatron_patches.config_support import check_config_supported
 from megatron_patches.cpu_support import cpu_support_enabled, refuse_with_nccl
 from megatron_patches.layers import check_layers_supported
@@ -177,7 +177,8 @@ def _agreed_step(config, models, data_iterator, num_microbatches, forward_step_f
     if check_batch is not None and checks.ok:
         checks.run(check_batch, step.batch)
     schedule = checks.run(expert_parallel_schedule, step) if config.num_moe_experts else None
-    checks.agree(schedule, expert_parallel_schedule_mismatch)
+    replica = checks.run(lambda: fingerprint(step.signature()))
+    checks.agree(schedule, expert_parallel_schedule_mismatch, replica=replica)
     return step
 
 

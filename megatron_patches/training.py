@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config, unwrap_model
 
 import megatron_patches
-from megatron_patches.agreement import StepChecks, refuse_step
+from megatron_patches.agreement import StepChecks, fingerprint, refuse_step
 from megatron_patches.rl import make_policy_forward_step
 
 __all__ = ["StepResult", "dense_items", "dense_packed_items", "row_multiple_for", "dense_step",
@@ -161,7 +161,7 @@ def _dense_forward_backward(model, batch, loss_config, forward_only, items, num_
     checks = StepChecks(models[0])  # [Note: agreed refusal] in agreement.py
     checks.run(batch.validate, max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
     checks.run(forward_step_func.check_batch, batch)
-    agree_on_dense_step(checks, num_microbatches)
+    agree_on_dense_step(checks, batch, num_microbatches)
     with megatron_patches.use_prefix_reuse_schedule(False):
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
@@ -176,12 +176,17 @@ def _dense_forward_backward(model, batch, loss_config, forward_only, items, num_
     return _summarise(reports)
 
 
-def agree_on_dense_step(checks: StepChecks, num_microbatches: int) -> None:
+def agree_on_dense_step(checks: StepChecks, batch: Optional[GroupBatch],
+                        num_microbatches: int) -> None:
     """The agreement point of a dense step (Megatron's stock schedule has none): the checks of
-    every rank, and with expert parallelism equal microbatch counts (each MoE layer exchanges
-    tokens among the expert-parallel ranks in every forward and backward)."""
-    checks.agree((num_microbatches, 0), lambda values: (
-        f"the expert-parallel ranks' dense steps have {[v[0] for v in values]} microbatches: "
+    every rank, the same rows on the ranks of a data-parallel replica, and with expert
+    parallelism equal microbatch counts (each MoE layer exchanges tokens among the
+    expert-parallel ranks in every forward and backward). `batch`: None if a check failed."""
+    replica = None if batch is None or not checks.ok else fingerprint(repr((num_microbatches, [
+        (g.context_len(t), tr.suffix.numel()) for g in batch.groups
+        for t, tr in enumerate(g.trajectories)])))
+    checks.agree(num_microbatches, replica=replica, mismatch=lambda values: (
+        f"the expert-parallel ranks' dense steps have {values} microbatches: "
         "expert parallelism exchanges tokens in every MoE layer, so every expert-parallel rank "
         "needs the same number; give each rank groups of the same shapes (synthetic data: "
         "--rl-synthetic-uniform-groups)"))

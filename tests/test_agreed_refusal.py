@@ -117,6 +117,28 @@ def data_parallel_rank(scenarios) -> dict:
     return out
 
 
+def pipeline_rank() -> dict:
+    """PP=2: the two stages of one pipeline are given steps of different batches (a replica's
+    ranks must share its step); then the same step on both runs."""
+    import megatron_patches
+    from megatron.core import parallel_state
+    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.training import prepare_for_training
+
+    megatron_patches.install()
+    initialize_distributed(seed=1234, pp=2)
+    model = prepare_for_training(build_model(TinyLlamaConfig(**MODEL)), ddp=True)
+    last = parallel_state.is_pipeline_last_stage()
+    shapes = [(12, [5, 8, 4]), (9, [6, 6])] if last else SHAPES
+    out = {"different_plans": _outcome(model, lambda: _reuse(model, make_batch(3, shapes)))}
+    from megatron_patches.training import zero_grads
+
+    zero_grads(model)
+    _reuse(model, make_batch(4, SHAPES))
+    out["good_step"] = all(torch.isfinite(p.main_grad).all() for p in model.parameters())
+    return out
+
+
 def _check_refused(results, scenario: str, rank_message: str) -> None:
     for rank, out in enumerate(results):
         got = out[scenario]
@@ -143,3 +165,14 @@ def test_data_and_context_parallel_rank_with_bad_data_is_refused_on_every_rank(m
     _check_refused(results, "foreign_plan", "the plan does not belong to this batch")
     _check_refused(results, "dense_bad_token", "vocab")
     _check_refused(results, "cp_row_multiple", "row_multiple=1")
+
+
+def test_pipeline_stages_with_different_plans_are_refused_on_every_rank(megatron_env):
+    """Nothing checked this before: the stages' p2p would not pair up (a hang on NCCL)."""
+    results = run_distributed(pipeline_rank, world_size=2, timeout_s=180,
+                              collective_timeout_s=30)
+    for rank, out in enumerate(results):
+        got = out["different_plans"]
+        assert got["type"] == "StepRefused" and not got["computed"], (rank, got)
+        assert got["message"].startswith("the ranks of data-parallel rank 0 "), (rank, got)
+        assert out["good_step"], rank

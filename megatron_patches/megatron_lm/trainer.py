@@ -102,7 +102,7 @@ def _agreed_data(args, model, checks: StepChecks, batch: GroupBatch, row_multipl
     if checks.ok:  # what the reuse executor checks: token ids and lengths against the model
         gpt = unwrap_model(model[0])
         checks.run(local.validate, max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
-    agree_on_dense_step(checks, data[1] if checks.ok else 0)
+    agree_on_dense_step(checks, local, data[1] if checks.ok else 0)
     return data
 
 

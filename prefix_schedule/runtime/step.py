@@ -135,6 +135,14 @@ class ReuseStep:
             for microbatch in range(self.num_microbatches):
                 self.microbatch_layout(microbatch)
 
+    def signature(self) -> str:
+        """What the ranks that run this step together (its TP, PP and CP ranks) must share: the
+        plan's rows and units and the schedule's shape (every p2p and collective follows from
+        them). Host work linear in the number of trajectories."""
+        return repr((self.lowered.num_ranks, len(self.caches),
+                     None if self.cp is None else (self.cp.size, self.cp.row_multiple),
+                     tuple(self.plan.microbatches), sorted(self._units.items())))
+
     def begin(self) -> None:
         """Called by the reuse executor once its checks passed, before any compute: a step (its
         prefix cache, its contexts) serves one forward-backward call."""
