@@ -131,6 +131,7 @@ def train(args, everyone) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_patches.agreement import refuse_step
     from megatron_patches.rl import make_policy_forward_step
     from megatron_patches.training import prepare_for_training
     from prefix_schedule import PolicyLossConfig, ReuseStep, plan_microbatches
@@ -166,11 +167,14 @@ def train(args, everyone) -> None:
             data, num_microbatches = dense_items(local), sum(
                 len(g.trajectories) for g in local.groups)
         else:
-            plan = plan_microbatches(local, token_budget=args.token_budget,
-                                     max_seq_len=cfg.max_seq_len,
-                                     prefix_chunk_tokens=args.prefix_chunk_tokens)
-            data = ReuseStep(local, plan, num_stages=args.pp,
-                             offload_prefix_activations=args.offload_prefix_activations)
+            try:  # this rank's own data: refused on every rank together, never a hang
+                plan = plan_microbatches(local, token_budget=args.token_budget,
+                                         max_seq_len=cfg.max_seq_len,
+                                         prefix_chunk_tokens=args.prefix_chunk_tokens)
+                data = ReuseStep(local, plan, num_stages=args.pp,
+                                 offload_prefix_activations=args.offload_prefix_activations)
+            except ValueError as error:  # the others wait at the executor's agreement point
+                refuse_step(model, error)
             num_microbatches = data.num_microbatches
         reports = forward_backward(forward_step_func=make_policy_forward_step(loss_config),
                                    data_iterator=data, model=[model],

@@ -4,7 +4,8 @@
 training loop selects it through `get_forward_backward_func()` (see `use_prefix_reuse_schedule`)
 and calls it the same way, with a `prefix_schedule.ReuseStep` as `data_iterator` and the model
 (a list of V model chunks with virtual pipeline stages). This module checks the settings before
-any compute and brackets the step as Megatron's schedules do (embedding-wgrad buffers,
+any compute, every rank refusing together if any rank's checks fail ([Note: agreed refusal] in
+agreement.py), and brackets the step as Megatron's schedules do (embedding-wgrad buffers,
 finalize_model_grads); megatron_patches/stage_runner.py runs this rank's row of the step's
 lowered schedule, with all p2p traffic in megatron_patches/p2p.py.
 """
@@ -19,10 +20,12 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config, unwrap_model
 
+from megatron_patches.agreement import StepChecks, fingerprint
 from megatron_patches.config_support import check_config_supported
 from megatron_patches.cpu_support import cpu_support_enabled, refuse_with_nccl
 from megatron_patches.layers import check_layers_supported
-from megatron_patches.moe import check_expert_parallel_schedule, check_moe_supported
+from megatron_patches.moe import (check_moe_supported, expert_parallel_schedule,
+                                  expert_parallel_schedule_mismatch)
 from megatron_patches.stage_runner import StageRunner
 
 __all__ = ["forward_backward_prefix_reuse", "check_reuse_supported"]
@@ -75,8 +78,7 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
     _check_context_parallel(config, step)
     _check_sequence_parallel_rows(config, step)
     _check_deferred_embedding_wgrad(config, step)
-    if config.num_moe_experts and model is not None:  # last: a collective over the EP group
-        check_expert_parallel_schedule(step, next(unwrap_model(model).parameters()).device)
+    step.check()  # rows that belong to the batch, CP layouts, not spent
 
 
 def _check_full_recompute(config, step) -> None:
@@ -164,6 +166,31 @@ def _check_sequence_parallel_rows(config, step) -> None:
             )
 
 
+def _agreed_step(config, models, data_iterator, num_microbatches, forward_step_func) -> ReuseStep:
+    """The step, once every rank's checks passed: each rank checks its own step, and all ranks
+    raise together if any rank's checks failed ([Note: agreed refusal] in agreement.py)."""
+    checks = StepChecks(models[0])
+    step = checks.run(_the_step, data_iterator)
+    checks.run(check_reuse_supported, config, step, num_microbatches, models[0],
+               num_model_chunks=len(models))
+    check_batch = getattr(forward_step_func, "check_batch", None)  # rl.make_policy_forward_step
+    if check_batch is not None and checks.ok:
+        checks.run(check_batch, step.batch)
+    schedule = checks.run(expert_parallel_schedule, step) if config.num_moe_experts else None
+    replica = checks.run(lambda: fingerprint(step.signature()))
+    checks.agree(schedule, expert_parallel_schedule_mismatch, replica=replica)
+    return step
+
+
+def _the_step(data_iterator) -> ReuseStep:
+    if isinstance(data_iterator, list):  # one per model chunk in Megatron; the step is shared
+        if any(it is not data_iterator[0] for it in data_iterator):
+            raise ValueError("prefix reuse takes one ReuseStep for all model chunks; pass the "
+                             "same step for each (or the step itself)")
+        data_iterator = data_iterator[0]
+    return data_iterator
+
+
 def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, num_microbatches,
                                   seq_length=None, micro_batch_size=None,
                                   decoder_seq_length=None, forward_only=False,
@@ -177,18 +204,8 @@ def forward_backward_prefix_reuse(*, forward_step_func, data_iterator, model, nu
     with the step's total loss-token count.
     """
     models = model if isinstance(model, list) else [model]
-    if isinstance(data_iterator, list):  # one per model chunk in Megatron; the step is shared
-        if any(it is not data_iterator[0] for it in data_iterator):
-            raise ValueError("prefix reuse takes one ReuseStep for all model chunks; pass the "
-                             "same step for each (or the step itself)")
-        data_iterator = data_iterator[0]
-    step: ReuseStep = data_iterator
     config = get_model_config(models[0])
-    check_reuse_supported(config, step, num_microbatches, models[0],
-                          num_model_chunks=len(models))
-    check_batch = getattr(forward_step_func, "check_batch", None)  # rl.make_policy_forward_step
-    if check_batch is not None:
-        check_batch(step.batch)
+    step = _agreed_step(config, models, data_iterator, num_microbatches, forward_step_func)
     step.begin()
     if pg_collection is None:
         pg_collection = schedules._build_default_pg_collection()

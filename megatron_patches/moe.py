@@ -28,7 +28,7 @@ divides its z-loss by that rank's own valid tokens: dense equals "T / TP per ran
 every TP rank holds as many valid tokens, i.e. dense microbatches of equal-length rows (no
 padding); a reuse rank uses T_logical / TP, which equals that dense run. Expert tensor
 parallelism (experts split over the ETP ranks) is a per-token function; its ranks must run the
-same plan (`check_expert_parallel_schedule`).
+same plan (`expert_parallel_schedule`).
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
                                                      switch_load_balancing_loss_func)
 
 __all__ = ["install", "uninstall", "routers", "needs_prefix_stats",
-           "check_moe_supported", "check_expert_parallel_schedule"]
+           "check_moe_supported", "expert_parallel_schedule",
+           "expert_parallel_schedule_mismatch"]
 
 ROUTING_WRAPPER = ("megatron.core.transformer.moe.router.TopKRouter.routing",
                    "(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None)")
@@ -319,32 +320,27 @@ def check_moe_supported(config) -> None:
                          "re-runs the prefix router outside Phase A; recompute core_attn only")
 
 
-def check_expert_parallel_schedule(step, device) -> None:
-    """ValueError (on every rank alike) unless all expert-parallel ranks run the same sequence of
-    compute actions: each MoE layer's token exchange is a collective over the expert-parallel
-    group, so their forwards and backwards must pair up across ranks (as Megatron's equal
-    microbatch counts make them in dense training). Token counts may differ."""
-    import zlib
-
+def expert_parallel_schedule(step):
+    """What must be equal on all expert-parallel ranks of a reuse step (`StepChecks.agree`
+    compares it, [Note: agreed refusal] in agreement.py): the sequence of this rank's compute
+    actions. Each MoE layer's token exchange is a collective over the expert-parallel group, so
+    their forwards and backwards must pair up across ranks (as Megatron's equal microbatch counts
+    make them in dense training). Token counts may differ."""
     from megatron.core import parallel_state
 
     from prefix_schedule.pipeline import ActionKind
 
-    # expert-parallel and expert-tensor-parallel ranks (expert TP = TP: check_moe_supported)
-    group = parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False)
-    if group is None or group.size() == 1:
-        return
+    from megatron_patches.agreement import fingerprint
+
     compute = (ActionKind.PREFIX_FORWARD, ActionKind.SUFFIX_FORWARD, ActionKind.SUFFIX_BACKWARD,
                ActionKind.PREFIX_BACKWARD)
     row = step.lowered.actions[parallel_state.get_pipeline_model_parallel_rank()]
-    text = " ".join(f"{a.kind.name}@{step.lowered.model_chunk_of(a)}" for a in row
-                    if a.kind in compute)
-    mine = torch.tensor([zlib.crc32(text.encode()), len(text)], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(group.size())]
-    torch.distributed.all_gather(everyone, mine, group=group)
-    if any(not torch.equal(other, mine) for other in everyone):
-        raise ValueError(
-            "expert parallelism exchanges tokens in every MoE layer of every forward and "
+    return fingerprint(" ".join(f"{a.kind.name}@{step.lowered.model_chunk_of(a)}" for a in row
+                                if a.kind in compute))
+
+
+def expert_parallel_schedule_mismatch(_values) -> str:
+    return ("expert parallelism exchanges tokens in every MoE layer of every forward and "
             "backward, but the expert-parallel ranks' reuse plans run different sequences of "
             "prefix/suffix forwards and backwards; give every expert-parallel rank the same "
             "number of groups and microbatches in the same order (e.g. the same group shapes)")

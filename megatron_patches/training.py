@@ -25,10 +25,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config, unwrap_model
 
 import megatron_patches
+from megatron_patches.agreement import StepChecks, fingerprint, refuse_step
 from megatron_patches.rl import make_policy_forward_step
 
 __all__ = ["StepResult", "dense_items", "dense_packed_items", "row_multiple_for", "dense_step",
-           "reuse_step", "context_parallel_group",
+           "reuse_step", "context_parallel_group", "agree_on_dense_step",
            "scale_grads_by_token_count",
            "prepare_for_training", "zero_grads",
            "param_grads", "max_relative_diff", "max_elementwise_error"]
@@ -156,9 +157,11 @@ def dense_step(model, batch: GroupBatch, loss_config: PolicyLossConfig,
 def _dense_forward_backward(model, batch, loss_config, forward_only, items, num_microbatches):
     models = model if isinstance(model, list) else [model]
     gpt = unwrap_model(models[0])
-    batch.validate(max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
     forward_step_func = make_policy_forward_step(loss_config)
-    forward_step_func.check_batch(batch)
+    checks = StepChecks(models[0])  # [Note: agreed refusal] in agreement.py
+    checks.run(batch.validate, max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
+    checks.run(forward_step_func.check_batch, batch)
+    agree_on_dense_step(checks, batch, num_microbatches)
     with megatron_patches.use_prefix_reuse_schedule(False):
         forward_backward = get_forward_backward_func()
     reports = forward_backward(
@@ -173,6 +176,22 @@ def _dense_forward_backward(model, batch, loss_config, forward_only, items, num_
     return _summarise(reports)
 
 
+def agree_on_dense_step(checks: StepChecks, batch: Optional[GroupBatch],
+                        num_microbatches: int) -> None:
+    """The agreement point of a dense step (Megatron's stock schedule has none): the checks of
+    every rank, the same rows on the ranks of a data-parallel replica, and with expert
+    parallelism equal microbatch counts (each MoE layer exchanges tokens among the
+    expert-parallel ranks in every forward and backward). `batch`: None if a check failed."""
+    replica = None if batch is None or not checks.ok else fingerprint(repr((num_microbatches, [
+        (g.context_len(t), tr.suffix.numel()) for g in batch.groups
+        for t, tr in enumerate(g.trajectories)])))
+    checks.agree(num_microbatches, replica=replica, mismatch=lambda values: (
+        f"the expert-parallel ranks' dense steps have {values} microbatches: "
+        "expert parallelism exchanges tokens in every MoE layer, so every expert-parallel rank "
+        "needs the same number; give each rank groups of the same shapes (synthetic data: "
+        "--rl-synthetic-uniform-groups)"))
+
+
 def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss_config: PolicyLossConfig,
                forward_only: bool = False, step: Optional[ReuseStep] = None) -> StepResult:
     """Prefix-reuse step through `get_forward_backward_func()` with reuse selected (`model`: a
@@ -183,10 +202,13 @@ def reuse_step(model, batch: GroupBatch, plan: StepPlan, loss_config: PolicyLoss
                          "pass the batch and plan it was built from, or leave step=None")
     models = model if isinstance(model, list) else [model]
     if step is None:
-        step = ReuseStep(batch, plan,
-                         num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
-                         num_model_chunks=len(models),
-                         cp_group=context_parallel_group(get_model_config(models[0])))
+        try:
+            step = ReuseStep(batch, plan,
+                             num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
+                             num_model_chunks=len(models),
+                             cp_group=context_parallel_group(get_model_config(models[0])))
+        except ValueError as error:  # the other ranks wait at the executor's agreement point
+            refuse_step(models[0], error)
     with megatron_patches.use_prefix_reuse_schedule():
         forward_backward = get_forward_backward_func()
     reports = forward_backward(

@@ -11,11 +11,12 @@ tensorboard) and the timers.
 from __future__ import annotations
 
 import os
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 import megatron_patches
+from megatron_patches.agreement import StepChecks
 from megatron_patches.megatron_lm.data import StepSource
 
 from megatron.core import parallel_state as ps
@@ -67,7 +68,6 @@ def _data(args, local: GroupBatch, row_multiple: int, num_model_chunks: int):
         else:
             items = lambda: dense_items(local, row_multiple)  # noqa: E731
             count = sum(len(g.trajectories) for g in local.groups)
-        _check_expert_parallel_counts(count)
         if num_model_chunks > 1:  # Megatron's interleaved schedule: one iterator per chunk
             return [items() for _ in range(num_model_chunks)], count, count
         return items(), count, count
@@ -84,24 +84,26 @@ def _data(args, local: GroupBatch, row_multiple: int, num_model_chunks: int):
     return step, step.num_microbatches, len(plan.microbatches)
 
 
-def _check_expert_parallel_counts(count: int) -> None:
-    """ValueError on every rank alike unless the expert-parallel ranks run as many microbatches
-    (each MoE layer exchanges tokens among them in every forward and backward; unequal counts
-    would hang). The reuse executor checks its own plans (moe.check_expert_parallel_schedule)."""
-    if ps.get_expert_model_parallel_world_size() == 1:
-        return
-    group = ps.get_expert_model_parallel_group()
-    device = (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-              else torch.device("cpu"))  # NCCL gathers device tensors
-    mine = torch.tensor([count], dtype=torch.int64, device=device)
-    counts = [torch.zeros_like(mine) for _ in range(group.size())]
-    torch.distributed.all_gather(counts, mine, group=group)
-    if len({int(c) for c in counts}) > 1:
-        raise ValueError(f"the expert-parallel ranks' dense steps have {[int(c) for c in counts]} "
-                         "microbatches: expert parallelism exchanges tokens in every MoE layer, "
-                         "so every expert-parallel rank needs the same number; give each rank "
-                         "groups of the same shapes (synthetic data: "
-                         "--rl-synthetic-uniform-groups)")
+def _agreed_data(args, model, checks: StepChecks, batch: GroupBatch, row_multiple: int):
+    """`_data` of this rank's part of `batch`, or StepRefused on every rank if any rank's data
+    path refused its step ([Note: agreed refusal] in megatron_patches/agreement.py): reuse steps
+    agree in the executor (a rank that failed here joins it), dense steps here (Megatron's stock
+    schedule checks nothing), with equal microbatch counts on the expert-parallel ranks."""
+    local = checks.run(_local_batch, args, batch, row_multiple)
+    data = checks.run(_data, args, local, row_multiple, len(model))
+    if args.prefix_reuse:
+        if not checks.ok:
+            checks.agree()  # raises on every rank, those waiting in the executor's checks too
+        return data
+    from megatron.core.utils import unwrap_model
+
+    from megatron_patches.training import agree_on_dense_step
+
+    if checks.ok:  # what the reuse executor checks: token ids and lengths against the model
+        gpt = unwrap_model(model[0])
+        checks.run(local.validate, max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
+    agree_on_dense_step(checks, local, data[1] if checks.ok else 0)
+    return data
 
 
 def _rescale_moe_metrics(num_loss_microbatches: int) -> None:
@@ -131,17 +133,20 @@ def _reduce_reports(reports: List[dict]) -> Dict[str, torch.Tensor]:
     return reduced
 
 
-def train_step(args, model, optimizer, scheduler, batch: GroupBatch, forward_step_func):
+def train_step(args, model, optimizer, scheduler, batch: GroupBatch, forward_step_func,
+               checks: Optional[StepChecks] = None):
     """One RL step: forward-backward (dense or reuse), optimizer, LR scheduler. Runs under
-    Megatron's rerun state machine like `train_step` (a rerun rebuilds the step's data)."""
+    Megatron's rerun state machine like `train_step` (a rerun rebuilds the step's data).
+    `checks`: the step's checks so far (reading `batch` may have failed: it is then None)."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     config = get_model_config(model[0])
     row_multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
-    local = _local_batch(args, batch, row_multiple)
+    checks = StepChecks(model[0]) if checks is None else checks
     rerun_state_machine = get_rerun_state_machine()
     while rerun_state_machine.should_run_forward_backward(None):
-        reports = _forward_backward(args, model, optimizer, local, row_multiple, forward_step_func)
+        reports = _forward_backward(args, model, optimizer, checks, batch, row_multiple,
+                                    forward_step_func)
     should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
     if should_exit:
         raise SystemExit(exit_code)  # the state machine has logged why
@@ -151,11 +156,12 @@ def train_step(args, model, optimizer, scheduler, batch: GroupBatch, forward_ste
     return _reduce_reports(reports), int(not update_successful), grad_norm, num_zeros
 
 
-def _forward_backward(args, model, optimizer, local, row_multiple, forward_step_func):
+def _forward_backward(args, model, optimizer, checks, batch, row_multiple, forward_step_func):
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    data, num_microbatches, num_loss_microbatches = _data(args, local, row_multiple, len(model))
+    data, num_microbatches, num_loss_microbatches = _agreed_data(args, model, checks, batch,
+                                                                 row_multiple)
     with megatron_patches.use_prefix_reuse_schedule(args.prefix_reuse):
         forward_backward = get_forward_backward_func()
     timers = get_timers()
@@ -226,9 +232,10 @@ def train(model, optimizer, scheduler, source: StepSource, checkpointing_context
         _dump_params(args, model, iteration)
     timers("interval-time", log_level=0).start(barrier=True)
     while iteration < args.train_iters:
-        batch = source.step(iteration)
+        checks = StepChecks(model[0])  # reading the step is one of its checks
+        batch = checks.run(source.step, iteration)
         loss_dict, skipped, grad_norm, num_zeros = train_step(
-            args, model, optimizer, scheduler, batch, forward_step_func)
+            args, model, optimizer, scheduler, batch, forward_step_func, checks)
         iteration += 1
         args.iteration = iteration
         args.consumed_train_samples += sum(len(g.trajectories) for g in batch.groups)

@@ -13,16 +13,13 @@ from prefix_schedule.planning.planner import (PrefixChunk, PrefixWork, Segment, 
                                               _check_int, _padding)
 
 __all__ = ["build_suffix_inputs", "build_prefix_inputs", "build_prefix_loss", "build_dense_inputs",
-           "build_dense_microbatch_inputs"]
+           "build_dense_microbatch_inputs", "check_plan_rows"]
 
 
 def _dense_row(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torch.Tensor]:
     """1-D arrays of the full dense row: input (prefix+suffix)[:-1], labels (prefix+suffix)[1:]."""
-    if not 0 <= group < len(batch.groups):
-        raise ValueError(f"group {group} is not in the batch (it has {len(batch.groups)} groups)")
+    _check_trajectory(batch, group, trajectory)
     g = batch.groups[group]
-    if not 0 <= trajectory < len(g.trajectories):
-        raise ValueError(f"group {group} has no trajectory {trajectory} (it has {len(g.trajectories)})")
     tr = g.trajectories[trajectory]
     full = torch.cat([g.context(tr.node), tr.suffix])  # [Note: prefix trees] in tree.py
     pad = torch.zeros(g.context_len(trajectory) - 1, dtype=torch.float32)  # no loss on a prefix
@@ -43,15 +40,39 @@ def _dense_row(batch: GroupBatch, group: int, trajectory: int) -> dict[str, torc
     return row
 
 
-def _segment_row(batch: GroupBatch, segment: Segment) -> dict[str, torch.Tensor]:
+def _check_trajectory(batch: GroupBatch, group: int, trajectory: int) -> None:
+    if not 0 <= group < len(batch.groups):
+        raise ValueError(f"group {group} is not in the batch (it has {len(batch.groups)} groups)")
+    g = batch.groups[group]
+    if not 0 <= trajectory < len(g.trajectories):
+        raise ValueError(f"group {group} has no trajectory {trajectory} (it has {len(g.trajectories)})")
+
+
+def _check_segment(batch: GroupBatch, segment: Segment) -> None:
     # Every segment is the tail of its dense row: cached_len tokens come from the cache.
-    row = _dense_row(batch, segment.group, segment.trajectory)
-    total = row["tokens"].numel()
+    _check_trajectory(batch, segment.group, segment.trajectory)
+    g = batch.groups[segment.group]
+    total = g.context_len(segment.trajectory) + g.trajectories[segment.trajectory].suffix.numel() - 1
     if segment.cached_len + segment.length != total:
         raise ValueError(f"segment (group {segment.group}, trajectory {segment.trajectory}) has "
                          f"cached_len {segment.cached_len} + length {segment.length} != {total}, the "
                          "dense row length P+n-1; the plan does not belong to this batch")
+
+
+def _segment_row(batch: GroupBatch, segment: Segment) -> dict[str, torch.Tensor]:
+    _check_segment(batch, segment)
+    row = _dense_row(batch, segment.group, segment.trajectory)
     return {name: value[segment.cached_len:] for name, value in row.items()}
+
+
+def check_plan_rows(batch: GroupBatch, plan) -> None:
+    """ValueError unless every row of `plan` (a StepPlan) belongs to `batch`: what the builders
+    below check when they build a row (mid-step), checked up front without building any."""
+    for mb in plan.microbatches:
+        for segment in mb.segments:
+            _check_segment(batch, segment)
+    for chunk in plan.prefix_units().values():
+        _check_prefix_fits(batch, chunk, whole=False)
 
 
 def _as_batch_dim(row: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -84,25 +105,31 @@ def build_prefix_inputs(batch: GroupBatch,
                         work: Union[PrefixWork, PrefixChunk]) -> dict[str, torch.Tensor]:
     """The cached part of a group's prompt: tokens prefix[:-1] at positions 0..P-2, [1, P-1];
     for a PrefixChunk only its tokens prefix[start:start+length] at their positions."""
-    if not 0 <= work.group < len(batch.groups):
-        raise ValueError(f"group {work.group} is not in the batch (it has {len(batch.groups)} groups)")
-    group = batch.groups[work.group]
     whole = isinstance(work, PrefixWork)
     if whole:
         if work.nodes is not None:
             raise ValueError("a prefix tree runs as units: pass plan.prefix_units() entries")
         work = PrefixChunk(group=work.group, chunk=0, start=0, length=work.length)
+    _check_prefix_fits(batch, work, whole)
+    prefix = batch.groups[work.group].context(work.node)  # [Note: prefix trees]: the chain
+    end = work.start + work.length
+    row = {"tokens": prefix[work.start:end], "position_ids": torch.arange(work.start, end)}
+    return _as_batch_dim(_pad(row, work.padding))
+
+
+def _check_prefix_fits(batch: GroupBatch, work: PrefixChunk, whole: bool) -> None:
+    if not 0 <= work.group < len(batch.groups):
+        raise ValueError(f"group {work.group} is not in the batch (it has {len(batch.groups)} groups)")
+    group = batch.groups[work.group]
     if not 0 <= work.node < group.num_nodes:
         raise ValueError(f"{work} names node {work.node} of group {work.group}, which has "
                          f"{group.num_nodes}; the plan does not belong to this batch")
-    prefix = group.context(work.node)  # [Note: prefix trees]: the chain up to the chunk's node
-    cached = prefix.numel() - (0 if group.has_children(work.node) else 1)
+    cached = (sum(group.node_tokens(n).numel() for n in group.chain(work.node))
+              - (0 if group.has_children(work.node) else 1))
     end = work.start + work.length
     if (end != cached) if whole else (end > cached):
         raise ValueError(f"{work} does not fit group {work.group}, which caches {cached} tokens "
                          "there; the plan does not belong to this batch")
-    row = {"tokens": prefix[work.start:end], "position_ids": torch.arange(work.start, end)}
-    return _as_batch_dim(_pad(row, work.padding))
 
 
 def build_prefix_loss(batch: GroupBatch, chunk: PrefixChunk) -> Optional[dict[str, torch.Tensor]]:

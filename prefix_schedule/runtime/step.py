@@ -25,12 +25,15 @@ from prefix_schedule.runtime.context import PrefixForwardContext, SuffixForwardC
 from prefix_schedule.runtime.cp import CPGroup, CPRow, ZigzagLayout, balance_owners
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.inputs import (build_prefix_inputs, build_prefix_loss,
-                                             build_suffix_inputs)
+                                             build_suffix_inputs, check_plan_rows)
 from prefix_schedule.planning.planner import PrefixChunk, StepPlan
 from prefix_schedule.pipeline.lowering import lower
 from prefix_schedule.pipeline import Action, ActionKind, Schedule, build_schedule
 
 __all__ = ["ReuseStep"]
+
+_SPENT = ("this ReuseStep has already run a forward-backward step (its prefix cache is spent); "
+          "build a new ReuseStep(batch, plan) for every step")
 
 
 class ReuseStep:
@@ -141,12 +144,33 @@ class ReuseStep:
         step.report = report
         return step
 
+    def check(self) -> None:
+        """ValueError, before any compute, for what would otherwise fail mid-step on this rank
+        only (the executor agrees on it with every rank: [Note: agreed refusal] in
+        megatron_patches/agreement.py): a spent step, a plan whose rows do not belong to the
+        batch, a CP layout that cannot be built."""
+        if self._started:
+            raise ValueError(_SPENT)
+        check_plan_rows(self.batch, self.plan)
+        if self.cp is not None:
+            for unit in self._units:
+                self.prefix_layout(unit)
+            for microbatch in range(self.num_microbatches):
+                self.microbatch_layout(microbatch)
+
+    def signature(self) -> str:
+        """What the ranks that run this step together (its TP, PP and CP ranks) must share: the
+        plan's rows and units and the schedule's shape (every p2p and collective follows from
+        them). Host work linear in the number of trajectories."""
+        return repr((self.lowered.num_ranks, len(self.caches),
+                     None if self.cp is None else (self.cp.size, self.cp.row_multiple),
+                     tuple(self.plan.microbatches), sorted(self._units.items())))
+
     def begin(self) -> None:
         """Called by the reuse executor once its checks passed, before any compute: a step (its
         prefix cache, its contexts) serves one forward-backward call."""
         if self._started:
-            raise ValueError("this ReuseStep has already run a forward-backward step (its prefix "
-                             "cache is spent); build a new ReuseStep(batch, plan) for every step")
+            raise ValueError(_SPENT)
         self._started = True
 
     @property
