@@ -153,7 +153,7 @@ class ReuseStep:
             raise ValueError(_SPENT)
         check_plan_rows(self.batch, self.plan)
         if self.cp is not None:
-            for unit in self._units:
+            for unit in self._rows:
                 self.prefix_layout(unit)
             for microbatch in range(self.num_microbatches):
                 self.microbatch_layout(microbatch)
@@ -164,7 +164,8 @@ class ReuseStep:
         them). Host work linear in the number of trajectories."""
         return repr((self.lowered.num_ranks, len(self.caches),
                      None if self.cp is None else (self.cp.size, self.cp.row_multiple),
-                     tuple(self.plan.microbatches), sorted(self._units.items())))
+                     tuple(self.plan.microbatches), sorted(self._units.items()),
+                     sorted(self._rows.items())))
 
     def begin(self) -> None:
         """Called by the reuse executor once its checks passed, before any compute: a step (its
