@@ -36,7 +36,8 @@ copies of the hidden states and the fp32 router scores: an estimate, not measure
 The step is walked in the order the schedule runs it on one stage (PF, SF, SB, PB;
 pipeline/generate.py), each sample counting what is alive then: the peak per phase is an upper
 bound of the measured one (a suffix backward counts all of the row's saved tensors next to all
-gK/gV it creates). Pipeline stages: `stage_layers` (layers on the heaviest stage) and
+gK/gV it creates; not counted: the tensors under 1 KiB that offload leaves on the device, a few
+% of a small model's offloaded phases with short chunks). Pipeline stages: `stage_layers` (layers on the heaviest stage) and
 `in_flight` (microbatches whose activations a stage holds at once; 1F1B: min(PP, microbatches)).
 """
 from __future__ import annotations
