@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from prefix_schedule.losses import PolicyLossConfig
+from prefix_schedule.planning import memory_model
 from prefix_schedule.planning.flops import ModelDims
 from prefix_schedule.planning.memory_model import (ActivationModel, MemoryOptions,
                                                    dense_peak_bytes, reuse_phase_peaks)
@@ -111,7 +112,7 @@ def _tiny_model(recompute, fused=False):
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_predictions_match_measured_bytes_on_the_tiny_model(megatron_env, recompute):
     """The capacity tool's model of llama3-8b-tiny (fp32 here) within 10% of the accounting
-    model's measured bytes: dense peak, reuse suffix phase and whole step, at two lengths (one
+    model's measured bytes: dense peak, reuse suffix phase and whole step, at three lengths (one
     and two trajectories per microbatch), with and without offload."""
     from megatron_patches.training import dense_step, reuse_step
     from prefix_schedule.runtime.step import ReuseStep
@@ -121,7 +122,8 @@ def test_predictions_match_measured_bytes_on_the_tiny_model(megatron_env, recomp
     model = capacity.activation_models(spec, capacity.Layout(), act_bytes=4)[0]
     local, fused = _tiny_model(recompute), _tiny_model(recompute, fused=True)
     offloads = [False, True] if recompute == "none" else [False]
-    for prefix, suffix, group, budget in ((200, 40, 3, 40), (400, 80, 2, 160)):
+    # (600, 30): gK/gV large next to the row: full recompute peaks at the first layer's re-run
+    for prefix, suffix, group, budget in ((200, 40, 3, 40), (400, 80, 2, 160), (600, 30, 2, 60)):
         batch = make_batch(3, [(prefix, [suffix] * group)], vocab=spec.vocab_size)
         plan = plan_microbatches(batch, token_budget=budget, max_seq_len=1024)
         dense = probe.measure_dense(fused, lambda: dense_step(fused, batch, BENCH_LOSS))
@@ -143,6 +145,92 @@ def test_predictions_match_measured_bytes_on_the_tiny_model(megatron_env, recomp
             assert peaks["step"] == pytest.approx(reuse.peak_saved_bytes, rel=0.10), where
         local.zero_grad(set_to_none=True)
         fused.zero_grad(set_to_none=True)
+
+
+def _tiny_activation_model():
+    capacity = tool("capacity")
+    return capacity.activation_models(capacity.MODELS["llama3-8b-tiny"], capacity.Layout(),
+                                      act_bytes=4)[0]
+
+
+def _measure(local, batch, plan, options):
+    from megatron_patches.training import reuse_step
+    from prefix_schedule.runtime.step import ReuseStep
+
+    step = ReuseStep(batch, plan, offload_prefix_activations=options.offload)
+    report = tool("memory_probe").measure_reuse(
+        local, step, lambda s: reuse_step(local, batch, plan, BENCH_LOSS, step=s))
+    local.zero_grad(set_to_none=True)
+    return report
+
+
+def _unit_batch(kind):
+    vocab = tool("capacity").MODELS["llama3-8b-tiny"].vocab_size
+    if kind == "tree":  # depth 2: every reader reads the root and its leaf (two units)
+        from tree_batches import make_tree_batch
+
+        return make_tree_batch(5, [dict(depth=2, branching=2, node_len=200, suffix_len=30,
+                                        per_leaf=2)], vocab=vocab)
+    prefix, suffix = {"chunks": (600, 30), "chunks, n=40": (400, 40)}[kind]
+    return make_batch(3, [(prefix, [suffix] * 2)], vocab=vocab)
+
+
+# (batch, token budget, prefix_chunk_tokens, options): prefixes of several units, whose reads
+# concatenate K/V the attention saves; the old model under-counted the chunked full-recompute
+# suffix phase by 17% and the offload one by 10%
+SEVERAL_UNITS = [("chunks", 60, 100, MemoryOptions()), ("chunks", 60, 100, MemoryOptions(offload=True)),
+                 ("chunks", 60, 100, MemoryOptions(recompute="full")),
+                 ("chunks, n=40", 40, 100, MemoryOptions(offload=True)),
+                 ("chunks, n=40", 40, 100, MemoryOptions(recompute="full")),
+                 ("tree", 40, None, MemoryOptions()), ("tree", 40, None, MemoryOptions(offload=True)),
+                 ("tree", 40, 100, MemoryOptions()), ("tree", 40, 100, MemoryOptions(offload=True))]
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_predictions_match_measured_bytes_with_prefixes_of_several_units(megatron_env, recompute):
+    """As above for prefix chunks and prefix trees (full recompute refuses trees): every phase
+    within 10% of the measured bytes."""
+    model, local = _tiny_activation_model(), _tiny_model(recompute)
+    for kind, budget, chunk, options in SEVERAL_UNITS:
+        if options.recompute != recompute:
+            continue
+        batch = _unit_batch(kind)
+        plan = plan_microbatches(batch, token_budget=budget, max_seq_len=1024,
+                                 prefix_chunk_tokens=chunk)
+        assert any(len(chain) > 1 for chains in memory_model.unit_reads(plan)[0].values()
+                   for chain in chains)  # a suffix reads (and the attention saves) a copy
+        measured = _measure(local, batch, plan, options)
+        peaks = reuse_phase_peaks(model, plan, options)
+        where = f"{kind}, token budget {budget}, chunks {chunk}, {options.describe()}"
+        print(f"{where}: predicted / measured " + ", ".join(
+            f"{p} {peaks[p] / measured.phase_peaks[p]:.3f}" for p in ("PF", "suffix", "PB")))
+        for phase in ("PF", "suffix", "PB"):
+            assert peaks[phase] == pytest.approx(measured.phase_peaks[phase], rel=0.10), \
+                (where, phase)
+        assert peaks["step"] == pytest.approx(measured.peak_saved_bytes, rel=0.10), where
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("recompute", ["full"])
+def test_a_budget_plan_with_chunks_stays_within_its_budget(megatron_env, recompute):
+    """A budget 5% under the measured peak of 75-token chunks: the planner chooses smaller
+    chunks, and the step it plans, measured, stays within the budget (the old model, blind to
+    the concatenated K/V, took the 75-token chunks and ran over it)."""
+    model, local = _tiny_activation_model(), _tiny_model(recompute)
+    options = MemoryOptions(recompute=recompute)
+    batch = make_batch(3, [(600, [30, 30]), (300, [24, 20])],
+                       vocab=tool("capacity").MODELS["llama3-8b-tiny"].vocab_size)
+    chunked = plan_microbatches(batch, token_budget=60, max_seq_len=1024, prefix_chunk_tokens=75)
+    budget = int(0.95 * _measure(local, batch, chunked, options).peak_saved_bytes)
+    plan = plan_microbatches(batch, token_budget=60, max_seq_len=1024, memory_model=model,
+                             memory_budget_bytes=budget, memory_options=[options])
+    assert plan.memory.prefix_chunk_tokens is not None  # it chose chunks
+    measured = _measure(local, batch, plan, options).peak_saved_bytes
+    print(f"budget {budget}: chose {plan.memory.token_budget}-token microbatches, "
+          f"{plan.memory.prefix_chunk_tokens}-token chunks; measured / budget "
+          f"{measured / budget:.3f}")
+    assert measured <= budget
 
 
 @pytest.mark.megatron

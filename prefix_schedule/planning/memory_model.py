@@ -15,6 +15,14 @@ the CPU model (tests/test_memory_model.py holds the prediction to the measured b
   labels, masks and the loss terms (30 B); the embedding's token ids (8 B);
 - a suffix row under the two-part attention also saves its attention output for the output
   projection (act x q per layer);
+- a read of a cached prefix of several units (chunks, or a tree node's chain) concatenates their
+  K/V (PrefixKVCache.read) and the attention saves that copy for backward: 2 kv per chain token
+  and layer, per attention slot of a suffix row (one per group, or per tree node's chain, as
+  runtime/step.py builds the slots), and per prefix unit whose forward reads several earlier
+  units (dormant until its Phase C; offloaded with offload; under full recompute only the
+  re-run layer's, in backward). A one-unit read is a view of the cache: no copy. A prefix
+  unit that reads earlier units (a later chunk, a tree node) also saves its two-part
+  attention output, as a suffix row does;
 - the cache per cached token and layer: K (kv) and the fused QKV storage V views (q + 2 kv), or
   K and V compacted (2 kv) under full recompute; fp32 gK/gV (2 kv), allocated by the first
   suffix backward that reads the group;
@@ -28,7 +36,8 @@ copies of the hidden states and the fp32 router scores: an estimate, not measure
 The step is walked in the order the schedule runs it on one stage (PF, SF, SB, PB;
 pipeline/generate.py), each sample counting what is alive then: the peak per phase is an upper
 bound of the measured one (a suffix backward counts all of the row's saved tensors next to all
-gK/gV it creates). Pipeline stages: `stage_layers` (layers on the heaviest stage) and
+gK/gV it creates; not counted: the tensors under 1 KiB that offload leaves on the device, a few
+% of a small model's offloaded phases with short chunks). Pipeline stages: `stage_layers` (layers on the heaviest stage) and
 `in_flight` (microbatches whose activations a stage holds at once; 1F1B: min(PP, microbatches)).
 """
 from __future__ import annotations
@@ -39,7 +48,7 @@ from typing import Dict, Optional, Sequence
 from prefix_schedule.planning.flops import ModelDims
 
 __all__ = ["ActivationModel", "MemoryOptions", "RECOMPUTE_MODES", "dense_peak_bytes",
-           "reuse_phase_peaks"]
+           "reuse_phase_peaks", "unit_reads"]
 
 RECOMPUTE_MODES = ("none", "full")
 FP32 = 4
@@ -145,6 +154,10 @@ class ActivationModel:
         _, q, kv, _ = self._widths()
         return self.act_bytes * (2 * kv if compact else q + 3 * kv) / self.tp
 
+    def kv_copy(self) -> float:
+        """One layer's concatenated K/V read of several cached units, per chain token."""
+        return self.act_bytes * 2 * self._widths()[2] / self.tp
+
     def gkv(self) -> float:
         """fp32 gK/gV of one layer, per cached token."""
         return FP32 * 2 * self._widths()[2] / self.tp
@@ -158,27 +171,48 @@ class ActivationModel:
             return L * self.checkpoint() + EMBED_CONST + max(self.head_bytes(), layer)
         return L * layer + self.head_bytes() + EMBED_CONST
 
-    def suffix_backward(self, tokens: int, recompute: str, new_gkv: float) -> float:
-        """Peak of a suffix row's backward that creates `new_gkv` bytes of gK/gV: layer by layer
-        the row's saved tensors go as the gK/gV of the layers done arrive, so the peak is at
-        one end: the last layer (all saved, 1/L of the gK/gV) or the first (its attention half,
-        all)."""
+    def suffix_backward(self, tokens: int, recompute: str, new_gkv: float,
+                        copy_tokens: int = 0) -> float:
+        """Peak of a suffix row's backward that creates `new_gkv` bytes of gK/gV and whose
+        attention reads `copy_tokens` concatenated prefix tokens per layer: layer by layer the
+        row's saved tensors go as the gK/gV of the layers done arrive, so the peak is at one end:
+        the last layer (all saved, 1/L of the gK/gV) or the first (its attention half, all;
+        under full recompute also its whole re-run layer with (L-1)/L of the gK/gV)."""
         L = self.stage_layers
         layer = self.layer() + self.act_bytes * self._widths()[1] / self.tp
         first = layer - self.mlp()  # the first layer's gK/gV come after its MLP's backward
-        if recompute == "full":
-            kept = L * self.checkpoint() + EMBED_CONST
-            return max(tokens * (kept + layer) + new_gkv / L,
-                       tokens * (self.checkpoint() + EMBED_CONST + first) + new_gkv)
-        return max(tokens * self.row_token("none", suffix=True) + new_gkv / L,
-                   tokens * (first + EMBED_CONST) + new_gkv)
+        copy = copy_tokens * self.kv_copy()  # one layer's
+        if recompute == "full":  # only the re-run layer holds its saved tensors and copy
+            # k layers done: (L - k) inputs kept, one layer re-run, k/L of the gK/gV -- linear
+            # in k, so the peak is at k = 0 or at the first layer's re-run (k = L - 1)
+            kept = self.checkpoint() + EMBED_CONST
+            return max(tokens * (L * self.checkpoint() + EMBED_CONST + layer) + copy + new_gkv / L,
+                       tokens * (kept + layer) + copy + new_gkv * (L - 1) / L,
+                       tokens * (kept + first) + copy + new_gkv)
+        return max(tokens * self.row_token("none", suffix=True) + L * copy + new_gkv / L,
+                   tokens * (first + EMBED_CONST) + copy + new_gkv)
 
-    def suffix_forward(self, tokens: int, recompute: str) -> float:
-        """What a suffix row holds at the end of its forward."""
-        if recompute == "full":
+    def suffix_forward(self, tokens: int, recompute: str, copy_tokens: int = 0) -> float:
+        """What a suffix row holds at the end of its forward (`copy_tokens`: suffix_backward)."""
+        if recompute == "full":  # checkpointed layers save nothing in forward
             return tokens * (self.stage_layers * self.checkpoint() + EMBED_CONST
                              + self.head_bytes())
-        return tokens * self.row_token("none", suffix=True)
+        return tokens * self.row_token("none", suffix=True) + \
+            self.stage_layers * copy_tokens * self.kv_copy()
+
+    def prefix_reads(self, row_tokens: int, copy_tokens: int, options: MemoryOptions) -> tuple:
+        """(dormant, Phase C) extra bytes of a prefix unit of `row_tokens` whose forward reads
+        earlier cached units (a later chunk, a tree node below the root): its two-part attention
+        saves its output apart from the output projection's input (act x q, every layer but the
+        last, which stops at its K/V) and, reading several units, their concatenated K/V
+        (`copy_tokens` per layer). Saved until Phase C; offloaded until then with offload; under
+        full recompute only the re-run layer's, in Phase C."""
+        out = row_tokens * self.act_bytes * self._widths()[1] / self.tp
+        copy = copy_tokens * self.kv_copy()
+        if options.recompute == "full":
+            return 0.0, out + copy
+        every = (self.stage_layers - 1) * out + self.stage_layers * copy
+        return (0.0, every) if options.offload else (every, 0.0)
 
     def dormant_token(self, options: MemoryOptions) -> float:
         """Bytes a cached prefix token holds from Phase A to Phase C (cache K/V included)."""
@@ -210,6 +244,39 @@ def dense_peak_bytes(model: ActivationModel, row_tokens: Sequence[int],
     return sum(largest) * model.row_token(recompute)
 
 
+def unit_reads(plan) -> tuple:
+    """(per microbatch index: the chains of prefix units its attention slots read, one per
+    slot; per prefix unit: the chain of earlier units its forward reads), as runtime/step.py
+    and the attention hook read the cache: a group's slot reads all its units, a tree node's
+    slot (group, node, cached length) its node's chain; chunk c reads its ancestors."""
+    units = plan.prefix_units()
+    ids = {(c.group, c.chunk): u for u, c in units.items()}
+    trees = {w.group for w in plan.prefixes if w.nodes is not None}
+    slots = {}
+    for mb in plan.microbatches:
+        keys, chains = [None], []
+        for s in mb.segments:
+            if s.cached_len == 0:  # a dense row: a slot of its own, no read
+                keys.append(None)
+                continue
+            key = (s.group, s.node, s.cached_len) if s.group in trees else s.group
+            if key == keys[-1]:
+                continue
+            keys.append(key)
+            chunks = plan.chain_chunks(s.group, s.node) if s.group in trees else \
+                sorted(c for g, c in ids if g == s.group)
+            chains.append(tuple(ids[s.group, c] for c in chunks))
+        slots[mb.index] = chains
+    ancestors = {}
+    for u, c in units.items():
+        chain, parent = [], c.parent_chunk
+        while parent is not None:
+            chain.append(ids[c.group, parent])
+            parent = units[chain[-1]].parent_chunk
+        ancestors[u] = tuple(reversed(chain))
+    return slots, ancestors
+
+
 def reuse_phase_peaks(model: ActivationModel, plan,
                       options: MemoryOptions = MemoryOptions()) -> Dict[str, float]:
     """Peak bytes per phase ("PF", "suffix", "PB", "step") of a reuse step on one stage, walked
@@ -222,10 +289,19 @@ def reuse_phase_peaks(model: ActivationModel, plan,
     schedule = build_schedule(num_stages=1, microbatch_groups=plan.microbatch_groups(),
                               prefix_groups=[w.group for w in plan.prefixes],
                               prefix_units={u: (c.group, c.chunk) for u, c in units.items()})
+    slots, ancestors = unit_reads(plan)
+
+    def copy_tokens(chains) -> int:  # a one-unit read is a view of the cache: no copy
+        return sum(units[u].length for chain in chains if len(chain) > 1 for u in chain)
+
     rows = {mb.index: mb.row_length for mb in plan.microbatches}
-    extra = sorted(rows.values(), reverse=True)[1:model.in_flight]  # the others a stage holds
-    held = sum(extra) * model.row_token(options.recompute, suffix=True)
-    dormant, gkv = {}, {}
+    copies = {i: copy_tokens(chains) for i, chains in slots.items()}
+    forward = {i: model.suffix_forward(rows[i], options.recompute, copies[i]) for i in rows}
+    if options.recompute == "full":  # as a pipeline holds them: inputs and the head's
+        forward = {i: rows[i] * model.row_token("full", suffix=True) for i in rows}
+    extra = sorted(forward.values(), reverse=True)[1:model.in_flight]  # the others a stage holds
+    held = sum(extra)
+    dormant, gkv, reads = {}, {}, {}
     peaks = {"PF": 0.0, "suffix": 0.0, "PB": 0.0}
 
     def sample(phase: str, transient: float) -> None:
@@ -235,19 +311,22 @@ def reuse_phase_peaks(model: ActivationModel, plan,
     for action in schedule.actions[0]:
         kind, i = action.kind, action.index
         if kind is ActionKind.PREFIX_FORWARD:
-            dormant[i] = units[i].row_length * model.dormant_token(options)
+            reads[i] = model.prefix_reads(units[i].row_length, copy_tokens([ancestors[i]]),
+                                          options) if ancestors[i] else (0.0, 0.0)
+            dormant[i] = units[i].row_length * model.dormant_token(options) + reads[i][0]
             sample("PF", 0.0)
         elif kind is ActionKind.SUFFIX_FORWARD:
-            sample("suffix", model.suffix_forward(rows[i], options.recompute))
+            sample("suffix", model.suffix_forward(rows[i], options.recompute, copies[i]))
         elif kind is ActionKind.SUFFIX_BACKWARD:
-            new = {u: c.length * model.gkv_token() for u, c in units.items()
-                   if c.group in plan.microbatches[i].groups and u in dormant and u not in gkv}
+            read = {u for chain in slots[i] for u in chain}
+            new = {u: units[u].length * model.gkv_token() for u in read
+                   if u in dormant and u not in gkv}
             sample("suffix", model.suffix_backward(rows[i], options.recompute,
-                                                   sum(new.values())))
+                                                   sum(new.values()), copies[i]))
             gkv.update(new)
         elif kind is ActionKind.PREFIX_BACKWARD:
             gkv.setdefault(i, units[i].length * model.gkv_token())
-            sample("PB", units[i].row_length * model.phase_c_token(options))
+            sample("PB", units[i].row_length * model.phase_c_token(options) + reads[i][1])
             dormant.pop(i, None)
             gkv.pop(i, None)
     peaks["step"] = max(peaks.values())
