@@ -82,6 +82,14 @@ def test_capacity_tool_reports_every_path_and_the_ratio(tmp_path):
         one = capacity.static_bytes(model, capacity.Layout(dp=8, cp=1, ep=ep))["optimizer"]
         two = capacity.static_bytes(model, capacity.Layout(dp=8, cp=2, ep=ep))["optimizer"]
         assert two == pytest.approx(one / 2)
+    # CP shards rows, not the cache: a CP rank keeps the whole prefix's K/V and fp32 gK/gV
+    models = capacity.activation_models(spec, capacity.Layout(dp=8, cp=2), act_bytes=2)
+    option = capacity.REUSE_OPTIONS[0]
+    plain = capacity.reuse_peak(models, 4096, 2, "group", option, 0.75, 1)[0]
+    sharded = capacity.reuse_peak(models, 4096, 2, "group", option, 0.75, 2)[0]
+    m = models[0]
+    whole_cache = m.stage_layers * 3071 * (m.kv_copy() + m.gkv())
+    assert plain / 2 + whole_cache / 2 < sharded < plain
     png = tmp_path / "frontier.png"
     assert capacity.main(["--model", "tiny", "--memory-gib", "0.05", "--dp", "1",
                           "--reserve-gib", "0", "--group-size", "2", "4", "--prefix-share",

@@ -13,7 +13,9 @@ Per GPU (the heaviest pipeline stage), with the assumptions printed beside every
   bf16: what the model's layers save for backward, the prefix cache's K/V and fp32 gK/gV,
   dormant prefix activations (on the device, in host memory with offload, none with full
   recompute), Phase C's working set; TP shards every term (sequence parallelism), CP every
-  row's tokens; a pipeline's first stage holds PP microbatches (1F1B), its last the loss;
+  row's tokens but not the cache: a CP rank keeps the whole prefix's gathered K/V and fp32
+  gK/gV (Phase C's reduce-scatter buffer, after the suffix phase, is not added); a pipeline's
+  first stage holds PP microbatches (1F1B), its last the loss;
 * the workload: one group of --group-size trajectories of T tokens, the first
   --prefix-share x T shared; `--pack group` (default; the paper's comparison): a microbatch holds
   the group -- dense its G full rows, reuse the prefix once and the G suffixes; `--pack
@@ -127,16 +129,27 @@ def reuse_peak(models, T: int, G: int, pack: str, option: MemoryOptions, share: 
                cp: int) -> tuple:
     """(smallest predicted peak over the prefix chunkings, the chunk size that gives it)."""
     P, n = _split(T, share, cp)
+    whole = _split(T, share, 1)[0] - 1  # cached tokens of the whole prefix
     best = None
     chunk: Optional[int] = None
     while True:
         plan = _group_plan(P, n, G, pack, chunk)
-        peak = max(reuse_phase_peaks(m, plan, option)["step"] for m in models)
+        peak = max(reuse_phase_peaks(m, plan, option)["step"] + _cp_cache_extra(m, P - 1, whole)
+                   for m in models)
         if best is None or peak < best[0]:
             best = (peak, chunk)
         chunk = -(-(P - 1) // 2) if chunk is None else chunk // 2
         if chunk < max(MIN_CHUNK, (P - 1) / MAX_CHUNKS):
             return best
+
+
+def _cp_cache_extra(model, local: int, whole: int) -> float:
+    """What a CP rank's cache holds beyond a non-CP step of its `local` cached tokens
+    ([Note: CP prefix cache] in runtime/cache.py): the gathered K/V of the `whole` prefix, which
+    suffix reads return, and fp32 gK/gV for every token of it (0 without CP)."""
+    if whole <= local:
+        return 0.0
+    return model.stage_layers * (model.kv_copy() * whole + model.gkv() * (whole - local))
 
 
 def longest(fits: Callable[[int], bool], limit: int = 1 << 24) -> int:
