@@ -9,6 +9,10 @@ top-k logits, aux loss) selected like the dense models, Megatron's own MoE argum
   `load_balancing_loss` within 1e-5, every gradient (router, experts, attention: DDP's reduced
   main_grad) and every weight within 1e-5 relative, on every rank; a
   checkpoint saved at iteration 2 resumes (--load --ckpt-step 2) to bitwise the same weights at 3.
+* TP=2 x expert TP=2 with --sequence-parallel (2 processes), both runs from the HF checkpoint
+  (split over the TP ranks at iteration 0), rows of one length (a multiple of TP: what the
+  trainer requires of MoE at TP > 1): the same equality over two Adam steps. It fails if a TP
+  rank's aux-loss token normalisation is off by 1% (checked by hand: policy loss at step 2).
 * (slow) EP=2 x PP=2 on 4 processes: the same equality.
 """
 
@@ -118,8 +122,9 @@ def test_ep2_from_hf_reuse_equals_dense_and_resumes(tree, hf_moe_checkpoint, tmp
 def tp2_args(iters: int):
     """TP=2 with sequence parallelism (expert TP = TP, Megatron's default): rows of one length,
     a multiple of TP (48 + 15 - 1 = 62 tokens; the trainer refuses others)."""
-    return [*moe_args(iters, ep=1), "--tensor-model-parallel-size", "2", "--sequence-parallel", "--rl-synthetic-prefix-len",
-        "48", "--rl-synthetic-max-response-len", "15", "--rl-synthetic-fixed-response-len"]
+    return [*moe_args(iters, ep=1), "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--rl-synthetic-prefix-len", "48", "--rl-synthetic-max-response-len", "15",
+            "--rl-synthetic-fixed-response-len"]
 
 
 def test_tp2_sequence_parallel_from_hf_reuse_equals_dense(tree, hf_moe_checkpoint, tmp_path):

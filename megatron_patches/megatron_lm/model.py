@@ -70,7 +70,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     provider = _checkout_module("model_provider").model_provider
     builders = _checkout_module("gpt_builders")
     local_sp = args.transformer_impl == "local" and args.sequence_parallel
-    with _sequence_parallel_torch_norms(builders, vp_stage) if local_sp else contextlib.nullcontext():
+    norms = _sequence_parallel_torch_norms(builders, vp_stage) if local_sp else None
+    with norms or contextlib.nullcontext():
         return provider(builders.gpt_builder, pre_process, post_process, vp_stage,
                         config=config or reuse_transformer_config(args),
                         pg_collection=pg_collection)
