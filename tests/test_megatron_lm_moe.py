@@ -13,7 +13,8 @@ top-k logits, aux loss) selected like the dense models, Megatron's own MoE argum
   (split over the TP ranks at iteration 0), rows of one length (a multiple of TP: what the
   trainer requires of MoE at TP > 1): the same equality over two Adam steps. It fails if a TP
   rank's aux-loss token normalisation is off by 1% (checked by hand: policy loss at step 2).
-* (slow) EP=2 x PP=2 on 4 processes: the same equality.
+* (slow) EP=2 x PP=2 and EP=2 x TP=2 (expert TP=2, sequence parallel) on 4 processes: the
+  same equality.
 """
 
 import pytest
@@ -152,6 +153,16 @@ def test_tp2_sequence_parallel_from_hf_reuse_equals_dense(tree, hf_moe_checkpoin
 @pytest.mark.slow
 def test_ep2_pp2_reuse_equals_dense(tree, tmp_path):
     common = [*moe_args(2), "--pipeline-model-parallel-size", "2"]
+    dense = torchrun(tree, 4, [*common, "--prefix-reuse-dump-params", str(tmp_path / "d")])
+    reuse = torchrun(tree, 4, [*common, "--prefix-reuse", "--prefix-reuse-dump-params",
+                               str(tmp_path / "a")])
+    _assert_reuse_equals_dense(dense, reuse, tmp_path / "d", tmp_path / "a", 2)
+
+
+@pytest.mark.slow
+def test_ep2_tp2_sequence_parallel_reuse_equals_dense(tree, tmp_path):
+    """The paper's MoE layout kind: experts over EP=2, each split over expert TP = TP = 2."""
+    common = [*tp2_args(2), "--expert-model-parallel-size", "2"]
     dense = torchrun(tree, 4, [*common, "--prefix-reuse-dump-params", str(tmp_path / "d")])
     reuse = torchrun(tree, 4, [*common, "--prefix-reuse", "--prefix-reuse-dump-params",
                                str(tmp_path / "a")])

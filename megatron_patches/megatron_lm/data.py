@@ -56,7 +56,7 @@ class SyntheticSteps:
     every data-parallel rank, which expert parallelism needs (its token exchanges pair up)."""
     fixed_response_len: bool = False
     """Every response has exactly max_response_len tokens (rows of one length: what MoE with
-    TP > 1 needs, see megatron_lm/trainer.py `_check_moe_tensor_parallel_rows`)."""
+    TP > 1 needs: `check_moe_tensor_parallel_rows`)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "num_groups", "group_size", "prefix_len", "max_response_len"):
