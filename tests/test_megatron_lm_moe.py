@@ -9,7 +9,12 @@ top-k logits, aux loss) selected like the dense models, Megatron's own MoE argum
   `load_balancing_loss` within 1e-5, every gradient (router, experts, attention: DDP's reduced
   main_grad) and every weight within 1e-5 relative, on every rank; a
   checkpoint saved at iteration 2 resumes (--load --ckpt-step 2) to bitwise the same weights at 3.
-* (slow) EP=2 x PP=2 on 4 processes: the same equality.
+* TP=2 x expert TP=2 with --sequence-parallel (2 processes), both runs from the HF checkpoint
+  (split over the TP ranks at iteration 0), rows of one length (a multiple of TP: what the
+  trainer requires of MoE at TP > 1): the same equality over two Adam steps. It fails if a TP
+  rank's aux-loss token normalisation is off by 1% (checked by hand: policy loss at step 2).
+* (slow) EP=2 x PP=2 and EP=2 x TP=2 (expert TP=2, sequence parallel) on 4 processes: the
+  same equality.
 """
 
 import pytest
@@ -40,12 +45,12 @@ def hf_moe_checkpoint(tmp_path_factory):
     return path
 
 
-def moe_args(iters: int):
-    """The tiny twin, EP=2, same-shaped groups; Adam with eps=1, far above |g|, so each update is
-    near-linear in the gradient (a gradient entry at float-noise level cannot get an O(lr)
+def moe_args(iters: int, ep: int = 2):
+    """The tiny twin, EP=ep, same-shaped groups; Adam with eps=1, far above |g|, so each update
+    is near-linear in the gradient (a gradient entry at float-noise level cannot get an O(lr)
     update of noise sign: tests/megatron_lm_args.py). Megatron-LM's SGD cannot --load a
     torch_dist checkpoint (its optimizer has no init_state_fn)."""
-    return [*model_args(QWEN_MOE), *small_args(iters), "--expert-model-parallel-size", "2",
+    return [*model_args(QWEN_MOE), *small_args(iters), "--expert-model-parallel-size", str(ep),
             "--adam-eps", "1", "--lr", "0.1", "--min-lr", "0.1", "--rl-synthetic-uniform-groups"]
 
 
@@ -115,9 +120,49 @@ def test_ep2_from_hf_reuse_equals_dense_and_resumes(tree, hf_moe_checkpoint, tmp
     assert not torch.equal(trained, hf["model.layers.0.mlp.gate.weight"])
 
 
+def tp2_args(iters: int):
+    """TP=2 with sequence parallelism (expert TP = TP, Megatron's default): rows of one length,
+    a multiple of TP (48 + 15 - 1 = 62 tokens; the trainer refuses others)."""
+    return [*moe_args(iters, ep=1), "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--rl-synthetic-prefix-len", "48", "--rl-synthetic-max-response-len", "15",
+            "--rl-synthetic-fixed-response-len"]
+
+
+def test_tp2_sequence_parallel_from_hf_reuse_equals_dense(tree, hf_moe_checkpoint, tmp_path):
+    """TP=2 x expert TP=2 with sequence parallelism, both runs from the HF checkpoint (split over
+    the TP ranks at iteration 0): reuse == dense step by step, as at EP=2."""
+    from megatron_patches.checkpoints import RankLayout, to_megatron
+    from megatron_patches.hf_checkpoints import hf_tensor_names, read_hf_config, read_hf_tensors
+
+    common = [*tp2_args(2), "--hf-checkpoint", str(hf_moe_checkpoint)]
+    dense = torchrun(tree, 2, [*common, "--prefix-reuse-dump-params", str(tmp_path / "d")])
+    reuse = torchrun(tree, 2, [*common, "--prefix-reuse", "--prefix-reuse-dump-params",
+                               str(tmp_path / "a")])
+    _assert_reuse_equals_dense(dense, reuse, tmp_path / "d", tmp_path / "a", 2)
+    spec, _ = read_hf_config(hf_moe_checkpoint)
+    hf = read_hf_tensors(hf_moe_checkpoint, hf_tensor_names(hf_moe_checkpoint))
+    start = rank_params(tmp_path / "a", 0)
+    for rank in (0, 1):  # iteration 0 holds the HF weights; rank r is TP (and expert TP) rank r
+        expected = to_megatron(spec, hf, RankLayout(tp_rank=rank, tp_size=2, expert_tp_rank=rank,
+                                                    expert_tp_size=2, padded_vocab_size=512))
+        assert {f"0.module.{n}" for n in expected} == set(start[f"rank_{rank}.safetensors"])
+        for name, tensor in expected.items():
+            assert torch.equal(start[f"rank_{rank}.safetensors"][f"0.module.{name}"], tensor), name
+
+
 @pytest.mark.slow
 def test_ep2_pp2_reuse_equals_dense(tree, tmp_path):
     common = [*moe_args(2), "--pipeline-model-parallel-size", "2"]
+    dense = torchrun(tree, 4, [*common, "--prefix-reuse-dump-params", str(tmp_path / "d")])
+    reuse = torchrun(tree, 4, [*common, "--prefix-reuse", "--prefix-reuse-dump-params",
+                               str(tmp_path / "a")])
+    _assert_reuse_equals_dense(dense, reuse, tmp_path / "d", tmp_path / "a", 2)
+
+
+@pytest.mark.slow
+def test_ep2_tp2_sequence_parallel_reuse_equals_dense(tree, tmp_path):
+    """The paper's MoE layout kind: experts over EP=2, each split over expert TP = TP = 2."""
+    common = [*tp2_args(2), "--expert-model-parallel-size", "2"]
     dense = torchrun(tree, 4, [*common, "--prefix-reuse-dump-params", str(tmp_path / "d")])
     reuse = torchrun(tree, 4, [*common, "--prefix-reuse", "--prefix-reuse-dump-params",
                                str(tmp_path / "a")])

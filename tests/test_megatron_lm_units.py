@@ -16,18 +16,27 @@ from megatron_patches.model_configs import MODELS
 
 def _args(**overrides):
     args = add_prefix_reuse_args(argparse.ArgumentParser()).parse_args([])
-    defaults = dict(num_experts=None, tensor_model_parallel_size=1,
+    defaults = dict(num_experts=None, tensor_model_parallel_size=1, sequence_parallel=False,
+                    expert_tensor_parallel_size=None, expert_gtp_weight_remat_size=1,
+                    expert_tensor_parallel_num_weight_shards=None,
                     grpo_entropy_term_weight=0.0, micro_batch_size=1,
                     calculate_per_token_loss=True, virtual_pipeline_model_parallel_size=None,
                     seq_length=64, train_iters=2, vocab_size=512, padded_vocab_size=512,
-                    grpo_prompts_per_step=2, grpo_group_size=3, seed=5)
+                    grpo_prompts_per_step=2, grpo_group_size=3, seed=5,
+                    rl_synthetic_fixed_response_len=False)
     for key, value in {**defaults, **overrides}.items():
         setattr(args, key, value)
     return args
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(num_experts=8, tensor_model_parallel_size=2), "MoE.*tensor-model-parallel-size > 1"),
+    (dict(num_experts=8, tensor_model_parallel_size=2), "MoE.*size 2 needs --sequence-parallel"),
+    (dict(num_experts=8, tensor_model_parallel_size=2, sequence_parallel=True,
+          expert_tensor_parallel_size=1), "give --expert-tensor-parallel-size 2"),
+    (dict(num_experts=8, expert_tensor_parallel_size=2), "give --expert-tensor-parallel-size 1"),
+    (dict(num_experts=8, tensor_model_parallel_size=2, sequence_parallel=True,
+          expert_tensor_parallel_size=2, expert_tensor_parallel_num_weight_shards=4,
+          expert_gtp_weight_remat_size=2), "--expert-tensor-parallel-num-weight-shards 4"),
     (dict(grpo_entropy_term_weight=0.1), "use --rl-entropy-coef"),
     (dict(micro_batch_size=2), "--micro-batch-size 1"),
     (dict(calculate_per_token_loss=False), "--calculate-per-token-loss"),
@@ -37,6 +46,8 @@ def _args(**overrides):
 ])
 def test_arguments_the_trainer_cannot_honour_are_refused(overrides, message):
     check_prefix_reuse_args(_args())
+    check_prefix_reuse_args(_args(num_experts=8, tensor_model_parallel_size=2,
+                                  sequence_parallel=True, expert_tensor_parallel_size=2))
     with pytest.raises(ValueError, match=message):
         check_prefix_reuse_args(_args(**overrides))
 
@@ -125,6 +136,31 @@ def test_synthetic_steps_depend_only_on_seed_and_iteration():
     assert all(int(g.prefix.max()) < 512 for g in first.groups)
     with pytest.raises(ValueError, match="within --seq-length 64"):
         data.open_step_source(_args(rl_synthetic_prefix_len=60, rl_synthetic_max_response_len=10))
+
+
+def test_moe_tensor_parallel_rows_must_be_one_length_a_multiple_of_tp():
+    """MoE with TP > 1: every dense microbatch of the packing reuse equals has rows of one
+    length, a multiple of TP (Megatron normalises each TP rank's aux loss by its own valid
+    tokens); the synthetic generator's --rl-synthetic-fixed-response-len gives such rows."""
+    from prefix_schedule import plan_microbatches
+
+    def check(tp, **overrides):
+        batch = data.open_step_source(_args(**overrides)).step(3)
+        plan = plan_microbatches(batch, token_budget=32, max_seq_len=64, row_multiple=tp)
+        assert len(plan.microbatches) > 1
+        data.check_moe_tensor_parallel_rows(plan, batch, tp, dp_rank=1)
+        return batch
+
+    fixed = dict(rl_synthetic_prefix_len=48, rl_synthetic_max_response_len=15,
+                 rl_synthetic_fixed_response_len=True)
+    batch = check(2, **fixed)
+    assert {t.suffix.numel() for g in batch.groups for t in g.trajectories} == {15}
+    check(1, rl_synthetic_prefix_len=48, rl_synthetic_max_response_len=15)  # TP=1: any rows
+    with pytest.raises(ValueError, match=r"microbatch 0 of data-parallel rank 1 holds .*rows of "
+                                         r"\[61, 62\] tokens.*--rl-synthetic-fixed-response-len"):
+        check(2, rl_synthetic_prefix_len=48, rl_synthetic_max_response_len=16)
+    with pytest.raises(ValueError, match=r"rows of \[61\] tokens.*a multiple of 2"):
+        check(2, **dict(fixed, rl_synthetic_max_response_len=14))
 
 
 class _ConstantReader:

@@ -49,6 +49,10 @@ def add_prefix_reuse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                        help="synthetic generator: every group of a step has the same response "
                             "lengths (expert parallelism needs the same plan on every "
                             "expert-parallel rank)")
+    group.add_argument("--rl-synthetic-fixed-response-len", action="store_true",
+                       help="synthetic generator: every response has exactly "
+                            "--rl-synthetic-max-response-len tokens (MoE with tensor parallelism "
+                            "needs rows of one length)")
     group.add_argument("--hf-checkpoint", default=None, metavar="DIR",
                        help="start from this Hugging Face checkpoint (Llama 3 / Qwen3 "
                             "safetensors) when no --load checkpoint exists")
@@ -63,12 +67,8 @@ def add_prefix_reuse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def check_prefix_reuse_args(args) -> None:
     """Refuse what this trainer cannot honour, before any compute (ValueError says the fix)."""
-    if args.num_experts and args.tensor_model_parallel_size > 1:
-        raise ValueError("MoE (--num-experts) with --tensor-model-parallel-size > 1: prefix "
-                         "reuse's router accounting is verified at TP=1 (Megatron requires "
-                         "sequence parallelism with MoE and TP > 1, whose rows the dense "
-                         "baseline's packing cannot pad); use expert parallelism "
-                         "(--expert-model-parallel-size) and pipeline parallelism instead")
+    if args.num_experts:
+        _check_moe_parallel_args(args)
     if args.grpo_entropy_term_weight:
         raise ValueError("--grpo-entropy-term-weight weighs Megatron's sampled-token entropy term; "
                          "this trainer's entropy bonus is the full-vocabulary entropy: use "
@@ -90,3 +90,25 @@ def check_prefix_reuse_args(args) -> None:
         raise ValueError("--export-hf needs --hf-checkpoint (its config names the layout)")
     if args.train_iters is None:
         raise ValueError("give --train-iters (RL steps; sample-based schedules are not used here)")
+
+
+def _check_moe_parallel_args(args) -> None:
+    """MoE with TP > 1 as prefix reuse equals stock dense (megatron_patches.moe
+    [Note: MoE under sequence parallelism]): sequence parallelism (Megatron's MoELayer raises
+    without it while training, after compute has started), expert TP = TP, no expert GTP."""
+    tp = args.tensor_model_parallel_size
+    if tp > 1 and not args.sequence_parallel:
+        raise ValueError(f"MoE (--num-experts) with --tensor-model-parallel-size {tp} needs "
+                         "--sequence-parallel (Megatron-LM's MoE layers refuse to train TP > 1 "
+                         "without it); add --sequence-parallel")
+    etp = args.expert_tensor_parallel_size or tp
+    if etp != tp:
+        raise ValueError(f"--expert-tensor-parallel-size {etp} with --tensor-model-parallel-size "
+                         f"{tp}: prefix reuse's router accounting is verified with expert TP "
+                         f"equal to TP; give --expert-tensor-parallel-size {tp} (or leave it "
+                         "unset: Megatron defaults it to TP)")
+    if (getattr(args, "expert_gtp_weight_remat_size", 1) or 1) > 1:
+        raise ValueError(f"--expert-tensor-parallel-num-weight-shards "
+                         f"{args.expert_tensor_parallel_num_weight_shards}: expert GTP (weight "
+                         "shards beyond --expert-tensor-parallel-size) is not verified with "
+                         "prefix reuse; leave it unset or equal to --expert-tensor-parallel-size")

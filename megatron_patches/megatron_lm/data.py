@@ -24,7 +24,7 @@ from prefix_schedule import Group, GroupBatch, Trajectory
 from prefix_schedule.losses import grpo_advantages
 
 __all__ = ["StepSource", "SyntheticSteps", "register_trace_reader", "trace_readers",
-           "open_step_source"]
+           "open_step_source", "check_moe_tensor_parallel_rows"]
 
 
 class StepSource(Protocol):
@@ -54,6 +54,9 @@ class SyntheticSteps:
     uniform_groups: bool = False
     """Every group of a step has the same response lengths (tokens differ): the same plan on
     every data-parallel rank, which expert parallelism needs (its token exchanges pair up)."""
+    fixed_response_len: bool = False
+    """Every response has exactly max_response_len tokens (rows of one length: what MoE with
+    TP > 1 needs: `check_moe_tensor_parallel_rows`)."""
 
     def __post_init__(self):
         for name in ("vocab_size", "num_groups", "group_size", "prefix_len", "max_response_len"):
@@ -67,6 +70,7 @@ class SyntheticSteps:
         return GroupBatch(groups=[self._group(gen, low, lengths) for _ in range(self.num_groups)])
 
     def _lengths(self, gen: torch.Generator, low: int) -> torch.Tensor:
+        low = self.max_response_len if self.fixed_response_len else low
         return torch.randint(low, self.max_response_len + 1, (self.group_size,), generator=gen)
 
     def _group(self, gen: torch.Generator, low: int, lengths=None) -> Group:
@@ -149,4 +153,30 @@ def open_step_source(args) -> StepSource:
     return SyntheticSteps(vocab_size=args.vocab_size or args.padded_vocab_size,
                           num_groups=args.grpo_prompts_per_step, group_size=args.grpo_group_size,
                           prefix_len=prefix_len, max_response_len=response, seed=args.seed,
-                          uniform_groups=args.rl_synthetic_uniform_groups)
+                          uniform_groups=args.rl_synthetic_uniform_groups,
+                          fixed_response_len=args.rl_synthetic_fixed_response_len)
+
+
+def check_moe_tensor_parallel_rows(plan, local: GroupBatch, tp: int, dp_rank: int) -> None:
+    """ValueError (before compute, on every rank alike: each checks every data-parallel rank's
+    plan) unless each dense microbatch of the packing reuse equals holds rows of one length, a
+    multiple of TP. Under sequence parallelism Megatron normalises each TP rank's aux-loss and
+    z-loss terms by that rank's own valid tokens; reuse equals dense only when every TP rank
+    holds as many (megatron_patches/moe.py [Note: MoE under sequence parallelism]). Applies to
+    both runs (megatron_lm/trainer.py), so the dense baseline is the one reuse equals."""
+    if tp == 1:
+        return
+    for mb in plan.microbatches:
+        lengths = sorted({local.groups[s.group].context_len(s.trajectory) - 1
+                          + local.groups[s.group].trajectories[s.trajectory].suffix.numel()
+                          for s in mb.segments})
+        if len(lengths) > 1 or lengths[0] % tp:
+            raise ValueError(
+                f"MoE with --tensor-model-parallel-size {tp}: microbatch {mb.index} of data-"
+                f"parallel rank {dp_rank} holds [prompt; response] rows of {lengths} tokens; "
+                f"reuse equals stock dense only when every microbatch's rows have one length, "
+                f"a multiple of {tp} (Megatron normalises each TP rank's aux loss by its own "
+                "valid tokens): give rows of one length (synthetic data: "
+                "--rl-synthetic-fixed-response-len with --rl-synthetic-prefix-len + "
+                f"--rl-synthetic-max-response-len - 1 a multiple of {tp}), or run MoE at TP=1 "
+                "with expert parallelism")

@@ -11,11 +11,18 @@ plus:
 everything else (`deallocate_pipeline_outputs=True` included: the reuse executor frees sent
 outputs as Megatron's 1F1B does) follows the command line; what prefix reuse cannot honour is refused by the
 executor before any compute (megatron_patches/config_support.py).
+
+Without Transformer Engine (`--transformer-impl local`: the CPU layer) Megatron's torch norms
+refuse `--sequence-parallel`; there an MoE model's block spec gets `SequenceParallelTorchNorm`
+(megatron_patches/models.py: the same per-token norm, its weight gradient summed over TP by
+`finalize_model_grads`), as the core tests build them. With TE nothing is changed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -61,6 +68,39 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     """`get_model`'s model_provider_func: a GPTModel from Megatron-LM's gpt_builder."""
     args = get_args()
     provider = _checkout_module("model_provider").model_provider
-    builder = _checkout_module("gpt_builders").gpt_builder
-    return provider(builder, pre_process, post_process, vp_stage,
-                    config=config or reuse_transformer_config(args), pg_collection=pg_collection)
+    builders = _checkout_module("gpt_builders")
+    local_sp = args.transformer_impl == "local" and args.sequence_parallel
+    norms = _sequence_parallel_torch_norms(builders, vp_stage) if local_sp else None
+    with norms or contextlib.nullcontext():
+        return provider(builders.gpt_builder, pre_process, post_process, vp_stage,
+                        config=config or reuse_transformer_config(args),
+                        pg_collection=pg_collection)
+
+
+SPEC_FUNCTIONS = ("get_gpt_decoder_block_spec",)
+"""gpt_builders' spec functions whose norms are swapped: an MoE model's block spec (tested:
+tests/test_megatron_lm_moe.py). A dense model's layer spec (`_get_transformer_layer_spec`,
+also MTP's) is left as is: dense TP with --sequence-parallel on CPU stays refused by Megatron's
+torch-norm assert."""
+
+
+@contextlib.contextmanager
+def _sequence_parallel_torch_norms(builders, vp_stage):
+    """While gpt_builder runs: its spec functions return specs whose norms allow sequence
+    parallelism without TE (`models._sequence_parallel_block_spec`)."""
+    from megatron_patches.models import _sequence_parallel_block_spec
+
+    def wrap(function):
+        def spec(*args, **kwargs):
+            config = inspect.signature(function).bind(*args, **kwargs).arguments["config"]
+            return _sequence_parallel_block_spec(function(*args, **kwargs), config, vp_stage)
+        return spec
+
+    originals = {name: getattr(builders, name) for name in SPEC_FUNCTIONS}
+    for name, function in originals.items():
+        setattr(builders, name, wrap(function))
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(builders, name, function)

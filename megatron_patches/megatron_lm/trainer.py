@@ -17,7 +17,7 @@ import torch
 
 import megatron_patches
 from megatron_patches.agreement import StepChecks
-from megatron_patches.megatron_lm.data import StepSource
+from megatron_patches.megatron_lm.data import StepSource, check_moe_tensor_parallel_rows
 
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -44,6 +44,10 @@ def _local_batch(args, batch: GroupBatch, row_multiple: int) -> GroupBatch:
     placement = place_groups(batch, dp_size=ps.get_data_parallel_world_size(),
                              token_budget=_token_budget(args), max_seq_len=args.seq_length,
                              row_multiple=row_multiple)
+    if args.num_experts and args.tensor_model_parallel_size > 1:
+        for rank, placed in enumerate(placement.ranks):  # every rank checks all: none waits
+            check_moe_tensor_parallel_rows(_plan(args, placed.batch, row_multiple),
+                                            placed.batch, args.tensor_model_parallel_size, rank)
     return placement.ranks[ps.get_data_parallel_rank()].batch
 
 
