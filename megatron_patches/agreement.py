@@ -11,8 +11,9 @@ then reaches the step's one agreement point (`StepChecks.agree`):
 1. with MoE and expert parallelism, the expert-parallel (x expert-TP) ranks all-gather what must
    be equal among them (the reuse schedule's compute actions, the dense step's microbatch count;
    a rank whose checks failed sends "failed") -- the check that existed before, now in place;
-2. one MAX all-reduce over all ranks of the job (a device tensor on the model's device: NCCL
-   reduces no host tensors) of a failure flag and, per data-parallel rank, the max and -min of
+2. one MAX all-reduce over all ranks of the job (only the replica's own ranks when the
+   data-parallel replicas share no collective in the step: no DDP wrapper, EP or CP; a device
+   tensor on the model's device: NCCL reduces no host tensors) of a failure flag and, per data-parallel rank, the max and -min of
    the step fingerprints of that replica's ranks (its TP, PP and CP ranks run one step together,
    so they must hold one plan: `Shared`). Every rank learns whether any rank failed, and if one
    did, every rank raises `StepRefused` (a ValueError) naming the failing rank(s) with their
@@ -103,7 +104,7 @@ def agree(error: Optional[BaseException], *, device, group=None,
         slots[1 + 2 * shared.index:3 + 2 * shared.index] = torch.tensor([shared.value,
                                                                          -shared.value])
     slots = slots.to(device)
-    dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=group)
+    _all_max(slots, group)
     slots = slots.cpu().tolist()
     if slots[0]:
         messages = _gather_messages(None if error is None else str(error), device, group, world)
@@ -114,6 +115,23 @@ def agree(error: Optional[BaseException], *, device, group=None,
               if slots[1 + 2 * i] != _NONE and slots[1 + 2 * i] != -slots[2 + 2 * i]]
     if differ:  # every rank saw every set: all raise alike
         raise StepRefused(shared.mismatch(differ), (), {})
+
+
+def _all_max(slots: torch.Tensor, group) -> None:
+    """MAX all-reduce over `group`; over all ranks (None) in two steps on Megatron's own groups
+    when it is initialised -- data parallel (with context parallel), then model parallel (tensor
+    x pipeline), which together span every rank -- so the wait for a stalled peer ends at the
+    collective timeout those groups were built with, not at the default group's (often the
+    long start-up timeout)."""
+    from megatron.core import parallel_state as ps
+
+    if group is not None or not ps.model_parallel_is_initialized():
+        dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=group)
+        return
+    for part in (ps.get_data_parallel_group(with_context_parallel=True),
+                 ps.get_model_parallel_group()):
+        if dist.get_world_size(part) > 1:
+            dist.all_reduce(slots, op=dist.ReduceOp.MAX, group=part)
 
 
 def _gather_messages(mine: Optional[str], device, group, world: int) -> Dict[int, str]:
@@ -199,7 +217,29 @@ class StepChecks:
             if self.error is None and _FAILED not in values and len(set(values)) > 1:
                 self.error = ValueError(mismatch(values) if mismatch else
                                         f"the expert-parallel ranks differ: {values}")
-        agree(self.error, device=device, shared=_replica(replica))
+        agree(self.error, device=device, **_scope(self.model, replica))
+
+
+def _scope(model, replica: Optional[int]) -> dict:
+    """The ranks whose step this one is ([Note: agreed refusal]): all ranks, unless the
+    data-parallel replicas share no collective in it (no DDP wrapper, no expert or context
+    parallelism): then only this replica's (tensor x pipeline) ranks, so that a replica may run
+    a step of its own (a one-rank reference next to idle peers) without waiting for the rest."""
+    from megatron.core import parallel_state as ps
+
+    if (not ps.model_parallel_is_initialized() or ps.get_data_parallel_world_size() == 1
+            or ps.get_expert_model_parallel_world_size() > 1
+            or ps.get_context_parallel_world_size() > 1 or _data_parallel_wrapped(model)):
+        return {"group": None, "shared": _replica(replica)}
+    return {"group": ps.get_model_parallel_group(),
+            "shared": Shared(0, 1, replica, _replica_mismatch)}
+
+
+def _data_parallel_wrapped(model) -> bool:
+    """A DDP-wrapped model (Megatron's, or torch's): its step all-reduces over data parallel."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return any(hasattr(m, "ddp_config") or isinstance(m, torch.nn.parallel.DistributedDataParallel)
+               for m in chunks)
 
 
 def _replica(value: Optional[int]) -> Optional[Shared]:
