@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from prefix_schedule.pipeline.lowering import add_grad_reduce, add_p2p, lower
 from prefix_schedule.pipeline import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
                                       parse_action, validate_schedule)
-from prefix_schedule.pipeline.simulate import (DeadlockError, TokenCostModel, build_dense_1f1b, chrome_trace,
-                                      compare_with_dense, simulate)
+from prefix_schedule.pipeline.baselines import TokenCostModel, build_dense_1f1b, compare_with_dense
+from prefix_schedule.pipeline.simulate import DeadlockError, chrome_trace, simulate
 
 GOLDEN = Path(__file__).parent / "golden"
 REPO = Path(__file__).resolve().parents[1]

@@ -28,7 +28,7 @@ from benchlib.config import BenchConfig
 from benchlib.models import build_models, first_param, grads, zero
 from benchlib.steps import dense_step, reuse_step
 from benchlib.timing import RegionTimer
-from benchlib.workload import make_batch, make_tree_batch
+from benchlib.workload import config_batch
 from prefix_schedule.attention import backends as attention_backends
 from prefix_schedule.losses import PolicyLossConfig
 from prefix_schedule.planning.data import GroupBatch
@@ -44,18 +44,6 @@ MEMORY_BASIS = ("device bytes of the accounting model (prefix_schedule/runtime/m
                 "activations brought back for Phase C; offloaded bytes count as host; dense "
                 "one row per microbatch, same recompute; one untimed step per path; not the "
                 "allocator's peak (tools/memory_probe.py)")
-
-
-def config_batch(config: BenchConfig) -> GroupBatch:
-    if config.tree is not None:
-        depth, branching = config.tree_shape
-        return make_tree_batch(depth=depth, branching=branching, node_len=config.node_len,
-                               suffix_len=config.suffix_len, per_leaf=config.group_size,
-                               num_groups=config.num_groups, vocab_size=config.vocab_size,
-                               seed=config.seed)
-    return make_batch(prefix_len=config.prefix_len, suffix_len=config.suffix_len,
-                      group_size=config.group_size, num_groups=config.num_groups,
-                      vocab_size=config.vocab_size, seed=config.seed)
 
 
 def config_plan(config: BenchConfig, batch: GroupBatch) -> StepPlan:
