@@ -17,9 +17,11 @@ tools/snapshot_signatures.py name them).
    dotted names (`megatron_patches.moe` -> `megatron_patches.runtime.moe`), file paths
    (`megatron_patches/moe.py`), and `from megatron_patches import a, b` lines;
 3. keeps the import paths the README and examples/ show working: a shim module at each old
-   path (the package itself for `megatron_patches.models`) that puts the moved module in its
-   place in sys.modules, so every name, private ones and monkeypatching included, is the
-   moved module's. The shims are computed from the README and examples/ as they are then.
+   path that puts the moved module in its place in sys.modules, so every name, private ones
+   and monkeypatching included, is the moved module's; for `megatron_patches.models` (now the
+   package) its __init__ hands out models/tiny.py's names on first use (a module __getattr__:
+   importing megatron_patches.models.model_configs still imports no Megatron). The shims are
+   computed from the README and examples/ as they are then.
 It refuses when the tree has modules MOVES does not place (a merged branch added one: add it
 to MOVES first), a subpackage folder exists already, or the work tree is not clean. Afterwards:
 `make test-fast`, then `make test` (tests/test_import_graph.py checks for import circles).
@@ -138,9 +140,17 @@ def _text_files(repo: Path):
     for glob in TEXT_GLOBS:
         for path in repo.glob(glob):
             if path.is_file() and not SKIP_DIRS & set(path.relative_to(repo).parts) \
-                    and path not in seen:
+                    and path not in seen and path.name != Path(__file__).name:
                 seen.add(path)
                 yield path
+
+
+def _models_init() -> str:
+    return (f'"""{SUBPACKAGES["models"]}\n\n`from megatron_patches.models import build_model` (the '
+            'README\'s path) hands out models/tiny.py\'s names, imported on first use."""\n\n\n'
+            "def __getattr__(name: str):\n"
+            f"    from {PACKAGE}.models import tiny\n\n"
+            "    return getattr(tiny, name)\n")
 
 
 def _shim(old: str) -> str:
@@ -177,8 +187,7 @@ def apply(repo: Path = REPO) -> list[str]:
             done.append(f"rewrote {path.relative_to(repo)}")
     for old in shims:
         target = repo / PACKAGE / ("models/__init__.py" if old == "models" else f"{old}.py")
-        doc = SUBPACKAGES["models"] if old == "models" else None
-        target.write_text((f'"""{doc}\n\n' + _shim(old)[3:]) if doc else _shim(old))
+        target.write_text(_models_init() if old == "models" else _shim(old))
         done.append(f"shim {target.relative_to(repo)} -> {PACKAGE}.{MOVES[old]}")
     subprocess.run(["git", "add", "-A", PACKAGE], cwd=repo, check=True)
     return done
