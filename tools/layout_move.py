@@ -147,10 +147,12 @@ def _text_files(repo: Path):
 
 def _models_init() -> str:
     return (f'"""{SUBPACKAGES["models"]}\n\n`from megatron_patches.models import build_model` (the '
-            'README\'s path) hands out models/tiny.py\'s names, imported on first use."""\n\n\n'
+            'README\'s path) hands out models/tiny.py\'s names, imported on first use."""\n'
+            "import importlib\n\n\n"
             "def __getattr__(name: str):\n"
-            f"    from {PACKAGE}.models import tiny\n\n"
-            "    return getattr(tiny, name)\n")
+            "    if name.startswith('__') or name == 'tiny':  # the import machinery's questions\n"
+            "        raise AttributeError(name)\n"
+            "    return getattr(importlib.import_module(__name__ + '.tiny'), name)\n")
 
 
 def _shim(old: str) -> str:
