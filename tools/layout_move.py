@@ -113,6 +113,7 @@ def rewrite(text: str) -> str:
 
     def from_import(match: re.Match) -> str:
         indent, items = match.group(1), [s.strip() for s in match.group(2).split(",")]
+        comment = f"  {match.group(3)}" if match.group(3) else ""
         moved = [i for i in items if i.split(" as ")[0] in MOVES]
         if not moved:
             return match.group(0)
@@ -126,13 +127,13 @@ def rewrite(text: str) -> str:
             bound = alias or name
             lines.append(f"{indent}from {PACKAGE}.{package} import {leaf}"
                          + (f" as {bound}" if bound != leaf else ""))
-        return "\n".join(lines)
+        return "\n".join(lines) + comment
 
-    text = re.sub(rf"^([ \t]*)from {PACKAGE} import ([\w ,]+?)[ \t]*$", from_import, text,
-                  flags=re.M)
     text = re.sub(rf"\b{PACKAGE}/({names})\.py\b", lambda m: _new_path(m.group(1)), text)
-    return re.sub(rf"(?<![\w.]){PACKAGE}\.({names})\b(?!\.py)",
+    text = re.sub(rf"(?<![\w.]){PACKAGE}\.({names})\b(?!\.py)",
                   lambda m: f"{PACKAGE}.{MOVES[m.group(1)]}", text)
+    return re.sub(rf"^([ \t]*)from {PACKAGE} import ([\w ,]+?)[ \t]*(#.*)?$", from_import,
+                  text, flags=re.M)  # last: its output names new places already
 
 
 def _text_files(repo: Path):
