@@ -224,7 +224,9 @@ def report(comparison, costs, vpp: int = 1) -> str:
 def write_timeline(path: Path, result: SimResult) -> None:
     """One row per rank, a box per compute action coloured by kind and labelled with its index
     (group, prefix unit or microbatch) where it fits; idle time light grey; a legend below."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, however run
+    tools = str(Path(__file__).resolve().parent)  # benchlib, however this script was loaded
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
     from benchlib.plotting import panels, save
 
     num = len(result.timeline)
@@ -238,21 +240,22 @@ def write_timeline(path: Path, result: SimResult) -> None:
             width = timed.end - timed.start
             ax.barh(rank, width, left=timed.start, height=0.8, edgecolor="white", linewidth=0.5,
                     color=COLOURS[timed.action.kind])
-            ax.text(timed.start + width / 2, rank, str(timed.action.index), ha="center",
-                    va="center", fontsize=7, clip_on=True)
+            if width >= result.makespan / 80:  # a label only where it can fit
+                ax.text(timed.start + width / 2, rank, str(timed.action.index), ha="center",
+                        va="center", fontsize=7, clip_on=True)
     ax.set_yticks(range(num), [f"rank {r}" for r in range(num)])
     ax.invert_yaxis()
     ax.set_xlim(0, result.makespan)
     ax.set_xlabel("time (cost units)")
     ax.set_title(f"makespan {result.makespan:,.0f}, bubble {result.bubble_fraction:.3f}",
                  fontsize=10)
-    handles = [matplotlib_patch(colour, kind.value) for kind, colour in COLOURS.items()]
+    handles = [_legend_patch(colour, kind.value) for kind, colour in COLOURS.items()]
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if num < 4 else -0.2),
               ncol=len(handles), fontsize=8, frameon=False)
     save(fig, path)
 
 
-def matplotlib_patch(colour: str, label: str):
+def _legend_patch(colour: str, label: str):
     from matplotlib.patches import Patch
 
     return Patch(color=colour, label=label)
