@@ -2,6 +2,7 @@
 
     python tools/replay.py --trace T --steps 100 [--json J] [--png P] [--precision fp32|bf16]
                            [--checkpoint-dir D --checkpoint-every 10] [--resume]
+    python tools/replay.py --replot J P     # the PNG of a saved --json result, no training
 
 Three runs step through the trace's optimizer steps with AdamW (fp32 master weights, Megatron
 DDP with fp32 gradient accumulation, token-mean loss over each step; tools/replay_runs.py):
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefix_schedule.losses import PolicyLossConfig  # noqa: E402
 from prefix_schedule.planning.planner import plan_microbatches  # noqa: E402
 from prefix_schedule.traces import read_header, read_steps, validate_trace  # noqa: E402
+from benchlib.progress import Progress  # noqa: E402
 from replay_runs import ModelShape, Run, initial_weights, param_diff  # noqa: E402
 
 __all__ = ["main", "replay", "parse_args", "format_summary"]
@@ -141,8 +143,9 @@ def _saved_rows(directory: Path, settings: dict) -> list:
     return state["rows"]
 
 
-def replay(args, *, log=print) -> dict:
-    """Run the replay described by `args` (parse_args); returns the JSON result."""
+def replay(args, *, log=print, progress=None) -> dict:
+    """Run the replay described by `args` (parse_args); returns the JSON result. Each step's
+    line goes to `log`, or with `progress` (benchlib.progress.Progress or alike) to its bar."""
     # The whole trace: the model's length and the default budget must not depend on --steps
     # (a resumed replay may go further than the first).
     stats = validate_trace(args.trace, models={})
@@ -160,6 +163,7 @@ def replay(args, *, log=print) -> dict:
         log(f"resumed from {args.checkpoint_dir} after step {len(rows) - 1}")
     loss = PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=settings["loss"]["kl_coef"])
     max_len = settings["model"]["max_seq_len"]
+    bar = progress(args.steps, name="replay", start=len(rows)) if progress else None
     for step, batch in enumerate(read_steps(args.trace, start=len(rows), stop=args.steps),
                                  start=len(rows)):
         plan = plan_microbatches(batch, token_budget=settings["token_budget"], max_seq_len=max_len)
@@ -170,9 +174,14 @@ def replay(args, *, log=print) -> dict:
                      "param_diff": {**{n: param_diff(reference, runs[n].weights()) for n in COMPARED},
                                     "reuse_vs_control": param_diff(runs["control"].weights(),
                                                                    runs["reuse"].weights())}})
-        log(_row_line(rows[-1]))
+        if bar:
+            bar.step(_row_line(rows[-1]))
+        else:
+            log(_row_line(rows[-1]))
         if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
             _checkpoint(args.checkpoint_dir, settings, runs, rows)
+    if bar:
+        bar.close()
     return _result(settings, stats, rows)
 
 
@@ -227,31 +236,54 @@ def format_summary(result: dict) -> str:
 
 
 def write_png(result: dict, path: Path) -> None:
-    from pngplot import Figure
+    """Loss, gradient norm and parameter difference per step of a replay result (its JSON)."""
+    from benchlib.plotting import line_chart, panels, save
 
     steps = [r["step"] for r in result["rows"]]
-    fig = Figure(3, 1)
+    fig, axes = panels(3)
     col = lambda key, run: [r[key][run] for r in result["rows"]]  # noqa: E731
     runs = ("dense", "reuse", "control")
-    fig.chart(0, title="loss", xlabel="step", series={n: (steps, col("loss", n)) for n in runs},
-              styles={"reuse": "dashed"})
-    fig.chart(1, title="grad norm", xlabel="step",
-              series={n: (steps, col("grad_norm", n)) for n in runs}, styles={"reuse": "dashed"})
+    line_chart(axes[0], title="loss", xlabel="step", styles={"reuse": "dashed"},
+               series={n: (steps, col("loss", n)) for n in runs})
+    line_chart(axes[1], title="grad norm (before clipping)", xlabel="step",
+               series={n: (steps, col("grad_norm", n)) for n in runs}, styles={"reuse": "dashed"})
     diff = lambda run, k: [r["param_diff"][run][k] for r in result["rows"]]  # noqa: E731
-    fig.chart(2, title="param diff vs dense (relative)", xlabel="step", log_y=True, series={
-        "reuse max": (steps, diff("reuse", "max")), "reuse rmse": (steps, diff("reuse", "rmse")),
-        "control max": (steps, diff("control", "max")),
-        "control rmse": (steps, diff("control", "rmse"))},
-        styles={"control max": "dashed", "control rmse": "dashed"})
-    fig.save(path)
+    line_chart(axes[2], title="parameter difference vs fp32 dense (relative)", xlabel="step",
+               log_y=True, series={
+                   "reuse max": (steps, diff("reuse", "max")),
+                   "reuse rmse": (steps, diff("reuse", "rmse")),
+                   "control max": (steps, diff("control", "max")),
+                   "control rmse": (steps, diff("control", "rmse"))},
+               styles={"control max": "dashed", "control rmse": "dashed"})
+    fig.suptitle(f"{result['steps']} AdamW steps of {Path(result['trace']).name} "
+                 f"({result['precision']}); control: {result['runs']['control']}", fontsize=10)
+    save(fig, path)
+
+
+def replot(argv) -> int:
+    """`--replot JSON PNG`: the PNG of a saved --json result, without running anything."""
+    if len(argv) != 3:
+        print("replay.py: error: --replot takes a result JSON and a PNG path", file=sys.stderr)
+        return 2
+    try:
+        result = json.loads(Path(argv[1]).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"replay.py: error: {argv[1]}: not a replay --json result ({exc})", file=sys.stderr)
+        return 1
+    write_png(result, Path(argv[2]))
+    print(f"wrote {argv[2]}")
+    return 0
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--replot"]:
+        return replot(argv)
     args = parse_args(argv)
     try:
         read_header(args.trace)
         start = time.perf_counter()
-        result = replay(args)
+        result = replay(args, progress=Progress)
     except ValueError as exc:
         print(f"replay.py: error: {exc}", file=sys.stderr)
         return 1

@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prefix_schedule.planning.policy import DEFAULT_MIN_GAIN, ReusePolicy  # noqa: E402
+from benchlib.progress import Progress  # noqa: E402
 from sweep_measure import ModelSpec, Models, measure_point  # noqa: E402
 
 __all__ = ["main", "grid", "PAPER"]
@@ -125,16 +125,7 @@ def _append(path, row: dict) -> None:
         writer.writerow(row)
 
 
-def _progress(i: int, total: int, started: float, text: str) -> None:
-    done = i / total
-    eta = (time.perf_counter() - started) / max(i, 1) * (total - i) if i else 0
-    bar = "#" * int(24 * done) + "-" * (24 - int(24 * done))
-    print(f"[{bar}] {i}/{total} eta {eta / 60:4.1f} min  {text}", flush=True)
-
-
 def run(args) -> list[dict]:
-    import os
-
     import torch
 
     spec, points = _spec(args), _points(args)
@@ -145,13 +136,20 @@ def run(args) -> list[dict]:
     policy = None if args.no_policy else ReusePolicy(dims=spec.dims(), min_gain=args.min_gain,
                                                      token_budget=args.token_budget)
     done = {_key(r) for r in _load(args.csv)}
-    models, rows, started = None, [], time.perf_counter()
-    for i, (prefix, suffix, g) in enumerate(points):
+    with Progress(len(points), name="sweep", unit="point") as progress:
+        return _run_points(args, spec, points, policy, done, progress)
+
+
+def _run_points(args, spec: ModelSpec, points: list, policy, done: set, progress) -> list[dict]:
+    import os
+
+    models, rows = None, []
+    for prefix, suffix, g in points:
         row = {"total": prefix + suffix, "prefix": prefix, "suffix": suffix, "group_size": g,
                "num_groups": args.num_groups, "policy_on": policy is not None,
                "compile": args.compile, "model": "x".join(str(v) for v in spec.__dict__.values())}
         if _key(row) in done:
-            _progress(i + 1, len(points), started, f"P={prefix} S={suffix} G={g}: in the CSV")
+            progress.step(f"P={prefix} S={suffix} G={g}: in the CSV")
             continue
         if models is None:
             models = Models(spec, max(p + s for p, s, _ in points), seed=args.seed,
@@ -166,9 +164,8 @@ def run(args) -> list[dict]:
         row["efficiency"] = row["cpu_speedup"] / row["ideal"]
         _append(args.csv, row)
         rows.append(row)
-        _progress(i + 1, len(points), started, f"P={prefix} S={suffix} G={g}: speedup "
-                  f"{row['cpu_speedup']:.2f}x (wall {row['speedup']:.2f}x), ideal {row['ideal']:.2f}x; "
-                  f"{row['policy']}")
+        progress.step(f"P={prefix} S={suffix} G={g}: speedup {row['cpu_speedup']:.2f}x (wall "
+                      f"{row['speedup']:.2f}x), ideal {row['ideal']:.2f}x; {row['policy']}")
     return rows
 
 
@@ -186,7 +183,8 @@ def main(argv=None) -> int:
     if args.png_dir and args.csv:
         from sweep_plots import write_plots
 
-        write_plots(_load(args.csv), args.png_dir)
+        for path in write_plots(_load(args.csv), args.png_dir):
+            print(f"wrote {path}")
     return 0
 
 
