@@ -14,13 +14,14 @@ with no copy kept.
 from __future__ import annotations
 
 import math
+import zlib
 
 import torch
 
 from prefix_schedule.planning.data import (MAX_ABS_ADVANTAGE, GroupBatch, Group, Trajectory,
                                            _as_floats, _as_tokens, _check_range)
 
-__all__ = ["check_batch_arrays", "check_plan_covers"]
+__all__ = ["check_batch_arrays", "check_plan_covers", "batch_digest"]
 
 _EDITED = "(edited after the Trajectory was built?); fix the array or build the batch again"
 
@@ -111,3 +112,26 @@ def check_plan_covers(batch: GroupBatch, plan) -> None:
                          f"{missing[0]}, trajectory {missing[1]} is in none of its microbatches): "
                          "it was made for another batch, or the batch changed after planning; "
                          "plan this batch again")
+
+
+def batch_digest(batch: GroupBatch) -> str:
+    """A cheap content fingerprint of the batch (crc32 of every token id and per-token array, in
+    order, with the shapes): the ranks that run one step together fold it into their agreement,
+    so same-shaped but different data on a pipeline or tensor-parallel peer is refused, not
+    trained on ([Note: agreed refusal] in megatron_patches/agreement.py). Linear in the tokens;
+    equal batches give equal digests on every rank."""
+    crc = 0
+    for group in batch.groups:
+        arrays = [group.prefix, *(node.tokens for node in group.nodes)]
+        for tr in group.trajectories:
+            arrays += [tr.suffix, tr.loss_mask, tr.advantages, tr.old_logprobs, tr.ref_logprobs]
+            if tr.context_loss is not None:
+                arrays += [tr.context_loss.loss_mask, tr.context_loss.advantages]
+        for array in arrays:
+            if array is None:
+                crc = zlib.crc32(b"-", crc)
+                continue
+            values = array.detach().cpu().contiguous()
+            crc = zlib.crc32(repr((str(values.dtype), tuple(values.shape))).encode(), crc)
+            crc = zlib.crc32(values.numpy().tobytes(), crc)
+    return f"{crc:08x}"
