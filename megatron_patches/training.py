@@ -9,6 +9,7 @@ microbatch); reuse = the same call with the prefix-reuse schedule selected.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, Iterator, List, Optional
 
 import torch
@@ -260,12 +261,36 @@ def param_grads(model) -> Dict[str, torch.Tensor]:
     return grads
 
 
+def _check_comparable(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor]) -> None:
+    """The two sides name the same tensors with the same shapes (a missing gradient is a bug)."""
+    missing, extra = sorted(set(reference) - set(other)), sorted(set(other) - set(reference))
+    if missing or extra:
+        raise ValueError(f"cannot compare: names only in the reference {missing[:5]}, "
+                         f"only in the other side {extra[:5]}")
+    for name, ref in reference.items():
+        if tuple(ref.shape) != tuple(other[name].shape):
+            raise ValueError(f"cannot compare {name!r}: shapes {tuple(ref.shape)} vs "
+                             f"{tuple(other[name].shape)}")
+
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def max_relative_diff(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor]) -> float:
-    """max over tensors of max|a-b| / max|a| (the equivalence metric of the test suite)."""
+    """max over tensors of max|a-b| / max|a| (the equivalence metric of the test suite).
+
+    [Note: non-finite comparisons] A NaN or inf entry on EITHER side makes the result `inf`, so
+    every `diff <= tol` check fails and every `max(...)` fold keeps it (Python's `max(0.0, nan)`
+    is 0.0: a NaN must never reach a fold). Names and shapes must match on both sides."""
+    _check_comparable(reference, other)
     worst = 0.0
     for name, ref in reference.items():
-        scale = ref.abs().max().item()
-        diff = (ref - other[name]).abs().max().item()
+        a, b = ref.detach().double(), other[name].detach().double()
+        if not _all_finite(a, b):
+            return math.inf
+        scale = a.abs().max().item() if a.numel() else 0.0
+        diff = (a - b).abs().max().item() if a.numel() else 0.0
         worst = max(worst, diff / scale if scale > 0 else diff)
     return worst
 
@@ -276,10 +301,16 @@ def max_elementwise_error(reference: Dict[str, torch.Tensor], other: Dict[str, t
 
     Unlike `max_relative_diff` a wrong small entry cannot hide under the tensor's largest one:
     entries above `floor` of the tensor's scale are judged relative to themselves, smaller ones
-    relative to that floor (below it fp32 rounding of the large entries dominates)."""
+    relative to that floor (below it fp32 rounding of the large entries dominates).
+    Non-finite entries on either side give `inf` ([Note: non-finite comparisons])."""
+    _check_comparable(reference, other)
     worst = 0.0
     for name, ref in reference.items():
-        a, b = ref.double(), other[name].double()
+        a, b = ref.detach().double(), other[name].detach().double()
+        if not _all_finite(a, b):
+            return math.inf
+        if a.numel() == 0:
+            continue
         scale = a.abs().max()
         if scale == 0:
             worst = max(worst, (b.abs().max()).item())
