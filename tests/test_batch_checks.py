@@ -3,10 +3,8 @@ exactly its plan, is refused when the step is built (ReuseStep, the planner, the
 import copy
 
 import pytest
-import torch
 
 from prefix_schedule.planning.batch_checks import check_batch_arrays, check_plan_covers
-from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
 from prefix_schedule.planning.planner import plan_microbatches
 from prefix_schedule.runtime.step import ReuseStep
 from test_equivalence import LOSS, make_batch
