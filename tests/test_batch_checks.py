@@ -109,3 +109,22 @@ def test_dense_step_refuses_an_edited_batch_before_compute(megatron_env):
     with pytest.raises(ValueError, match="group 0: trajectory 1: advantages\\[0\\] is nan"):
         dense_step(model, batch, LOSS)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_context_loss_arrays_edited_in_place_are_refused():
+    from tree_batches import make_tree_batch
+
+    batch = make_tree_batch(5, [dict(depth=2, branching=2, node_len=5, suffix_len=4,
+                                     node_loss=True)])
+    plan = plan_microbatches(batch, token_budget=64, max_seq_len=64)
+    ReuseStep(batch, plan)
+    loss = batch.groups[0].trajectories[1].context_loss
+    before = loss.advantages
+    loss.advantages[2] = float("inf")
+    with pytest.raises(ValueError, match="group 0: trajectory 1: context advantages\\[2\\] is inf"):
+        ReuseStep(batch, plan)
+    assert loss.advantages is before  # checked, not converted in place
+    loss.advantages[2] = 0.0
+    loss.loss_mask[0] = 1.0
+    with pytest.raises(ValueError, match="0 at entry 0"):
+        batch.validate(max_seq_len=64)

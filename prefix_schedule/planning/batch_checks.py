@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 import zlib
 
-import torch
 
 from prefix_schedule.planning.data import (MAX_ABS_ADVANTAGE, GroupBatch, Group, Trajectory,
                                            _as_floats, _as_tokens, _check_range)
@@ -53,6 +52,8 @@ def _check_group(group: Group) -> None:
                              f"{type(trajectory).__name__}")
         try:
             _check_trajectory(trajectory)
+            if trajectory.context_loss is not None:
+                _check_context_loss(trajectory.context_loss, _context_len(group, t))
         except ValueError as exc:
             raise ValueError(f"trajectory {t}: {exc}") from None
 
@@ -73,10 +74,27 @@ def _check_trajectory(tr: Trajectory) -> None:
             values = _as_floats(getattr(tr, name), name=name, length=n)
             _check_range(values, name=name, low=-math.inf, high=0.0,
                          hint=f"a log-probability is <= 0 {_EDITED}")
-    if tr.context_loss is not None:
-        length = tr.context_loss.loss_mask.numel() if torch.is_tensor(tr.context_loss.loss_mask) \
-            else len(tr.context_loss.loss_mask)
-        tr.context_loss.validate(length)  # converts in place: values already checked once
+
+
+def _context_len(group: Group, t: int) -> int:
+    node = group.trajectories[t].node
+    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < group.num_nodes:
+        raise ValueError(f"node {node!r} is not a node of the group (0..{group.num_nodes - 1})")
+    return group.context_len(t)
+
+
+def _check_context_loss(loss, length: int) -> None:
+    """ContextLoss.validate's checks for a context of `length` tokens, converting nothing in
+    place."""
+    mask = _as_floats(loss.loss_mask, name="context loss_mask", length=length)
+    if not ((mask == 0) | (mask == 1)).all() or mask[0] != 0:
+        raise ValueError(f"context loss_mask must hold only 0 and 1, and 0 at entry 0 {_EDITED}")
+    advantages = _as_floats(loss.advantages, name="context advantages", length=length)
+    _check_range(advantages, name="context advantages", low=-MAX_ABS_ADVANTAGE,
+                 high=MAX_ABS_ADVANTAGE, hint=f"normalise the advantages {_EDITED}")
+    for name in ("old_logprobs", "ref_logprobs"):
+        if getattr(loss, name) is not None:
+            _as_floats(getattr(loss, name), name=f"context {name}", length=length)
 
 
 def check_plan_covers(batch: GroupBatch, plan) -> None:
