@@ -31,8 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout fi
 
 __all__ = ["device_fields", "fit_curve", "measure_device", "main"]
 
-GEMM_M, GEMM_D = (32, 128, 512, 2048), (256, 1024)
-ATTN_S, ATTN_HEADS, ATTN_DIM = (128, 512, 2048), 8, 64
+ATTN_HEADS, ATTN_DIM = 8, 64
+FULL = {"gemm_m": (32, 128, 512, 2048), "gemm_d": (256, 1024), "attn_s": (128, 512, 2048)}
+QUICK = {"gemm_m": (32, 512), "gemm_d": (256,), "attn_s": (128, 512)}  # gpu_check --dry-run
 
 
 def _timed(fn, sync, min_s: float = 0.1, max_reps: int = 7) -> float:
@@ -66,20 +67,20 @@ def fit_curve(points, with_width: bool = True) -> tuple:
     return best[1], best[2], best[3]
 
 
-def _gemm_points(torch, device, dtype, sync):
+def _gemm_points(torch, device, dtype, sync, grid):
     out = []
-    for d in GEMM_D:
+    for d in grid["gemm_d"]:
         w = torch.randn(d, d, device=device, dtype=dtype)
-        for m in GEMM_M:
+        for m in grid["gemm_m"]:
             x = torch.randn(m, d, device=device, dtype=dtype)
             out.append((m, d, 2 * m * d * d / _timed(lambda: x @ w, sync)))
     return out
 
 
-def _attention_points(torch, device, dtype, sync):
+def _attention_points(torch, device, dtype, sync, grid):
     import torch.nn.functional as F
     fwd, bwd = [], []
-    for s in ATTN_S:
+    for s in grid["attn_s"]:
         q, k, v = (torch.randn(1, ATTN_HEADS, s, ATTN_DIM, device=device, dtype=dtype,
                                requires_grad=True) for _ in range(3))
         flops = 4 * ATTN_HEADS * ATTN_DIM * s * (s + 1) / 2
@@ -113,10 +114,10 @@ def _op_overhead(torch, device, sync) -> tuple:
     return t_f, max(t_fb - t_f, 0.0)
 
 
-def _raw_once(torch, device, dtype, sync) -> dict:
-    fwd, bwd = _attention_points(torch, device, dtype, sync)
+def _raw_once(torch, device, dtype, sync, grid) -> dict:
+    fwd, bwd = _attention_points(torch, device, dtype, sync, grid)
     op_f, op_b = _op_overhead(torch, device, sync)
-    return {"gemm": _gemm_points(torch, device, dtype, sync), "attention_forward": fwd,
+    return {"gemm": _gemm_points(torch, device, dtype, sync, grid), "attention_forward": fwd,
             "attention_backward": bwd, "memory_bandwidth": _bandwidth(torch, device, dtype, sync),
             "op_forward_s": op_f, "op_backward_s": op_b}
 
@@ -150,9 +151,10 @@ def device_fields(raw: dict, *, name: str, cuda: bool, memory_gib: float, note: 
             "sources": [note, "links not measured: memory bandwidth / 4 and 50 us latency assumed"]}
 
 
-def measure_device(device: str = "cpu", threads: int = 1, name: str = "", repeats: int = 3) -> dict:
+def measure_device(device: str = "cpu", threads: int = 1, name: str = "", repeats: int = 3,
+                   quick: bool = False) -> dict:
     """Run the microbenchmark `repeats` times; {"device": DeviceSpec fields, "raw": the
-    per-point medians, "runs": every repeat}."""
+    per-point medians, "runs": every repeat}. `quick`: a smaller grid (a dry run)."""
     import torch
 
     if device == "cpu":
@@ -161,7 +163,8 @@ def measure_device(device: str = "cpu", threads: int = 1, name: str = "", repeat
     dtype = torch.bfloat16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     started = time.perf_counter()
-    runs = [_raw_once(torch, device, dtype, sync) for _ in range(repeats)]
+    grid = QUICK if quick else FULL
+    runs = [_raw_once(torch, device, dtype, sync, grid) for _ in range(repeats)]
     raw = _median_raw(runs)
     memory = torch.cuda.get_device_properties(0).total_memory / 2 ** 30 if cuda else 0.0
     note = (f"tools/predict_bench.py on {device}, {threads} thread(s), torch {torch.__version__}, "
@@ -176,13 +179,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="device file to write (JSON)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (seconds, less exact)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (the sweep ran with 1)")
     p.add_argument("--name", default="")
     p.add_argument("--repeats", type=int, default=3, help="whole-benchmark repeats (median)")
     args = p.parse_args(argv)
     if args.threads < 1 or args.repeats < 1:
         p.error("--threads and --repeats must be >= 1")
-    result = measure_device(args.device, args.threads, args.name, args.repeats)
+    result = measure_device(args.device, args.threads, args.name, args.repeats, args.quick)
     Path(args.out).write_text(json.dumps(result, indent=1))
     d = result["device"]
     print(f"{d['name']}: GEMM peak {d['gemm_peak'] / 1e9:.1f} GFLOP/s (m_half {d['gemm_m_half']:g},"

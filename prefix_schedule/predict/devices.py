@@ -160,7 +160,8 @@ def get_device(name: str) -> DeviceSpec:
 
 
 def load_device(path) -> DeviceSpec:
-    """A DeviceSpec from a JSON file (tools/predict_bench.py's output: its `device` object)."""
+    """A DeviceSpec from a JSON file: tools/predict_bench.py's output (its `device` object) or
+    a tools/gpu_check.py report (its `predict_device`)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"device file {str(path)!r} does not exist; make it with "
@@ -169,6 +170,8 @@ def load_device(path) -> DeviceSpec:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"device file {str(path)!r} is not JSON ({exc}); regenerate it") from None
+    if isinstance(data, dict) and isinstance(data.get("predict_device"), dict):
+        data = data["predict_device"]  # a tools/gpu_check.py report
     fields = data.get("device", data) if isinstance(data, dict) else None
     if not isinstance(fields, dict):
         raise ValueError(f"device file {str(path)!r} holds no `device` object; regenerate it")
