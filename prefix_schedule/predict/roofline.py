@@ -91,17 +91,21 @@ class Cost:
     overhead: float = 0.0
 
     def __add__(self, other: "Cost") -> "Cost":
-        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+        return Cost(self.gemm + other.gemm, self.attention + other.attention,
+                    self.memory + other.memory, self.comm + other.comm,
+                    self.overhead + other.overhead)
 
     def scaled(self, factor: float) -> "Cost":
-        return Cost(*(a * factor for a in dataclasses.astuple(self)))
+        return Cost(self.gemm * factor, self.attention * factor, self.memory * factor,
+                    self.comm * factor, self.overhead * factor)
 
     @property
     def total(self) -> float:
-        return sum(dataclasses.astuple(self))
+        return self.gemm + self.attention + self.memory + self.comm + self.overhead
 
     def as_dict(self) -> dict:
-        return dict(dataclasses.asdict(self), total=self.total)
+        return dict(gemm=self.gemm, attention=self.attention, memory=self.memory, comm=self.comm,
+                    overhead=self.overhead, total=self.total)
 
 
 def sum_costs(costs: Iterable[Cost]) -> Cost:

@@ -69,8 +69,15 @@ def _stage_layers(dims: ModelDims, lay: Layout) -> int:
 
 
 def _row_pass(dev, dims, lay, rows, stage, *, backward, prefix=False, cache_reads=0,
-              calls=1) -> Cost:
-    """One action: a microbatch (or prefix unit) through one virtual stage's layers."""
+              calls=1, memo=None) -> Cost:
+    """One action: a microbatch (or prefix unit) through one virtual stage's layers (`memo`:
+    a dict caching equal actions: a step repeats the same row shapes many times)."""
+    if memo is not None:
+        key = (tuple(rows), stage, backward, prefix, cache_reads, calls)
+        if key not in memo:
+            memo[key] = _row_pass(dev, dims, lay, rows, stage, backward=backward, prefix=prefix,
+                                  cache_reads=cache_reads, calls=calls)
+        return memo[key]
     stages, layers = lay.pp * lay.vpp, _stage_layers(dims, lay)
     last = stage == stages - 1
     kv_only = 1 if prefix and last else 0
@@ -96,13 +103,13 @@ def _row_pass(dev, dims, lay, rows, stage, *, backward, prefix=False, cache_read
 
 def reuse_costs(dev: DeviceSpec, dims: ModelDims, lay: Layout, plan) -> Dict[Key, Cost]:
     """Roofline cost of every compute action of the plan's schedule, per virtual stage."""
-    stages, out = lay.pp * lay.vpp, {}
+    stages, out, memo = lay.pp * lay.vpp, {}, {}
     for unit, chunk in plan.prefix_units().items():
         rows = [(chunk.length + chunk.padding, chunk.start)]
         for s in range(stages):
             for kind, backward in ((_PF, False), (_PB, True)):
                 out[kind, unit, s] = _row_pass(dev, dims, lay, rows, s, backward=backward,
-                                               prefix=True)
+                                               prefix=True, memo=memo)
     for mb in plan.microbatches:
         rows = [(seg.length, seg.cached_len) for seg in mb.segments]
         rows += [(mb.padding, 0)] if mb.padding else []
@@ -111,19 +118,19 @@ def reuse_costs(dev: DeviceSpec, dims: ModelDims, lay: Layout, plan) -> Dict[Key
         for s in range(stages):
             for kind, backward in ((_SF, False), (_SB, True)):
                 out[kind, mb.index, s] = _row_pass(dev, dims, lay, rows, s, backward=backward,
-                                                   cache_reads=reads, calls=calls)
+                                                   cache_reads=reads, calls=calls, memo=memo)
     return out
 
 
 def dense_costs(dev: DeviceSpec, dims: ModelDims, lay: Layout,
                 dense_rows: Sequence[Sequence[int]]) -> Dict[Key, Cost]:
     """Roofline cost of every dense microbatch (full rows, causal) per virtual stage."""
-    out = {}
+    out, memo = {}, {}
     for m, lengths in enumerate(dense_rows):
         rows = [(length, 0) for length in lengths]
         for s in range(lay.pp * lay.vpp):
-            out[_SF, m, s] = _row_pass(dev, dims, lay, rows, s, backward=False)
-            out[_SB, m, s] = _row_pass(dev, dims, lay, rows, s, backward=True)
+            out[_SF, m, s] = _row_pass(dev, dims, lay, rows, s, backward=False, memo=memo)
+            out[_SB, m, s] = _row_pass(dev, dims, lay, rows, s, backward=True, memo=memo)
     return out
 
 
@@ -152,9 +159,10 @@ def step_constant(dev: DeviceSpec, dims: ModelDims, lay: Layout) -> Cost:
 
 
 def _path(dev, dims, lay, schedule, costs: Dict[Key, Cost], constant: Cost) -> PathPrediction:
+    totals = {key: cost.total for key, cost in costs.items()}
+
     def seconds(action) -> float:
-        cost = costs.get((action.kind, action.index, action.stage))
-        return cost.total if cost is not None else 0.0
+        return totals.get((action.kind, action.index, action.stage), 0.0)
 
     result = simulate(lower(schedule, cost=seconds), cost=seconds)
     busiest = max(range(len(result.busy)), key=result.busy.__getitem__)
