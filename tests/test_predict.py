@@ -212,3 +212,20 @@ def test_microbenchmark_quick_grid_makes_a_device(tmp_path):
     dev = load_device(tmp_path / "d.json")
     assert dev.dtype_bytes == 4 and dev.gemm_peak > 0 and dev.memory_bandwidth > 0
     assert dataclasses.asdict(dev)["sources"]
+
+
+def test_cli_predicts_a_trace_step(tmp_path):
+    from prefix_schedule.traces import TraceWriter
+    from prefix_schedule.traces.format import TraceHeader
+    from prefix_schedule.traces.synth import SynthConfig, synth_steps
+
+    batch, _ = next(synth_steps(SynthConfig(kind="rag", steps=1, group_sizes=(4,), max_seq_len=256,
+                                            vocab_size=128)))
+    with TraceWriter(tmp_path / "t.jsonl", TraceHeader(vocab_size=128)) as writer:
+        writer.write_step(batch, step=0)
+    out = tmp_path / "p.json"
+    predict_cli.main(["--model", "4x256x688x8x2x2048", "--gpus", "1", "--gpu", "a100",
+                      "--tp", "1", "--trace", str(tmp_path / "t.jsonl"), "--json", str(out)])
+    result = json.loads(out.read_text())["result"]
+    assert result["microbatches"]["dense"] == sum(len(g.trajectories) for g in batch.groups)
+    assert result["speedup"] > 1  # rag: 80-98% of every row is the shared prompt
