@@ -188,6 +188,8 @@ def test_cli_refuses_bad_input(capsys, tmp_path):
               "8", "--suffix-len", "8", "--group-size", "2"], "not a multiple of tp x pp x cp"),
             (["--model", "qwen3-8b", "--gpus", "16", "--gpu", "x1", "--prefix-len", "8",
               "--suffix-len", "8", "--group-size", "2"], "unknown GPU"),
+            (["--model", "qwen3-8b", "--gpus", "16", "--prefix-len", "8", "--suffix-len", "8",
+              "--group-size", "2"], "give --gpu NAME"),
             (["--validate", str(tmp_path / "none.csv"), "--device-file",
               str(tmp_path / "none.json")], "does not exist")):
         with pytest.raises(SystemExit):

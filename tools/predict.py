@@ -53,7 +53,7 @@ def _device(args):
         return load_device(args.device_file)
     if args.gpu:
         return get_device(args.gpu)
-    return _cpu_device(DEFAULT_CPU_DEVICE, measure=False)
+    raise ValueError("give --gpu NAME (h20, h100, h200, a100, b200) or --device-file FILE")
 
 
 def _cpu_device(path: Path, measure: bool):

@@ -25,8 +25,8 @@ from prefix_schedule.predict.roofline import (Cost, Layout, collective_cost, emb
                                               head_cost, layer_cost, memory_cost, p2p_cost,
                                               sum_costs)
 
-__all__ = ["PathPrediction", "StepPrediction", "dense_costs", "predict_step", "reuse_costs",
-           "step_constant"]
+__all__ = ["PathPrediction", "StepPrediction", "dense_costs", "params_per_rank", "predict_step",
+           "reuse_costs", "step_constant"]
 
 _PF, _SF, _SB, _PB = (ActionKind.PREFIX_FORWARD, ActionKind.SUFFIX_FORWARD,
                       ActionKind.SUFFIX_BACKWARD, ActionKind.PREFIX_BACKWARD)
@@ -134,7 +134,9 @@ def dense_costs(dev: DeviceSpec, dims: ModelDims, lay: Layout,
     return out
 
 
-def _params_per_rank(dims: ModelDims, lay: Layout) -> float:
+def params_per_rank(dims: ModelDims, lay: Layout) -> float:
+    """Parameters on one rank of the heaviest stage: its layers (experts / EP) + an embedding
+    or output layer, / TP."""
     h, d = dims.hidden_size, dims.kv_channels
     q, kv = dims.num_attention_heads * d, dims.num_query_groups * d
     glu = 3 if dims.gated_linear_unit else 2
@@ -152,7 +154,7 @@ def step_constant(dev: DeviceSpec, dims: ModelDims, lay: Layout) -> Cost:
     bf16 parameter all-gather over DP x CP, and the Adam update over its shard (memory-bound:
     ~30 bytes per parameter: fp32 grad, master weight and two moments read, three written,
     bf16 weight written)."""
-    params, group = _params_per_rank(dims, lay), lay.dp * lay.cp
+    params, group = params_per_rank(dims, lay), lay.dp * lay.cp
     span = lay.tp * lay.cp * lay.dp
     comm = collective_cost(dev, params * 4, group, span) + collective_cost(dev, params * 2, group, span)
     return comm + memory_cost(dev, 30 * params / group, ops=10)

@@ -40,8 +40,8 @@ def static_bytes_for(dims: ModelDims, lay: Layout, spec=None) -> float:
         import capacity
         return sum(capacity.static_bytes(spec, capacity.Layout(tp=lay.tp, pp=lay.pp, dp=lay.dp,
                                                               cp=lay.cp, ep=lay.ep)).values())
-    from prefix_schedule.predict.step import _params_per_rank
-    params = _params_per_rank(dims, lay)
+    from prefix_schedule.predict.step import params_per_rank
+    params = params_per_rank(dims, lay)
     return params * (2 + 4 + 12 / (lay.dp * lay.cp))
 
 
