@@ -2,6 +2,8 @@
 12,288 tokens per trajectory, prefix/suffix 2k/10k .. 10k/2k, N = 2 .. 128."""
 from __future__ import annotations
 
+import sys
+
 from prefix_schedule.predict.devices import DeviceSpec
 
 from predictlib.report import Workload, predict_layout, search
@@ -36,6 +38,8 @@ def paper_grid(dev: DeviceSpec, dims, spec, *, gpus: int = 16, groups: int = 16,
             else:
                 dense = reuse = predict_layout(dev, dims, layout, work, spec)
             rows.append(_row(prefix, suffix, n, dense, reuse))
+            print(f"  {prefix}/{suffix} N={n}: {rows[-1].get('speedup') or 0:.2f}x", file=sys.stderr,
+                  flush=True)
     return rows
 
 

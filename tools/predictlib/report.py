@@ -58,24 +58,20 @@ def predict_layout(dev: DeviceSpec, dims: ModelDims, lay: Layout, work: Workload
     shortest = max(t.num_tokens for g in share.groups for t in g.trajectories)
     budgets = [work.token_budget] if work.token_budget or not dev.memory_gib else \
         [None] + sorted({max(shortest, longest >> k) for k in range(5)}, reverse=True)
-    result = None
-    for budget in budgets:
+    static = static_bytes_for(dims, lay, spec)
+    for budget in budgets:  # memory first (cheap); the step is predicted once, on the last tried
         try:
-            result = _one(dev, dims, lay, work, spec, share, rows, budget, limit)
+            plan = plan_for(share, dims, policy=work.policy, token_budget=budget,
+                            row_multiple=lay.tp)
         except ValueError:
             if budget is None or budget == work.token_budget:
                 raise
             continue  # a budget the policy's dense rows do not fit in: try the next
-        if result["reuse"]["fits"]:
+        memory = memory_per_rank(dims, lay, plan, rows, static_bytes=static,
+                                 act_bytes=dev.dtype_bytes, qk_norm=bool(spec and spec.qk_norm))
+        if memory["reuse_gib"] <= limit:
             break
-    return result
-
-
-def _one(dev, dims, lay, work, spec, share, rows, budget, limit) -> dict:
-    plan = plan_for(share, dims, policy=work.policy, token_budget=budget, row_multiple=lay.tp)
     pred = predict_step(dev, dims, lay, plan, rows, optimizer=work.optimizer)
-    memory = memory_per_rank(dims, lay, plan, rows, static_bytes=static_bytes_for(dims, lay, spec),
-                             act_bytes=dev.dtype_bytes, qk_norm=bool(spec and spec.qk_norm))
     return {"layout": dataclasses.asdict(lay), "speedup": pred.speedup,
             "dense": dict(pred.dense.as_dict(), peak_gib=memory["dense_gib"],
                           fits=memory["dense_gib"] <= limit),
