@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import sys
 
+from prefix_schedule.planning.memory_model import (ActivationModel, MemoryOptions,
+                                                   dense_peak_bytes, reuse_phase_peaks)
 from prefix_schedule.predict.devices import DeviceSpec
+from prefix_schedule.predict.roofline import Layout
 
 from predictlib.report import Workload, predict_layout, search
-from predictlib.workload import synthetic_batch
+from predictlib.workload import plan_for, synthetic_batch
 
-__all__ = ["KNOWN_SPEEDUPS", "KNOWN_MEMORY", "KNOWN_CAPACITY", "paper_grid", "SPLITS"]
+__all__ = ["KNOWN_SPEEDUPS", "KNOWN_MEMORY", "KNOWN_CAPACITY", "paper_grid", "SPLITS",
+           "suffix_phase_change"]
 
 TOTAL = 12288
 SPLITS = ((2048, 10240), (4096, 8192), (6144, 6144), (8192, 4096), (10240, 2048))
@@ -20,6 +24,25 @@ GROUP_SIZES = (2, 4, 8, 16, 32, 64, 128)
 KNOWN_SPEEDUPS = {(10240, 2048, 128): 4.395, (2048, 10240, 128): 1.17, (2048, 10240, 2): 1.10}
 KNOWN_MEMORY = {(2048, 10240, 16): -0.203, (10240, 2048, 16): -0.591}  # suffix-phase peak change
 KNOWN_CAPACITY = {"group_size": 2, "ratio": 29696 / 17920}  # 17,920 -> 29,696 tokens
+MEMORY_N = 16
+MEMORY_LAYOUT = Layout(tp=2, pp=1, dp=8)  # the dense path's best layout on 16 H20 (predicted)
+
+
+def suffix_phase_change(dims, spec, prefix: int, suffix: int, n: int, act_bytes: int) -> dict:
+    """Suffix-phase activation peak of reuse / dense's step peak - 1, one trajectory per
+    microbatch both ways (dense: one full row; reuse: one suffix over the group's cache), on
+    MEMORY_LAYOUT's first stage; reuse without and with offloaded prefix activations
+    (planning/memory_model.py). Static memory (weights, grads, optimizer) not included."""
+    model = ActivationModel(dims=dims, act_bytes=act_bytes, qk_norm=bool(spec and spec.qk_norm),
+                            tp=MEMORY_LAYOUT.tp, head=True, in_flight=1)
+    batch = synthetic_batch(prefix_len=prefix, suffix_len=suffix, group_size=n, num_groups=1)
+    plan = plan_for(batch, dims, policy=False, token_budget=suffix + (-suffix % MEMORY_LAYOUT.tp),
+                    row_multiple=MEMORY_LAYOUT.tp)
+    dense = dense_peak_bytes(model, [prefix + suffix - 1])
+    out = {"layout": "TP=2 first stage, one trajectory per microbatch"}
+    for name, options in (("no_offload", MemoryOptions()), ("offload", MemoryOptions(offload=True))):
+        out[name] = reuse_phase_peaks(model, plan, options)["suffix"] / dense - 1
+    return out
 
 
 def paper_grid(dev: DeviceSpec, dims, spec, *, gpus: int = 16, groups: int = 16,
@@ -39,6 +62,9 @@ def paper_grid(dev: DeviceSpec, dims, spec, *, gpus: int = 16, groups: int = 16,
             else:
                 dense = reuse = predict_layout(dev, dims, layout, work, spec)
             rows.append(_row(prefix, suffix, n, dense, reuse))
+            if (prefix, suffix, n) in KNOWN_MEMORY or n == MEMORY_N:
+                rows[-1]["suffix_phase_one_per_microbatch"] = suffix_phase_change(
+                    dims, spec, prefix, suffix, n, dev.dtype_bytes)
             print(f"  {prefix}/{suffix} N={n}: {rows[-1].get('speedup') or 0:.2f}x", file=sys.stderr,
                   flush=True)
     return rows

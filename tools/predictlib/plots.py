@@ -57,16 +57,18 @@ def plot_paper(result: dict, out_dir) -> list:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     fig.savefig(paths[0], dpi=110, bbox_inches="tight")
     plt.close(fig)
-    mem = sorted((r["prefix_share"], r["suffix_phase_activation_change"],
-                  r["suffix_phase_total_change"]) for r in rows if r["group_size"] == 16)
+    mem = sorted((r["prefix_share"], r["suffix_phase_one_per_microbatch"]["no_offload"],
+                  r["suffix_phase_one_per_microbatch"]["offload"]) for r in rows
+                 if r["group_size"] == 16 and "suffix_phase_one_per_microbatch" in r)
     if mem:
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = [m[0] for m in mem]
-        ax.plot(xs, [100 * m[1] for m in mem], marker="o", label="activations only")
-        ax.plot(xs, [100 * m[2] for m in mem], marker="s", label="with static memory")
+        ax.plot(xs, [100 * m[1] for m in mem], marker="o", label="prefix activations on device")
+        ax.plot(xs, [100 * m[2] for m in mem], marker="s", label="prefix activations offloaded")
         ax.scatter([2048 / 12288, 10240 / 12288], [-20.3, -59.1], marker="*", s=140, color="k",
                    label="paper")
-        ax.set(xlabel="prefix share", ylabel="suffix-phase peak vs dense (%)", title="N=16")
+        ax.set(xlabel="prefix share", ylabel="suffix-phase activation peak vs dense (%)",
+               title="N=16, one trajectory per microbatch, TP=2")
         ax.legend(fontsize=8)
         paths.append(str(Path(out_dir) / "paper-memory.png"))
         fig.savefig(paths[1], dpi=110, bbox_inches="tight")
