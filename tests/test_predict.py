@@ -70,6 +70,9 @@ def test_device_files(tmp_path):
     (tmp_path / "extra.json").write_text(json.dumps({"device": dict(toy().to_json(), speed=1)}))
     with pytest.raises(ValueError, match="unknown fields"):
         load_device(tmp_path / "extra.json")
+    (tmp_path / "skip.json").write_text(json.dumps({"predict_device": {"skipped": "time budget"}}))
+    with pytest.raises(ValueError, match="did not run or failed"):
+        load_device(tmp_path / "skip.json")
     (tmp_path / "ok.json").write_text(json.dumps({"predict_device": {"device": toy().to_json()}}))
     assert load_device(tmp_path / "ok.json") == toy()  # a gpu_check.py report works too
 

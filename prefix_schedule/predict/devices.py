@@ -172,6 +172,9 @@ def load_device(path) -> DeviceSpec:
         raise ValueError(f"device file {str(path)!r} is not JSON ({exc}); regenerate it") from None
     if isinstance(data, dict) and isinstance(data.get("predict_device"), dict):
         data = data["predict_device"]  # a tools/gpu_check.py report
+        if "device" not in data:
+            raise ValueError(f"{str(path)!r}: gpu_check.py's predictor phase did not run or failed "
+                             f"({data.get('skipped') or data.get('error', '')[-200:]}); rerun it")
     fields = data.get("device", data) if isinstance(data, dict) else None
     if not isinstance(fields, dict):
         raise ValueError(f"device file {str(path)!r} holds no `device` object; regenerate it")
