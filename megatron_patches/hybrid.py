@@ -25,7 +25,11 @@ from megatron.core.models.hybrid.hybrid_block import (
     HybridStackSubmodules,
 )
 from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer,
@@ -60,8 +64,12 @@ def local_hybrid_stack_spec(*, num_moe_experts: Optional[int] = None) -> ModuleS
 
     Each layer kind takes its modules from `get_gpt_layer_local_spec(normalization="RMSNorm")`:
     the attention layer is that layer without its MLP half, the MLP layer the MLP half, so the
-    pattern `*-*-` is the GPT local spec's 2-layer model. Other symbols build Megatron's
-    placeholder (`IdentityOp`), enough to reach prefix reuse's refusal of them.
+    pattern `*-*-` is the GPT local spec's 2-layer model. Mamba layers (`M`) are Megatron's
+    `MambaLayer` / `MambaMixer` with the local norm in front of a plain `ColumnParallelLinear`
+    in-projection (TE's spec fuses that norm into the projection: the same math); on CPU the
+    mixer's kernels are the CPU layer's torch stand-ins (megatron_patches/mamba_cpu.py). Other
+    symbols build Megatron's placeholder (`IdentityOp`), enough to reach prefix reuse's refusal
+    of them.
     """
     gpt = get_gpt_layer_local_spec(normalization="RMSNorm").submodules
     attention = TransformerLayerSubmodules(input_layernorm=gpt.input_layernorm,
@@ -69,8 +77,14 @@ def local_hybrid_stack_spec(*, num_moe_experts: Optional[int] = None) -> ModuleS
                                            self_attn_bda=gpt.self_attn_bda)
     mlp = TransformerLayerSubmodules(pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp,
                                      mlp_bda=gpt.mlp_bda)
+    mamba = MambaLayerSubmodules(
+        norm=gpt.input_layernorm,
+        mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
+            in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
+        mamba_bda=get_bias_dropout_add)
     layers = dict(attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
-                  mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp))
+                  mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
+                  mamba_layer=ModuleSpec(module=MambaLayer, submodules=mamba))
     if num_moe_experts:
         moe = get_gpt_layer_local_spec(num_experts=num_moe_experts, moe_grouped_gemm=False,
                                        normalization="RMSNorm").submodules
