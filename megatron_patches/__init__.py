@@ -42,11 +42,13 @@ def install() -> None:
     from megatron.core.models.gpt import gpt_model
     from megatron.core.models.hybrid import hybrid_model
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.ssm.gated_delta_net import gdn
     from megatron.core.transformer import attention
 
-    from megatron_patches import hooks, moe
+    from megatron_patches import gdn_hooks, hooks, moe
 
     attention._core_attention_hook = hooks.core_attention_hook
+    gdn._gdn_state_hook = gdn_hooks.gdn_state_hook
     moe.install()  # TopKRouter.routing: logical prefix-token accounting in reuse contexts
     gpt_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     hybrid_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
@@ -61,6 +63,9 @@ def uninstall() -> None:
     from megatron.core.transformer import attention
 
     attention._core_attention_hook = None
+    from megatron.core.ssm.gated_delta_net import gdn
+
+    gdn._gdn_state_hook = None
     gpt_model._rotary_pos_emb_hook = None
     hybrid_model._rotary_pos_emb_hook = None
     schedules._forward_backward_func_hook = None

@@ -22,6 +22,8 @@ c's backward feeds the buffers of the earlier chunks, which therefore run backwa
 Prefix trees ([Note: prefix trees] in planning/tree.py): `set_tree` gives a group's chunk
 parents; a read names the chain it attends to (`chunks=`), and a chunk's backward waits for its
 children instead of chunk c+1.
+Recurrent layers (GDN, Mamba) store named state tensors instead: `store_state` / `read_state`,
+[Note: recurrent prefix state] in state_cache.py; Phase C drains both kinds in one call.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from prefix_schedule.runtime.router_stats import PrefixRouterRead, RouterStats, read_stats
+from prefix_schedule.runtime.state_cache import StateEntry
 
 __all__ = ["PrefixKVCache", "CacheProtocolError"]
 
@@ -72,6 +75,18 @@ class _Entry:
             if self.grad_v is None:
                 self.grad_v = torch.zeros(v_leaf.shape, dtype=torch.float32, device=gv.device)
             self.grad_v.add_(gv)
+
+    def backward_pairs(self) -> List[tuple]:
+        return [(self.k_graph, self.grad_k), (self.v_graph, self.grad_v)]
+
+    def graphs(self) -> Iterator[torch.Tensor]:
+        yield self.k_graph
+        yield self.v_graph
+
+    def owned(self) -> Iterator[torch.Tensor]:
+        for t in (*self.leaves(), self.grad_k, self.grad_v):
+            if t is not None:
+                yield t
 
 
 class _AccumulateInto(torch.autograd.Function):
@@ -218,6 +233,49 @@ class PrefixKVCache:
             entries.append(stats)
         return read_stats(entries)
 
+    def store_state(self, group: int, layer: int, name: str, tensor: torch.Tensor, *,
+                    chunk: int = 0, num_tokens: int) -> None:
+        """Keep the recurrent state `name` (with its prefix graph) that `layer` reached at the end
+        of `group`'s chunk `chunk` ([Note: recurrent prefix state]); `num_tokens`: the chunk's
+        real tokens."""
+        self._check_live(group, chunk)
+        layers = self._entries.setdefault((group, chunk), {})
+        entry = layers.setdefault(layer, StateEntry(num_tokens=num_tokens))
+        if not isinstance(entry, StateEntry):
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: holds K/V, not state")
+        try:
+            entry.store(name, tensor)
+        except ValueError as error:
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: {error}") from None
+        self._to_local.setdefault((group, chunk), None)
+        ptr = tensor.untyped_storage().data_ptr()
+        self._storages[ptr] = self._storages.get(ptr, 0) + 1
+
+    def read_state(self, group: int, layer: int, name: str, *,
+                   before_chunk: Optional[int] = None, chunks: Optional[Tuple[int, ...]] = None,
+                   length: Optional[int] = None) -> torch.Tensor:
+        """The state `name` of `layer` after the chunks a reader attends to (as `read` selects
+        them: its last chunk's state); gradients accumulate in that chunk's fp32 buffer. A
+        `length` that ends inside the chain is refused (no state mid-chunk)."""
+        if chunks is None:
+            chunks = (tuple(self._chunks(group)) if before_chunk is None
+                      else tuple(range(before_chunk)))
+        if not chunks:
+            raise CacheProtocolError(f"group {group}: a state read of no chunks")
+        entries = [self._entry(group, c, layer) for c in chunks]
+        if not all(isinstance(e, StateEntry) for e in entries):
+            raise CacheProtocolError(f"group {group} layer {layer}: holds K/V, not state")
+        total = sum(e.num_tokens for e in entries)
+        if length is not None and length != total:
+            raise ValueError(f"group {group}: a reader attends to {length} of the {total} cached "
+                             "tokens of its chain; a recurrent layer's state exists only at a "
+                             "chunk's end (prefix-tree nodes must end where a chunk does)")
+        try:
+            return entries[-1].read(name)
+        except KeyError:
+            raise CacheProtocolError(f"{_name(group, chunks[-1])} layer {layer}: no state "
+                                     f"{name!r} stored") from None
+
     # ---- Phase B (and chunk forwards)
     def read(self, group: int, layer: int, *, before_chunk: Optional[int] = None,
              chunks: Optional[Tuple[int, ...]] = None,
@@ -238,6 +296,9 @@ class PrefixKVCache:
         parts = []
         for chunk in chunks:
             entry = self._entry(group, chunk, layer)
+            if isinstance(entry, StateEntry):
+                raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: holds "
+                                         "recurrent state, not K/V")
             entry.num_reads += 1
             parts.append(_AccumulateInto.apply(*entry.leaves(), entry))
         if len(parts) == 1:  # unchunked: no copy
@@ -283,9 +344,8 @@ class PrefixKVCache:
         if to_local is not None:  # [Note: CP prefix cache]: one collective, every CP rank
             pairs = self._local_grads([self._entries[m] for m in members], to_local)
         else:
-            pairs = [(graph, grad) for m in members for entry in self._entries[m].values()
-                     for graph, grad in ((entry.k_graph, entry.grad_k),
-                                         (entry.v_graph, entry.grad_v))]
+            pairs = [pair for m in members for entry in self._entries[m].values()
+                     for pair in entry.backward_pairs()]
         for graph, grad in pairs:
             if grad is not None and graph.requires_grad:
                 tensors.append(graph)
@@ -309,6 +369,9 @@ class PrefixKVCache:
         graphs, grads, shapes = [], [], []
         for layers in members:
             for entry in layers.values():
+                if isinstance(entry, StateEntry):
+                    raise CacheProtocolError("a recurrent layer's prefix state under context "
+                                             "parallelism is not supported")
                 k_leaf, v_leaf = entry.leaves()
                 graphs += [entry.k_graph, entry.v_graph]
                 grads += [entry.grad_k, entry.grad_v]
@@ -342,9 +405,7 @@ class PrefixKVCache:
         """The live K/V copies and fp32 gradient buffers (not the prefix graphs they came from)."""
         for layers in self._entries.values():
             for e in layers.values():
-                for t in (*e.leaves(), e.grad_k, e.grad_v):
-                    if t is not None:
-                        yield t
+                yield from e.owned()
 
     def nbytes(self) -> int:
         """Bytes held by live K/V copies and gradient buffers (excluding the prefix graphs)."""
@@ -362,8 +423,8 @@ class PrefixKVCache:
 
     def _free_chunk(self, group: int, chunk: int) -> None:
         for entry in self._entries[(group, chunk)].values():
-            self._forget_storage(entry.k_graph)
-            self._forget_storage(entry.v_graph)
+            for graph in entry.graphs():
+                self._forget_storage(graph)
         del self._entries[(group, chunk)]
         self._router.pop((group, chunk), None)
         self._to_local.pop((group, chunk), None)
