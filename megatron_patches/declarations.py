@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ATTENTION_CORE_HOOK", "DECLARED_PATCHES", "GDN_STATE_HOOK", "GPT_ROPE_POSITIONS_HOOK",
-           "HYBRID_ROPE_POSITIONS_HOOK", "Hunk", "PATCH_SETS", "SCHEDULE_SELECTION_HOOK",
+           "HYBRID_ROPE_POSITIONS_HOOK", "Hunk", "MAMBA_STATE_HOOK", "PATCH_SETS", "SCHEDULE_SELECTION_HOOK",
            "SUPPORTED_RELEASES", "SUPPORTED_VERSIONS", "SourcePatch", "patch_set_name",
            "patches_for", "supported_range"]
 
@@ -302,9 +302,41 @@ GDN_STATE_HOOK = SourcePatch(
     references=(("GatedDeltaNet.forward", "_gdn_state_hook"),),
 )
 
+MAMBA_STATE_HOOK = SourcePatch(
+    id="mamba-state-hook",
+    target="megatron/core/ssm/mamba_mixer.py",
+    description=(
+        "MambaMixer._ssm_training asks _mamba_state_hook for the fused conv + scan it calls "
+        "(stock: mamba_split_conv1d_scan_combined, no initial state): a reuse step resumes the "
+        "conv and the SSD scan from a cached prefix state; a None answer keeps the stock call."
+    ),
+    supported_versions=SUPPORTED_VERSIONS,
+    hunks=(
+        _insert(
+            "from megatron.core.ssm.utils import _split_tensor_factory\n",
+            _hook_declaration(
+                "mamba-state-hook", "_mamba_state_hook",
+                "when set,\n# MambaMixer._ssm_training asks hook(self) for a stand-in of "
+                "mamba_split_conv1d_scan_combined\n# (same arguments); None keeps the stock call.",
+            ),
+            "from megatron.core.tensor_parallel import get_cuda_rng_tracker\n",
+        ),
+        Hunk(old='''\
+        y = mamba_split_conv1d_scan_combined(
+''', new='''\
+        split_conv1d_scan = mamba_split_conv1d_scan_combined
+        if _mamba_state_hook is not None:  # megatron-prefix-reuse: resume from a cached state
+            split_conv1d_scan = _mamba_state_hook(self) or split_conv1d_scan
+        y = split_conv1d_scan(
+'''),
+    ),
+    hook="_mamba_state_hook",
+    references=(("MambaMixer._ssm_training", "_mamba_state_hook"),),
+)
+
 DECLARED_PATCHES: tuple[SourcePatch, ...] = (
     ATTENTION_CORE_HOOK, GPT_ROPE_POSITIONS_HOOK, HYBRID_ROPE_POSITIONS_HOOK,
-    SCHEDULE_SELECTION_HOOK, GDN_STATE_HOOK,
+    SCHEDULE_SELECTION_HOOK, GDN_STATE_HOOK, MAMBA_STATE_HOOK,
 )
 """Every declaration, all releases; a release's set is `patches_for(version)`."""
 

@@ -4,10 +4,10 @@
 `HybridModel`: one symbol per layer in `hybrid_layer_pattern` (Megatron's `Symbols`): attention
 (`*`), MLP (`-`) and MoE (`E`, megatron_patches/moe.py) layers are supported: the last stage's
 prefix forward runs to the last `*` (its K/V), or on to the router of a later `E` layer whose
-statistics count the prefix (`prefix_stop`); Mamba (`M`)
-and gated delta net (`G`) layers carry a recurrent state that a suffix would have to resume from
-(the prefix would have to cache that state instead of K/V); DSA (`D`) and MLA (`+`) attention is
-not hooked. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
+statistics count the prefix (`prefix_stop`); Mamba-2 (`M`) layers cache their recurrent state
+instead of K/V ([Note: recurrent prefix state], megatron_patches/mamba_hooks.py) and count as
+cache layers; gated delta net (`G`) layers are refused here; DSA (`D`) and MLA (`+`) attention
+is not hooked. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
 refuse together, before any compute (no rank is left waiting on a peer that raised).
 """
 
@@ -24,8 +24,9 @@ __all__ = ["check_layers_supported", "last_kv_layer_number", "prefix_stop", "sta
 
 _RECURRENT = ("its recurrent state would have to be cached for the suffixes to resume from, "
               "instead of K/V; prefix reuse caches K/V only")
+CACHE_SYMBOLS = (Symbols.ATTENTION, Symbols.MAMBA)
+"""Layer symbols whose prefix state a suffix reads: K/V (`*`) or a recurrent state (`M`)."""
 _REFUSED = {
-    Symbols.MAMBA: ("Mamba", _RECURRENT),
     Symbols.GDN: ("gated delta net", _RECURRENT),
     Symbols.DS_ATTENTION: ("DeepSeek sparse attention", "its core attention is not hooked"),
     Symbols.MLA: ("multi-latent attention", "its core attention is not hooked"),
@@ -84,19 +85,24 @@ def check_layers_supported(config, model) -> None:
                          + "; ".join(refused))
     stages = stage_patterns(pattern, parallel_state.get_pipeline_model_parallel_world_size(),
                             config)
-    empty = [i for i, stage in enumerate(stages) if Symbols.ATTENTION not in stage]
+    empty = [i for i, stage in enumerate(stages) if not any(s in stage for s in CACHE_SYMBOLS)]
     if empty:
         raise ValueError(
-            f"hybrid_layer_pattern {pattern!r}: pipeline stage(s) {empty} hold no attention "
-            f"layer ('*'), so they would cache no prefix K/V (stages: {stages}); give every stage "
-            "an attention layer ('|' marks the stage boundaries)")
+            f"hybrid_layer_pattern {pattern!r}: pipeline stage(s) {empty} hold no attention ('*') "
+            f"or Mamba ('M') layer, so they would cache no prefix state (stages: {stages}); give "
+            "every stage such a layer ('|' marks the stage boundaries)")
+    if Symbols.MAMBA in (parsed.main_pattern or "") and config.context_parallel_size > 1:
+        raise ValueError("Mamba layers ('M') with context parallelism are not supported in "
+                         "prefix reuse steps (a zigzag shard has no prefix state of its own); "
+                         "use context_parallel_size=1")
     own = "".join(hybrid.decoder.layer_type_list)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     assert own == stages[rank], f"stage {rank} built {own!r}, not {stages[rank]!r}: split drifted"
 
 
 def last_kv_layer_number(model) -> int:
-    """Global number (1-based) of the model's last layer that stores prefix K/V.
+    """Global number (1-based) of the model's last layer that stores prefix K/V (or, for a
+    Mamba layer, its recurrent state).
 
     The last pipeline stage's prefix forward stops right after storing it: nothing after it
     (MLP layers, final norm, output layer) feeds a suffix.
@@ -106,7 +112,7 @@ def last_kv_layer_number(model) -> int:
         return get_model_config(model).num_layers
     main = (parse_hybrid_pattern(hybrid.hybrid_layer_pattern).main_pattern or "")
     layers = main.replace(Symbols.PIPE, "")
-    return max(i for i, symbol in enumerate(layers, start=1) if symbol == Symbols.ATTENTION)
+    return max(i for i, symbol in enumerate(layers, start=1) if symbol in CACHE_SYMBOLS)
 
 
 def prefix_stop(model) -> Tuple[int, bool]:
