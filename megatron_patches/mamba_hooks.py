@@ -57,6 +57,11 @@ def _split_conv_scan(module, context, segments, zxbcdt, conv1d_weight, conv1d_bi
                      outproj_weight=None, **kernel_kwargs):
     from megatron.core.ssm import mamba_mixer
 
+    if mamba_mixer.causal_conv1d_fn is None or mamba_mixer.mamba_chunk_scan_combined is None:
+        raise ValueError("prefix reuse of Mamba layers runs their conv and scan through "
+                         "causal-conv1d's causal_conv1d_fn and mamba-ssm's "
+                         "mamba_chunk_scan_combined: install causal-conv1d (>= 1.4) and mamba-ssm "
+                         "(2.3.x), or on CPU call megatron_patches.enable_cpu_support() first")
     if rmsnorm_weight is not None or outproj_weight is not None or seq_idx is not None:
         raise AssertionError("Megatron's _ssm_training passes no norm, out-projection or seq_idx "
                              "here (reuse rows carry their own sequence layout)")

@@ -96,3 +96,43 @@ def test_refused_mamba_options(megatron_env, overrides, message):
     with pytest.raises(ValueError, match=message):
         reuse_step(model, batch, plan, LOSS)
     assert all(p.grad is None for p in model.parameters()), "compute ran before the refusal"
+
+
+def _parallel_rank(pattern, pp, tp):
+    import megatron_patches
+    from megatron.core import parallel_state
+    from megatron_patches.models import initialize_distributed
+    from megatron_patches.training import max_relative_diff, param_grads
+
+    megatron_patches.install()
+    initialize_distributed(seed=1234, pp=pp, tp=tp)
+    model = _model(pattern)
+    batch = make_batch(4, [(33, [6, 9, 4]), (17, [8, 3]), (26, [5, 7])])
+    dense, dense_grads, reuse, reuse_grads, _ = run_both(model, batch, 10)
+    return dict(stage=parallel_state.get_pipeline_model_parallel_rank(),
+                layers="".join(model.decoder.layer_type_list),
+                losses=(dense.loss, reuse.loss), tokens=(dense.num_tokens, reuse.num_tokens),
+                grad_diff=max_relative_diff(dense_grads, reuse_grads),
+                nonzero=[n for n, g in {**dense_grads, **reuse_grads}.items()
+                         if not g.abs().max() > 0])
+
+
+@pytest.mark.parametrize("pattern,pp,tp,stages", [
+    ("M*|MM-", 2, 1, ["M*", "MM-"]),  # the second stage holds only Mamba (and MLP) layers
+    ("M*M-", 1, 2, ["M*M-"] * 2),     # Mamba heads, groups and conv channels split over TP
+])
+def test_mamba_reuse_equals_dense_across_ranks(pattern, pp, tp, stages):
+    from dist_harness import DistributedRunError, run_distributed
+    from test_equivalence import TOL
+
+    try:
+        results = run_distributed(_parallel_rank, world_size=pp * tp, args=(pattern, pp, tp),
+                                  timeout_s=300)
+    except DistributedRunError as error:
+        pytest.fail(str(error))
+    assert [r["layers"] for r in results] == stages
+    dense_loss, reuse_loss = results[-1]["losses"]
+    assert results[-1]["tokens"][0] == results[-1]["tokens"][1] > 0
+    assert abs(dense_loss - reuse_loss) <= TOL * abs(dense_loss)
+    for r in results:
+        assert not r["nonzero"] and r["grad_diff"] <= TOL, r
