@@ -67,6 +67,8 @@ def check_layers_supported(config, model) -> None:
                          "reuse steps yet; train without MTP layers")
     hybrid = _hybrid(model)
     if hybrid is None:
+        if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
+            _check_gdn_supported(config)
         return
     if config.recompute_granularity == "full":
         raise ValueError("recompute_granularity='full' with a HybridModel is not verified with "
@@ -93,6 +95,21 @@ def check_layers_supported(config, model) -> None:
     own = "".join(hybrid.decoder.layer_type_list)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     assert own == stages[rank], f"stage {rank} built {own!r}, not {stages[rank]!r}: split drifted"
+
+
+def _check_gdn_supported(config) -> None:
+    """Gated DeltaNet layers cache a recurrent state ([Note: recurrent prefix state]); the paths
+    below would need it split or replayed, which is not implemented."""
+    why = []
+    if config.context_parallel_size > 1:
+        why.append("context parallelism (GDN's CP all-to-all splits heads, and a zigzag shard "
+                   "has no prefix state of its own): use context_parallel_size=1")
+    if config.recompute_granularity == "full":
+        why.append("recompute_granularity='full' (Phase C replays K/V only): use selective "
+                   "recompute or none")
+    if why:
+        raise ValueError("Gated DeltaNet layers (experimental_attention_variant="
+                         "'gated_delta_net') with prefix reuse do not support: " + "; ".join(why))
 
 
 def last_kv_layer_number(model) -> int:
