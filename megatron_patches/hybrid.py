@@ -25,7 +25,9 @@ from megatron.core.models.hybrid.hybrid_block import (
     HybridStackSubmodules,
 )
 from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer,
@@ -56,11 +58,14 @@ class LocalNormHybridStack(HybridStack):
 
 
 def local_hybrid_stack_spec(*, num_moe_experts: Optional[int] = None) -> ModuleSpec:
-    """A HybridStack spec with attention (`*`), MLP (`-`) and, with experts, MoE (`E`) layers.
+    """A HybridStack spec with attention (`*`), gated delta net (`G`), MLP (`-`) and, with
+    experts, MoE (`E`) layers.
 
     Each layer kind takes its modules from `get_gpt_layer_local_spec(normalization="RMSNorm")`:
     the attention layer is that layer without its MLP half, the MLP layer the MLP half, so the
-    pattern `*-*-` is the GPT local spec's 2-layer model. Other symbols build Megatron's
+    pattern `*-*-` is the GPT local spec's 2-layer model. A `G` layer is the attention layer with
+    Megatron's GatedDeltaNet (local in/out projections, the local RMSNorm as its output norm;
+    TE's spec fuses the input norm into in_proj) -- its config needs the `linear_*` fields. Other symbols build Megatron's
     placeholder (`IdentityOp`), enough to reach prefix reuse's refusal of them.
     """
     gpt = get_gpt_layer_local_spec(normalization="RMSNorm").submodules
@@ -69,7 +74,13 @@ def local_hybrid_stack_spec(*, num_moe_experts: Optional[int] = None) -> ModuleS
                                            self_attn_bda=gpt.self_attn_bda)
     mlp = TransformerLayerSubmodules(pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp,
                                      mlp_bda=gpt.mlp_bda)
+    gdn = TransformerLayerSubmodules(
+        input_layernorm=gpt.input_layernorm, self_attn_bda=gpt.self_attn_bda,
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=gpt.input_layernorm,
+            out_proj=RowParallelLinear)))
     layers = dict(attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
+                  gdn_layer=ModuleSpec(module=TransformerLayer, submodules=gdn),
                   mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp))
     if num_moe_experts:
         moe = get_gpt_layer_local_spec(num_experts=num_moe_experts, moe_grouped_gemm=False,

@@ -2,12 +2,12 @@
 
 `GPTModel`: every decoder layer is attention + MLP, so the last layer holds the last K/V.
 `HybridModel`: one symbol per layer in `hybrid_layer_pattern` (Megatron's `Symbols`): attention
-(`*`), MLP (`-`) and MoE (`E`, megatron_patches/moe.py) layers are supported: the last stage's
-prefix forward runs to the last `*` (its K/V), or on to the router of a later `E` layer whose
-statistics count the prefix (`prefix_stop`); Mamba (`M`)
-and gated delta net (`G`) layers carry a recurrent state that a suffix would have to resume from
-(the prefix would have to cache that state instead of K/V); DSA (`D`) and MLA (`+`) attention is
-not hooked. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
+(`*`), gated delta net (`G`: its recurrent state and conv tail are cached instead of K/V,
+[Note: recurrent prefix state]), MLP (`-`) and MoE (`E`, megatron_patches/moe.py) layers are
+supported: the last stage's prefix forward runs to the last `*` or `G` (its K/V or state), or on
+to the router of a later `E` layer whose statistics count the prefix (`prefix_stop`); Mamba (`M`)
+carries a recurrent state too but has no hook yet; DSA (`D`) and MLA (`+`) attention is not
+hooked. A GPTModel with `experimental_attention_variant="gated_delta_net"` holds GDN layers too. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
 refuse together, before any compute (no rank is left waiting on a peer that raised).
 """
 
@@ -23,13 +23,15 @@ from megatron.core.utils import get_model_config, unwrap_model
 __all__ = ["check_layers_supported", "last_kv_layer_number", "prefix_stop", "stage_patterns"]
 
 _RECURRENT = ("its recurrent state would have to be cached for the suffixes to resume from, "
-              "instead of K/V; prefix reuse caches K/V only")
+              "instead of K/V; the state cache has no Mamba hook yet")
 _REFUSED = {
     Symbols.MAMBA: ("Mamba", _RECURRENT),
-    Symbols.GDN: ("gated delta net", _RECURRENT),
     Symbols.DS_ATTENTION: ("DeepSeek sparse attention", "its core attention is not hooked"),
     Symbols.MLA: ("multi-latent attention", "its core attention is not hooked"),
 }
+
+
+_CACHING = (Symbols.ATTENTION, Symbols.GDN)  # layers whose prefix leaves K/V or a state
 
 
 def _hybrid(model) -> Optional[HybridModel]:
@@ -81,17 +83,19 @@ def check_layers_supported(config, model) -> None:
                          "(after '/'): not supported in prefix reuse steps yet")
     refused = [f"{symbol!r} ({name}): {why}" for symbol, (name, why) in _REFUSED.items()
                if symbol in (parsed.main_pattern or "")]
+    if Symbols.GDN in (parsed.main_pattern or ""):
+        _check_gdn_supported(config)
     if refused:
         raise ValueError(f"hybrid_layer_pattern {pattern!r} has layers prefix reuse cannot run: "
                          + "; ".join(refused))
     stages = stage_patterns(pattern, parallel_state.get_pipeline_model_parallel_world_size(),
                             config)
-    empty = [i for i, stage in enumerate(stages) if Symbols.ATTENTION not in stage]
+    empty = [i for i, stage in enumerate(stages) if not set(_CACHING) & set(stage)]
     if empty:
         raise ValueError(
-            f"hybrid_layer_pattern {pattern!r}: pipeline stage(s) {empty} hold no attention "
-            f"layer ('*'), so they would cache no prefix K/V (stages: {stages}); give every stage "
-            "an attention layer ('|' marks the stage boundaries)")
+            f"hybrid_layer_pattern {pattern!r}: pipeline stage(s) {empty} hold no attention layer "
+            f"('*') and no gated delta net layer ('G'), so they would cache no prefix K/V or "
+            f"state (stages: {stages}); give every stage one ('|' marks the stage boundaries)")
     own = "".join(hybrid.decoder.layer_type_list)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     assert own == stages[rank], f"stage {rank} built {own!r}, not {stages[rank]!r}: split drifted"
@@ -123,7 +127,7 @@ def last_kv_layer_number(model) -> int:
         return get_model_config(model).num_layers
     main = (parse_hybrid_pattern(hybrid.hybrid_layer_pattern).main_pattern or "")
     layers = main.replace(Symbols.PIPE, "")
-    return max(i for i, symbol in enumerate(layers, start=1) if symbol == Symbols.ATTENTION)
+    return max(i for i, symbol in enumerate(layers, start=1) if symbol in _CACHING)
 
 
 def prefix_stop(model) -> Tuple[int, bool]:

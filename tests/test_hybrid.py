@@ -1,8 +1,8 @@
 """Prefix reuse on Megatron's `HybridModel` (GPTModel's successor) vs stock dense HybridModel.
 
 Attention (`*`) and MLP (`-`) layer patterns, fp32: loss and every gradient within 1e-5 relative,
-single process and PP=2 (gloo). Mamba, gated-delta-net and MTP patterns are refused before
-any compute (MoE `E` layers: tests/test_hybrid_moe.py). Models: megatron_patches.hybrid (Megatron's local modules, runs on CPU).
+single process and PP=2 (gloo). Mamba and MTP patterns are refused before any compute
+(gated delta net `G`: tests/test_gdn_hybrid.py) (MoE `E` layers: tests/test_hybrid_moe.py). Models: megatron_patches.hybrid (Megatron's local modules, runs on CPU).
 """
 
 import dataclasses
@@ -104,14 +104,13 @@ def test_local_hybrid_stack_is_the_gpt_local_spec(megatron_env):
 
 REFUSED = {
     "Mamba": ("M*-", r"'M' \(Mamba\): its recurrent state would have to be cached"),
-    "gated delta net": ("G*-", r"'G' \(gated delta net\): its recurrent state"),
     "multi-token prediction": ("*-/*-", "multi-token prediction"),
 }
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_refused_layer_kinds_fail_before_any_compute(megatron_env, name):
-    """`M`/`G` layers are Megatron's placeholders here (the Mamba kernels need CUDA): the refusal
+    """`M` layers are Megatron's placeholders here (the Mamba kernels need CUDA): the refusal
     reads the pattern."""
     from megatron_patches.training import reuse_step
 
