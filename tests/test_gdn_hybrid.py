@@ -117,3 +117,50 @@ def test_pp2_with_a_gdn_only_stage(kind, pattern):
     assert abs(dense_loss - reuse_loss) <= TOL * abs(dense_loss)
     for r in results:
         assert r["nonzero"] and r["grad_diff"] <= TOL, r
+
+
+def _tp2_dp2_rank():
+    """TP=2 x DP=2: GDN heads split over the TP ranks, groups placed on the DP ranks; Megatron's
+    DDP (fp32 main grads, all-reduce) around both the dense and the reuse step of the rank's
+    placed groups."""
+    import megatron_patches
+    from megatron.core import parallel_state
+    from megatron_patches.models import initialize_distributed
+    from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
+                                           prepare_for_training, reuse_step, zero_grads)
+    from prefix_schedule.planning.placement import place_groups
+    from prefix_schedule.planning.planner import plan_microbatches
+
+    megatron_patches.install()
+    initialize_distributed(seed=1234, tp=2)
+    model = prepare_for_training(_gpt((1, 0, 1, 0), attention_output_gate=True), ddp=True)
+    batch = make_batch(51, SHAPES + [(9, [4, 4, 6])])
+    placement = place_groups(batch, dp_size=parallel_state.get_data_parallel_world_size(),
+                             token_budget=12, max_seq_len=512)
+    local = placement.ranks[parallel_state.get_data_parallel_rank()].batch
+    zero_grads(model)
+    dense = dense_step(model, local, LOSS)
+    dense_grads = param_grads(model)
+    zero_grads(model)
+    reuse = reuse_step(model, local, plan_microbatches(local, token_budget=12, max_seq_len=512),
+                       LOSS)
+    reuse_grads = param_grads(model)
+    gdn = model.module.decoder.layers[0].self_attention
+    return dict(local_heads=gdn.num_v_heads_local_tp, groups=len(local.groups),
+                losses=(dense.loss, reuse.loss), tokens=(dense.num_tokens, reuse.num_tokens),
+                grad_diff=max_relative_diff(dense_grads, reuse_grads),
+                nonzero=all(g.abs().max() > 0 for g in dense_grads.values()))
+
+
+def test_tp2_dp2_gdn_reuse_equals_dense():
+    try:
+        results = run_distributed(_tp2_dp2_rank, world_size=4, timeout_s=400)
+    except DistributedRunError as error:
+        pytest.fail(str(error))
+    assert all(r["local_heads"] == 2 for r in results), results  # 4 value heads over TP=2
+    assert all(r["groups"] > 0 for r in results), "placement left a DP rank empty"
+    for r in results:
+        dense_loss, reuse_loss = r["losses"]
+        assert r["tokens"][0] == r["tokens"][1] > 0
+        assert abs(dense_loss - reuse_loss) <= TOL * abs(dense_loss), r
+        assert r["nonzero"] and r["grad_diff"] <= TOL, r
