@@ -137,3 +137,16 @@ def test_gdn_refusals_before_compute(megatron_env, overrides, message):
         reuse_step(model, batch, plan_microbatches(batch, token_budget=12, max_seq_len=512),
                    LOSS)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_gdn_deterministic_mode_runs_the_torch_rule_per_segment(megatron_env):
+    """deterministic_mode: Megatron's GDN takes F.conv1d and its torch chunked rule (no varlen);
+    the hook then runs the rule per segment. Otherwise (the fla contract, here the CPU layer's
+    stand-in) one varlen call with one initial state per packed sequence."""
+    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+
+    model = _gdn_model(deterministic_mode=True)
+    gdn = model.decoder.layers[0].self_attention
+    assert gdn.gated_delta_rule is torch_chunk_gated_delta_rule
+    batch = make_batch(8, [(33, [6, 9, 4]), (17, [8, 3])])
+    assert_equal_step(*run_both(model, batch, 20)[:4])
