@@ -150,3 +150,21 @@ def test_gdn_deterministic_mode_runs_the_torch_rule_per_segment(megatron_env):
     assert gdn.gated_delta_rule is torch_chunk_gated_delta_rule
     batch = make_batch(8, [(33, [6, 9, 4]), (17, [8, 3])])
     assert_equal_step(*run_both(model, batch, 20)[:4])
+
+
+@pytest.mark.gpu
+def test_fla_varlen_rule_with_per_sequence_initial_states(megatron_env, monkeypatch):
+    """fla's chunk_gated_delta_rule (bf16, cu_seqlens, [N, HV, K, V] initial states) against the
+    torch rule per sequence in fp32: outputs, final states and dq/dk/dv/dg/dbeta/dh0
+    (tools/gpu_check_gdn.py, also run by tools/gpu_check.py)."""
+    from pathlib import Path
+
+    from megatron.core.ssm.gated_delta_net import common
+
+    if not common.HAVE_FLA:
+        pytest.skip("flash-linear-attention is not installed")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    import gpu_check_gdn
+
+    result = gpu_check_gdn.check_kernel(torch.device("cuda"), dry_run=False)
+    assert result["ok"], result
