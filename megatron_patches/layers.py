@@ -20,7 +20,8 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_h
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.utils import get_model_config, unwrap_model
 
-__all__ = ["check_layers_supported", "last_kv_layer_number", "prefix_stop", "stage_patterns"]
+__all__ = ["check_layers_supported", "check_recurrent_step", "last_kv_layer_number",
+           "prefix_stop", "stage_patterns"]
 
 _RECURRENT = ("its recurrent state would have to be cached for the suffixes to resume from, "
               "instead of K/V; the state cache has no Mamba hook yet")
@@ -114,6 +115,22 @@ def _check_gdn_supported(config) -> None:
     if why:
         raise ValueError("Gated DeltaNet layers (experimental_attention_variant="
                          "'gated_delta_net') with prefix reuse do not support: " + "; ".join(why))
+
+
+def _has_gdn(config, model) -> bool:
+    hybrid = _hybrid(model)
+    if hybrid is not None:
+        return Symbols.GDN in (parse_hybrid_pattern(hybrid.hybrid_layer_pattern).main_pattern or "")
+    return getattr(config, "experimental_attention_variant", None) == "gated_delta_net"
+
+
+def check_recurrent_step(config, model, step) -> None:
+    """ValueError before compute: a step with prefix trees on a model with GDN layers (a tree
+    reader may stop inside a cached chunk, where no state exists; not verified yet)."""
+    if _has_gdn(config, model) and any(w.nodes is not None for w in step.plan.prefixes):
+        raise ValueError("prefix trees with Gated DeltaNet layers are not supported yet (a "
+                         "recurrent layer's state exists only at a chunk's end); plan these "
+                         "groups with one shared prompt each (no nodes)")
 
 
 def last_kv_layer_number(model) -> int:

@@ -121,6 +121,21 @@ def test_gdn_last_layer_kind(megatron_env, last):
     assert_equal_step(*run_both(model, batch, 11)[:4])
 
 
+def test_gdn_prefix_trees_are_refused_before_compute(qwen_next):
+    from prefix_schedule.planning.planner import plan_microbatches
+
+    from megatron_patches.training import reuse_step
+    from test_equivalence import LOSS
+    from tree_batches import make_tree_batch
+
+    qwen_next.zero_grad(set_to_none=True)
+    batch = make_tree_batch(7, [dict(depth=2, branching=2, node_len=6, suffix_len=4)])
+    with pytest.raises(ValueError, match="prefix trees with Gated DeltaNet"):
+        reuse_step(qwen_next, batch, plan_microbatches(batch, token_budget=12, max_seq_len=512),
+                   LOSS)
+    assert all(p.grad is None for p in qwen_next.parameters())
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
      "recompute_granularity='full'"),
