@@ -52,5 +52,5 @@ def test_chunks_chain_and_bad_reads_raise():
     k = torch.zeros(2, 1, 1, 2)
     cache.store(3, 2, k, k)
     with pytest.raises(CacheProtocolError, match="holds K/V, not state"):
-        cache.read_state(3, 2, "conv")
+        cache.read_state(3, 2, "conv", chunks=(0,))
     assert cache.nbytes() > 0
