@@ -23,7 +23,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from megatron_patches.agreement import StepChecks, fingerprint
 from megatron_patches.config_support import check_config_supported
 from megatron_patches.cpu_support import cpu_support_enabled, refuse_with_nccl
-from megatron_patches.layers import check_layers_supported
+from megatron_patches.layers import check_layers_supported, check_recurrent_step
 from megatron_patches.moe import (check_moe_supported, expert_parallel_schedule,
                                   expert_parallel_schedule_mismatch)
 from megatron_patches.stage_runner import StageRunner
@@ -75,6 +75,7 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
     _check_layout(step, num_model_chunks)
     if model is not None:
         check_layers_supported(config, model)  # HybridModel layer kinds, MTP
+        check_recurrent_step(config, model, step)  # GDN: no prefix trees
     _check_context_parallel(config, step)
     _check_sequence_parallel_rows(config, step)
     _check_deferred_embedding_wgrad(config, step)

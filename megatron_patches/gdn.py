@@ -47,7 +47,9 @@ GDN_TINY_SHAPE = dict(linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_v
 
 def _local_layer_specs(config) -> List[ModuleSpec]:
     if config.num_moe_experts:  # MoE layers where config.moe_layer_freq says (Megatron's spec)
-        block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
+        plain = copy.copy(config)  # Megatron's MoE block spec asserts no attention variant
+        plain.experimental_attention_variant = None
+        block = get_gpt_decoder_block_spec(plain, use_transformer_engine=False,
                                            normalization=config.normalization)
         return [copy.deepcopy(s) for s in block.layer_specs]
     layer = get_gpt_layer_local_spec(normalization=config.normalization,

@@ -133,25 +133,53 @@ def _conv(module, context, segments, qkv, weight, bias):
 
 def _rule(module, context, segments, *args, initial_state=None, output_final_state=False,
           cu_seqlens=None, **kwargs):
-    """The layer's gated delta rule per segment, each from its own state."""
+    """The layer's gated delta rule over the row's segments, each from its own state."""
     if initial_state is not None or cu_seqlens is not None:
         raise AssertionError("the stock GDN call passes no state and no cu_seqlens here")
     inputs = dict(zip(_RULE_ARGS, args))
     for name in _RULE_ARGS:
         if name in kwargs:
             inputs[name] = kwargs.pop(name)
-    layer, rule = module.layer_number, module.gated_delta_rule
-    outs = []
-    for segment, a, b in _bounds(context, segments, inputs["q"].shape[1]):
-        state = _read(context, layer, segment.read, RULE_STATE)
-        out, final = rule(**{n: t[:, a:b] for n, t in inputs.items()}, initial_state=state,
-                          output_final_state=segment.store, **kwargs)
-        outs.append(out)
+    layer = module.layer_number
+    bounds = _bounds(context, segments, inputs["q"].shape[1])
+    states = [_read(context, layer, segment.read, RULE_STATE) for segment, _, _ in bounds]
+    if _is_torch_rule(module.gated_delta_rule):  # deterministic mode: no cu_seqlens
+        outs, finals = [], []
+        for (_, a, b), state in zip(bounds, states):
+            out, final = module.gated_delta_rule(
+                **{n: t[:, a:b] for n, t in inputs.items()}, initial_state=state,
+                output_final_state=True, **kwargs)
+            outs.append(out)
+            finals.append(final)
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        final = torch.cat(finals)
+    else:  # fla's varlen contract: one call, one initial state per packed sequence
+        out, final = module.gated_delta_rule(
+            **inputs, initial_state=_initial_states(states, inputs),
+            output_final_state=True, cu_seqlens=_cu_seqlens(bounds, inputs["q"].device),
+            **kwargs)
+    for n, (segment, a, b) in enumerate(bounds):
         if segment.store and not context.recomputing:
-            context.cache.store_state(context.group, layer, RULE_STATE, final,
+            context.cache.store_state(context.group, layer, RULE_STATE, final[n:n + 1],
                                       chunk=context.chunk, num_tokens=b - a)
     if (isinstance(context, PrefixForwardContext) and not context.recomputing
             and context.stop_after_layer == layer and not context.stop_in_router):
         raise PrefixForwardDone()
-    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
     return out, None
+
+
+def _is_torch_rule(rule) -> bool:
+    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+
+    return rule is torch_chunk_gated_delta_rule
+
+
+def _initial_states(states, inputs) -> torch.Tensor:
+    """[N, HV, K, V] fp32: each segment's cached state, zeros where it starts fresh."""
+    q, v = inputs["q"], inputs["v"]
+    zeros = q.new_zeros((1, v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+    return torch.cat([zeros if s is None else s.to(torch.float32) for s in states])
+
+
+def _cu_seqlens(bounds, device) -> torch.Tensor:
+    return torch.tensor([0] + [b for _, _, b in bounds], dtype=torch.long, device=device)

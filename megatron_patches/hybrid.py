@@ -25,7 +25,9 @@ from megatron.core.models.hybrid.hybrid_block import (
     HybridStackSubmodules,
 )
 from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer,
@@ -73,16 +75,19 @@ def _local_mamba_layer() -> ModuleSpec:
 
 def local_hybrid_stack_spec(*, num_moe_experts: Optional[int] = None,
                             mamba: bool = False) -> ModuleSpec:
-    """A HybridStack spec with attention (`*`), MLP (`-`) and, with experts, MoE (`E`) layers.
+    """A HybridStack spec with attention (`*`), gated delta net (`G`), MLP (`-`), with `mamba`
+    Mamba-2 (`M`) and, with experts, MoE (`E`) layers.
 
     Each layer kind takes its modules from `get_gpt_layer_local_spec(normalization="RMSNorm")`:
     the attention layer is that layer without its MLP half, the MLP layer the MLP half, so the
-    pattern `*-*-` is the GPT local spec's 2-layer model. With `mamba`, Mamba layers (`M`) are Megatron's
-    `MambaLayer` / `MambaMixer` with the local norm in front of a plain `ColumnParallelLinear`
-    in-projection (TE's spec fuses that norm into the projection: the same math); on CPU the
-    mixer's kernels are the CPU layer's torch stand-ins (megatron_patches/mamba_cpu.py). Other
-    symbols build Megatron's placeholder (`IdentityOp`), enough to reach prefix reuse's refusal
-    of them.
+    pattern `*-*-` is the GPT local spec's 2-layer model. A `G` layer is the attention layer with
+    Megatron's GatedDeltaNet (local in/out projections, the local RMSNorm as its output norm;
+    TE's spec fuses the input norm into in_proj) -- its config needs the `linear_*` fields. An
+    `M` layer is Megatron's `MambaLayer` / `MambaMixer` with the local norm in front of a plain
+    `ColumnParallelLinear` in-projection (TE's spec fuses that norm too; its config needs the
+    `mamba_*` fields); on CPU the Mamba and GDN kernels are the CPU layer's torch stand-ins
+    (megatron_patches/mamba_cpu.py, gdn_cpu.py). Other symbols build Megatron's placeholder
+    (`IdentityOp`), enough to reach prefix reuse's refusal of them.
     """
     gpt = get_gpt_layer_local_spec(normalization="RMSNorm").submodules
     attention = TransformerLayerSubmodules(input_layernorm=gpt.input_layernorm,
@@ -90,7 +95,13 @@ def local_hybrid_stack_spec(*, num_moe_experts: Optional[int] = None,
                                            self_attn_bda=gpt.self_attn_bda)
     mlp = TransformerLayerSubmodules(pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp,
                                      mlp_bda=gpt.mlp_bda)
+    gdn = TransformerLayerSubmodules(
+        input_layernorm=gpt.input_layernorm, self_attn_bda=gpt.self_attn_bda,
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=gpt.input_layernorm,
+            out_proj=RowParallelLinear)))
     layers = dict(attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
+                  gdn_layer=ModuleSpec(module=TransformerLayer, submodules=gdn),
                   mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp))
     if mamba:
         layers["mamba_layer"] = _local_mamba_layer()

@@ -34,13 +34,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from prefix_schedule.runtime.router_stats import PrefixRouterRead, RouterStats, read_stats
-from prefix_schedule.runtime.state_cache import StateEntry
+from prefix_schedule.runtime.state_cache import CacheProtocolError, StateCacheMixin, StateEntry
 
 __all__ = ["PrefixKVCache", "CacheProtocolError"]
-
-
-class CacheProtocolError(RuntimeError):
-    """A cache entry was used out of order (read after free, stored twice, ...)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -127,8 +123,9 @@ class _InjectGrads(torch.autograd.Function):
         return grad_out, grads[0], grads[1], None, None
 
 
-class PrefixKVCache:
-    """Per-step cache of prefix K/V for every (group, chunk, layer) on this rank."""
+class PrefixKVCache(StateCacheMixin):
+    """Per-step cache of prefix K/V for every (group, chunk, layer) on this rank (and the
+    recurrent layers' states: StateCacheMixin)."""
 
     def __init__(self) -> None:
         self._entries: Dict[Tuple[int, int], Dict[int, _Entry]] = {}  # (group, chunk) -> layers
@@ -232,49 +229,6 @@ class PrefixKVCache:
                                          "statistics stored (Phase A did not record them)")
             entries.append(stats)
         return read_stats(entries)
-
-    def store_state(self, group: int, layer: int, name: str, tensor: torch.Tensor, *,
-                    chunk: int = 0, num_tokens: int) -> None:
-        """Keep the recurrent state `name` (with its prefix graph) that `layer` reached at the end
-        of `group`'s chunk `chunk` ([Note: recurrent prefix state]); `num_tokens`: the chunk's
-        real tokens."""
-        self._check_live(group, chunk)
-        layers = self._entries.setdefault((group, chunk), {})
-        entry = layers.setdefault(layer, StateEntry(num_tokens=num_tokens))
-        if not isinstance(entry, StateEntry):
-            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: holds K/V, not state")
-        try:
-            entry.store(name, tensor)
-        except ValueError as error:
-            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: {error}") from None
-        self._to_local.setdefault((group, chunk), None)
-        ptr = tensor.untyped_storage().data_ptr()
-        self._storages[ptr] = self._storages.get(ptr, 0) + 1
-
-    def read_state(self, group: int, layer: int, name: str, *,
-                   before_chunk: Optional[int] = None, chunks: Optional[Tuple[int, ...]] = None,
-                   length: Optional[int] = None) -> torch.Tensor:
-        """The state `name` of `layer` after the chunks a reader attends to (as `read` selects
-        them: its last chunk's state); gradients accumulate in that chunk's fp32 buffer. A
-        `length` that ends inside the chain is refused (no state mid-chunk)."""
-        if chunks is None:
-            chunks = (tuple(self._chunks(group)) if before_chunk is None
-                      else tuple(range(before_chunk)))
-        if not chunks:
-            raise CacheProtocolError(f"group {group}: a state read of no chunks")
-        entries = [self._entry(group, c, layer) for c in chunks]
-        if not all(isinstance(e, StateEntry) for e in entries):
-            raise CacheProtocolError(f"group {group} layer {layer}: holds K/V, not state")
-        total = sum(e.num_tokens for e in entries)
-        if length is not None and length != total:
-            raise ValueError(f"group {group}: a reader attends to {length} of the {total} cached "
-                             "tokens of its chain; a recurrent layer's state exists only at a "
-                             "chunk's end (prefix-tree nodes must end where a chunk does)")
-        try:
-            return entries[-1].read(name)
-        except KeyError:
-            raise CacheProtocolError(f"{_name(group, chunks[-1])} layer {layer}: no state "
-                                     f"{name!r} stored") from None
 
     # ---- Phase B (and chunk forwards)
     def read(self, group: int, layer: int, *, before_chunk: Optional[int] = None,

@@ -26,7 +26,11 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["StateEntry"]
+__all__ = ["CacheProtocolError", "StateCacheMixin", "StateEntry"]
+
+
+class CacheProtocolError(RuntimeError):
+    """A cache entry was used out of order (read after free, stored twice, ...)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,3 +94,55 @@ class StateEntry:
             yield s.leaf
             if s.grad is not None:
                 yield s.grad
+
+
+class StateCacheMixin:
+    """`store_state` / `read_state` of PrefixKVCache (cache.py): state entries live beside the
+    K/V entries in its (group, chunk) -> layer map and are freed with them."""
+
+    def store_state(self, group: int, layer: int, name: str, tensor: torch.Tensor, *,
+                    chunk: int = 0, num_tokens: int) -> None:
+        """Keep the recurrent state `name` (with its prefix graph) that `layer` reached at the end
+        of `group`'s chunk `chunk` ([Note: recurrent prefix state]); `num_tokens`: the chunk's
+        real tokens."""
+        self._check_live(group, chunk)
+        layers = self._entries.setdefault((group, chunk), {})
+        entry = layers.setdefault(layer, StateEntry(num_tokens=num_tokens))
+        if not isinstance(entry, StateEntry):
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: holds K/V, not state")
+        try:
+            entry.store(name, tensor)
+        except ValueError as error:
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: {error}") from None
+        self._to_local.setdefault((group, chunk), None)
+        ptr = tensor.untyped_storage().data_ptr()
+        self._storages[ptr] = self._storages.get(ptr, 0) + 1
+
+    def read_state(self, group: int, layer: int, name: str, *,
+                   before_chunk: Optional[int] = None, chunks: Optional[Tuple[int, ...]] = None,
+                   length: Optional[int] = None) -> torch.Tensor:
+        """The state `name` of `layer` after the chunks a reader attends to (as `read` selects
+        them: its last chunk's state); gradients accumulate in that chunk's fp32 buffer. A
+        `length` that ends inside the chain is refused (no state mid-chunk)."""
+        if chunks is None:
+            chunks = (tuple(self._chunks(group)) if before_chunk is None
+                      else tuple(range(before_chunk)))
+        if not chunks:
+            raise CacheProtocolError(f"group {group}: a state read of no chunks")
+        entries = [self._entry(group, c, layer) for c in chunks]
+        if not all(isinstance(e, StateEntry) for e in entries):
+            raise CacheProtocolError(f"group {group} layer {layer}: holds K/V, not state")
+        total = sum(e.num_tokens for e in entries)
+        if length is not None and length != total:
+            raise ValueError(f"group {group}: a reader attends to {length} of the {total} cached "
+                             "tokens of its chain; a recurrent layer's state exists only at a "
+                             "chunk's end (prefix-tree nodes must end where a chunk does)")
+        try:
+            return entries[-1].read(name)
+        except KeyError:
+            raise CacheProtocolError(f"{_name(group, chunks[-1])} layer {layer}: no state "
+                                     f"{name!r} stored") from None
+
+
+def _name(group: int, chunk: int) -> str:
+    return f"group {group}" if chunk == 0 else f"group {group} chunk {chunk}"
