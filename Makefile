@@ -26,6 +26,7 @@ $(STAMP): setup.py Makefile megatron_patches/declarations.py
 	$(PIP) install -q --no-deps --ignore-requires-python megatron-core==0.19.2
 	$(PIP) install -q transformers==5.23.0  # test-only: cross-checks tests/reference_impl.py
 	$(PIP) install -q safetensors==0.8.0  # tools/replay.py checkpoints (also a transformers dep)
+	$(PIP) install -q einops==0.8.1  # megatron.core.ssm (Mamba layers) needs it
 	$(PIP) install -q pybind11==3.1.0 psutil==7.2.2 tensorboard==2.21.0  # megatron.training
 	$(PIP) install -q matplotlib==3.10.7 tqdm==4.70.1  # tools/: plots (sweep, replay, capacity, plan, predict) and progress
 	$(PIP) install -q --no-deps --no-build-isolation -e .
