@@ -158,7 +158,7 @@ def test_gdn_deterministic_mode_runs_the_torch_rule_per_segment(megatron_env):
     """deterministic_mode: Megatron's GDN takes F.conv1d and its torch chunked rule (no varlen);
     the hook then runs the rule per segment. Otherwise (the fla contract, here the CPU layer's
     stand-in) one varlen call with one initial state per packed sequence."""
-    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+    from megatron.core.ssm.gated_delta_net.gdn import torch_chunk_gated_delta_rule
 
     model = _gdn_model(deterministic_mode=True)
     gdn = model.decoder.layers[0].self_attention

@@ -94,7 +94,7 @@ SIGNATURE_TARGETS = (
     # gdn.py / gdn_hooks.py / gdn_cpu.py: the GDN layer, its kernels' Python contract, its specs
     "megatron.core.ssm.gated_delta_net.gdn:GatedDeltaNet.forward",
     "megatron.core.ssm.gated_delta_net.common:_GDNBase.__init__",
-    "megatron.core.ssm.gated_delta_net.common:torch_chunk_gated_delta_rule",
+    "megatron.core.ssm.gated_delta_net.gdn:torch_chunk_gated_delta_rule",
     "megatron.core.models.gpt.experimental_attention_variant_module_specs:"
     "get_linear_attention_pattern",
     # what cpu_support replaces on CPU
