@@ -94,6 +94,9 @@ def test_gdn_with_selective_core_attention_recompute(megatron_env):
 def test_gdn_moe_layers(megatron_env):
     """GDN with MoE MLPs (Qwen3-Next / Qwen3.5-MoE layout): dropless routing, aux loss with the
     prefix counted G times ([Note: logical prefix tokens])."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()  # sized by an earlier model's layer count
     model = _gdn_model(num_moe_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2,
                        moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss",
                        attention_output_gate=True)
