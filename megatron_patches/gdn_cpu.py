@@ -13,7 +13,8 @@ the semantics Megatron relies on, written against fla-core 0.6.0's source:
   (fla/modules/convolution.py). Only what Megatron's GDN passes: no initial or final state
   (prefix reuse feeds states through its own hook, megatron_patches/gdn.py).
 * `chunk_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)`:
-  Megatron's own `torch_chunk_gated_delta_rule` per packed sequence (fla's varlen contract:
+  Megatron's own `torch_chunk_gated_delta_rule` (gdn.py's name: 0.20 moved it there from
+  common.py) per packed sequence (fla's varlen contract:
   B == 1, one initial state per sequence, [N, HV, K, V] final states).
 """
 
@@ -81,7 +82,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                            output_final_state=False, use_qk_l2norm_in_kernel=False,
                            cu_seqlens=None, **_kernel):
     """fla's chunk_gated_delta_rule contract over Megatron's torch rule, one call per sequence."""
-    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+    from megatron.core.ssm.gated_delta_net.gdn import torch_chunk_gated_delta_rule
 
     if scale is not None and scale != q.shape[-1] ** -0.5:
         raise ValueError("the CPU chunk_gated_delta_rule uses the default scale K**-0.5 only")

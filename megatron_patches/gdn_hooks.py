@@ -169,7 +169,7 @@ def _rule(module, context, segments, *args, initial_state=None, output_final_sta
 
 
 def _is_torch_rule(rule) -> bool:
-    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+    from megatron.core.ssm.gated_delta_net.gdn import torch_chunk_gated_delta_rule
 
     return rule is torch_chunk_gated_delta_rule
 

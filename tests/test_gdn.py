@@ -94,6 +94,9 @@ def test_gdn_with_selective_core_attention_recompute(megatron_env):
 def test_gdn_moe_layers(megatron_env):
     """GDN with MoE MLPs (Qwen3-Next / Qwen3.5-MoE layout): dropless routing, aux loss with the
     prefix counted G times ([Note: logical prefix tokens])."""
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()  # sized by an earlier model's layer count
     model = _gdn_model(num_moe_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2,
                        moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss",
                        attention_output_gate=True)
@@ -158,7 +161,7 @@ def test_gdn_deterministic_mode_runs_the_torch_rule_per_segment(megatron_env):
     """deterministic_mode: Megatron's GDN takes F.conv1d and its torch chunked rule (no varlen);
     the hook then runs the rule per segment. Otherwise (the fla contract, here the CPU layer's
     stand-in) one varlen call with one initial state per packed sequence."""
-    from megatron.core.ssm.gated_delta_net.common import torch_chunk_gated_delta_rule
+    from megatron.core.ssm.gated_delta_net.gdn import torch_chunk_gated_delta_rule
 
     model = _gdn_model(deterministic_mode=True)
     gdn = model.decoder.layers[0].self_attention

@@ -75,6 +75,9 @@ def test_hybrid_gdn_with_moe_layers(megatron_env):
 
     from megatron_patches.training import dense_step, param_grads, reuse_step
 
+    from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+    destroy_moe_metrics_tracker()  # sized by an earlier model's layer count
     model = _hybrid("G-GE*E", num_moe_experts=4, moe_aux_loss_coeff=0.01,
                     moe_router_load_balancing_type="aux_loss")
     batch = make_batch(6, SHAPES)

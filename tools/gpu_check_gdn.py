@@ -39,7 +39,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def check_kernel(device, *, dry_run: bool) -> dict:
     """fla's varlen rule with per-sequence initial states vs the torch rule per sequence."""
-    from megatron.core.ssm.gated_delta_net import common
+    from megatron.core.ssm.gated_delta_net import common, gdn  # 0.20: the torch rule is gdn's
 
     lengths, heads, dim = ((5, 70, 3), 2, 16) if dry_run else ((700, 129, 64, 1), 8, 128)
     gen = torch.Generator().manual_seed(0)
@@ -63,7 +63,7 @@ def check_kernel(device, *, dry_run: bool) -> dict:
     ref = [t.detach().float().clone().requires_grad_(True) for t in inputs16 + [h0]]
     outs, finals = [], []
     for i, (a, b) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
-        o, f = common.torch_chunk_gated_delta_rule(*(t[:, a:b] for t in ref[:5]),
+        o, f = gdn.torch_chunk_gated_delta_rule(*(t[:, a:b] for t in ref[:5]),
                                                    initial_state=ref[5][i:i + 1],
                                                    output_final_state=True)
         outs.append(o)

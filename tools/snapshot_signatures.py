@@ -95,6 +95,12 @@ SIGNATURE_TARGETS = (
     f"{_PS}get_tensor_model_parallel_world_size",
     f"{_PS}get_tensor_model_parallel_group",
     "megatron.core.tensor_parallel:model_parallel_cuda_manual_seed",
+    # gdn.py / gdn_hooks.py / gdn_cpu.py: the GDN layer, its kernels' Python contract, its specs
+    "megatron.core.ssm.gated_delta_net.gdn:GatedDeltaNet.forward",
+    "megatron.core.ssm.gated_delta_net.common:_GDNBase.__init__",
+    "megatron.core.ssm.gated_delta_net.gdn:torch_chunk_gated_delta_rule",
+    "megatron.core.models.gpt.experimental_attention_variant_module_specs:"
+    "get_linear_attention_pattern",
     # what cpu_support replaces on CPU
     "megatron.core.transformer.utils:get_default_causal_mask",
     "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
