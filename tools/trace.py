@@ -27,6 +27,9 @@ from prefix_schedule.traces.generic import import_generic  # noqa: E402
 from prefix_schedule.traces.megatron_rl import import_megatron_rollouts  # noqa: E402
 from prefix_schedule.traces.synth import KINDS, SynthConfig, synth_steps  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from outputs import check_output, write_text_atomic  # noqa: E402
+
 __all__ = ["main", "synth", "format_stats"]
 
 
@@ -99,9 +102,27 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_outputs(args) -> None:
+    """Every output path before any work: its directory exists and it is not an input."""
+    inputs = {"import-generic": lambda: [args.input], "import-megatron": lambda: args.inputs,
+              "stats": lambda: [args.trace]}.get(args.command, list)()
+    if args.command == "stats":
+        check_output(args.json, "--json", inputs=inputs)
+    elif args.command != "validate":
+        check_output(args.out, "--out", inputs=inputs)
+
+
+def _group_sizes(text: str) -> tuple:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--group-sizes {text!r}; give a comma list of ints, e.g. 8,16,32") from None
+
+
 def _run(args) -> int:
+    _check_outputs(args)
     if args.command == "synth":
-        sizes = tuple(int(x) for x in args.group_sizes.split(","))
+        sizes = _group_sizes(args.group_sizes)
         config = SynthConfig(kind=args.kind, steps=args.steps, seed=args.seed,
                              groups_per_step=args.groups_per_step, group_sizes=sizes,
                              max_seq_len=args.max_seq_len, vocab_size=args.vocab_size)
@@ -114,7 +135,7 @@ def _run(args) -> int:
         else:
             print(format_stats(args.trace, summary))
             if args.json:
-                args.json.write_text(json.dumps(summary, indent=2) + "\n")
+                write_text_atomic(args.json, json.dumps(summary, indent=2) + "\n")
     elif args.command == "import-generic":
         steps = import_generic(args.input, args.out, vocab_size=args.vocab_size)
         print(f"wrote {args.out}: {steps} steps")

@@ -198,6 +198,9 @@ def import_megatron_rollouts(paths: list[PathLike], out: PathLike, *, vocab_size
                 writer.write_group(group, step=step, rewards=record["rewards"])
                 summary["groups"] += 1
             summary["steps"] += 1
+        if not summary["groups"]:
+            raise ValueError(f"{', '.join(summary['files'])}: no group with a real rollout (all "
+                             f"{summary['dropped_groups']} are placeholders); nothing to import")
     return summary
 
 
