@@ -28,6 +28,7 @@ from prefix_schedule.traces.megatron_rl import import_megatron_rollouts  # noqa:
 from prefix_schedule.traces.synth import KINDS, SynthConfig, synth_steps  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from argtypes import int_list  # noqa: E402
 from outputs import check_output, write_text_atomic  # noqa: E402
 
 __all__ = ["main", "synth", "format_stats"]
@@ -77,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--groups-per-step", type=int, default=4)
-    s.add_argument("--group-sizes", default="8,16,32,64", help="comma list to draw from")
+    s.add_argument("--group-sizes", type=int_list, default="8,16,32,64",
+                   help="comma list to draw from")
     s.add_argument("--max-seq-len", type=int, default=4096, help="longest prompt + response")
     s.add_argument("--vocab-size", type=int, default=32000)
     for name, helptext in (("validate", "check every field; exit 1 on the first bad one"),
@@ -112,17 +114,10 @@ def _check_outputs(args) -> None:
         check_output(args.out, "--out", inputs=inputs)
 
 
-def _group_sizes(text: str) -> tuple:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--group-sizes {text!r}; give a comma list of ints, e.g. 8,16,32") from None
-
-
 def _run(args) -> int:
     _check_outputs(args)
     if args.command == "synth":
-        sizes = _group_sizes(args.group_sizes)
+        sizes = args.group_sizes
         config = SynthConfig(kind=args.kind, steps=args.steps, seed=args.seed,
                              groups_per_step=args.groups_per_step, group_sizes=sizes,
                              max_seq_len=args.max_seq_len, vocab_size=args.vocab_size)
