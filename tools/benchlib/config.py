@@ -305,6 +305,18 @@ class BenchConfig:
                             max_seq_len=self.max_seq_len)
 
 
+    def cp_dense_placement(self, batch: GroupBatch) -> Placement:
+        """With --cp N the dense path runs the batch as CP=1 x DP=N on the same processes
+        (benchlib/cp.py): its shares, or a ValueError naming --cp."""
+        try:
+            return place_groups(batch, dp_size=self.cp, token_budget=self.token_budget,
+                                max_seq_len=self.prefix_len + self.suffix_len)
+        except ValueError as exc:
+            raise ValueError(f"--cp={self.cp}: the dense path runs the batch as CP=1 x DP="
+                             f"{self.cp} and {exc}; raise --group-size x --num-groups to at "
+                             f"least {self.cp} or lower --cp") from None
+
+
 def _field_docs() -> Dict[str, str]:
     """BenchConfig's attribute docstrings (the --help text of each flag)."""
     tree = ast.parse(Path(__file__).read_text())
