@@ -9,10 +9,12 @@ microbatch); reuse = the same call with the prefix-reuse schedule selected.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, Iterator, List, Optional
 
 import torch
 
+from prefix_schedule.planning.batch_checks import batch_digest
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.losses import PolicyLossConfig
 from prefix_schedule.planning.inputs import build_dense_inputs, build_dense_microbatch_inputs
@@ -182,9 +184,10 @@ def agree_on_dense_step(checks: StepChecks, batch: Optional[GroupBatch],
     every rank, the same rows on the ranks of a data-parallel replica, and with expert
     parallelism equal microbatch counts (each MoE layer exchanges tokens among the
     expert-parallel ranks in every forward and backward). `batch`: None if a check failed."""
-    replica = None if batch is None or not checks.ok else fingerprint(repr((num_microbatches, [
-        (g.context_len(t), tr.suffix.numel()) for g in batch.groups
-        for t, tr in enumerate(g.trajectories)])))
+    replica = None if batch is None or not checks.ok else fingerprint(repr((
+        num_microbatches, batch_digest(batch), [(g.context_len(t), tr.suffix.numel())
+                                                for g in batch.groups
+                                                for t, tr in enumerate(g.trajectories)])))
     checks.agree(num_microbatches, replica=replica, mismatch=lambda values: (
         f"the expert-parallel ranks' dense steps have {values} microbatches: "
         "expert parallelism exchanges tokens in every MoE layer, so every expert-parallel rank "
@@ -258,12 +261,36 @@ def param_grads(model) -> Dict[str, torch.Tensor]:
     return grads
 
 
+def _check_comparable(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor]) -> None:
+    """The two sides name the same tensors with the same shapes (a missing gradient is a bug)."""
+    missing, extra = sorted(set(reference) - set(other)), sorted(set(other) - set(reference))
+    if missing or extra:
+        raise ValueError(f"cannot compare: names only in the reference {missing[:5]}, "
+                         f"only in the other side {extra[:5]}")
+    for name, ref in reference.items():
+        if tuple(ref.shape) != tuple(other[name].shape):
+            raise ValueError(f"cannot compare {name!r}: shapes {tuple(ref.shape)} vs "
+                             f"{tuple(other[name].shape)}")
+
+
+def _all_finite(*tensors: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
 def max_relative_diff(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor]) -> float:
-    """max over tensors of max|a-b| / max|a| (the equivalence metric of the test suite)."""
+    """max over tensors of max|a-b| / max|a| (the equivalence metric of the test suite).
+
+    [Note: non-finite comparisons] A NaN or inf entry on EITHER side makes the result `inf`, so
+    every `diff <= tol` check fails and every `max(...)` fold keeps it (Python's `max(0.0, nan)`
+    is 0.0: a NaN must never reach a fold). Names and shapes must match on both sides."""
+    _check_comparable(reference, other)
     worst = 0.0
     for name, ref in reference.items():
-        scale = ref.abs().max().item()
-        diff = (ref - other[name]).abs().max().item()
+        a, b = ref.detach().double(), other[name].detach().double()
+        if not _all_finite(a, b):
+            return math.inf
+        scale = a.abs().max().item() if a.numel() else 0.0
+        diff = (a - b).abs().max().item() if a.numel() else 0.0
         worst = max(worst, diff / scale if scale > 0 else diff)
     return worst
 
@@ -274,10 +301,16 @@ def max_elementwise_error(reference: Dict[str, torch.Tensor], other: Dict[str, t
 
     Unlike `max_relative_diff` a wrong small entry cannot hide under the tensor's largest one:
     entries above `floor` of the tensor's scale are judged relative to themselves, smaller ones
-    relative to that floor (below it fp32 rounding of the large entries dominates)."""
+    relative to that floor (below it fp32 rounding of the large entries dominates).
+    Non-finite entries on either side give `inf` ([Note: non-finite comparisons])."""
+    _check_comparable(reference, other)
     worst = 0.0
     for name, ref in reference.items():
-        a, b = ref.double(), other[name].double()
+        a, b = ref.detach().double(), other[name].detach().double()
+        if not _all_finite(a, b):
+            return math.inf
+        if a.numel() == 0:
+            continue
         scale = a.abs().max()
         if scale == 0:
             worst = max(worst, (b.abs().max()).item())

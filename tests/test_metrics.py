@@ -1,0 +1,65 @@
+"""The suite's equality metrics fail on a non-finite value on either side.
+
+`max_relative_diff` / `max_elementwise_error` are what about 70 equivalence checks, the bench's
+`max_grad_rel_diff` and the demo compare with: a NaN gradient on either side must never read as
+"equal" ([Note: non-finite comparisons] in megatron_patches/training.py)."""
+import math
+
+import pytest
+import torch
+
+from megatron_patches.training import max_elementwise_error, max_relative_diff
+
+METRICS = [max_relative_diff, max_elementwise_error]
+
+
+def _pair():
+    a = {"w": torch.tensor([1.0, -2.0, 3.0]), "b": torch.tensor([0.5])}
+    return a, {k: v.clone() for k, v in a.items()}
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_equal_tensors_are_zero_and_a_difference_is_seen(metric):
+    a, b = _pair()
+    assert metric(a, b) == 0.0
+    b["w"][1] += 0.02
+    assert metric(a, b) == pytest.approx(0.01 if metric is max_elementwise_error else 0.02 / 3)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+@pytest.mark.parametrize("side", ["reference", "other", "both"])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, "all-nan"])
+def test_a_non_finite_entry_on_either_side_is_infinitely_different(metric, side, bad):
+    a, b = _pair()
+    targets = {"reference": [a], "other": [b], "both": [a, b]}[side]
+    for t in targets:
+        if bad == "all-nan":
+            t["w"].fill_(math.nan)
+        else:
+            t["w"][2] = bad
+    d = metric(a, b)
+    assert d == math.inf
+    assert not d <= 1e-5
+    assert max(0.0, d) == math.inf  # survives the folds callers do
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_missing_extra_or_misshaped_tensors_are_refused(metric):
+    a, b = _pair()
+    del b["b"]
+    with pytest.raises(ValueError, match="only in the reference"):
+        metric(a, b)
+    a, b = _pair()
+    b["extra"] = torch.zeros(1)
+    with pytest.raises(ValueError, match="only in the other side"):
+        metric(a, b)
+    a, b = _pair()
+    b["w"] = torch.zeros(4)
+    with pytest.raises(ValueError, match="shapes"):
+        metric(a, b)
+
+
+@pytest.mark.parametrize("metric", METRICS)
+def test_zero_reference_tensor_uses_absolute_difference(metric):
+    a = {"z": torch.zeros(3)}
+    assert metric(a, {"z": torch.tensor([0.0, 0.25, 0.0])}) == 0.25
