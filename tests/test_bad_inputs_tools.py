@@ -143,6 +143,19 @@ def test_a_failed_import_leaves_no_output(rows, words, tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "kept.jsonl"]  # no temp
 
 
+@pytest.mark.parametrize("data, words", [(b"[\xff]", "byte 1 is not UTF-8"),
+                                         (b"[" * 200_000 + b"]" * 200_000, "nested too deeply")],
+                         ids=["non-UTF-8", "200k-deep"])
+def test_import_megatron_names_a_broken_dump(data, words, tmp_path, capsys):
+    dump = tmp_path / "rollouts_rank0_iteration1_env.json"
+    dump.write_bytes(data)
+    argv = ["import-megatron", str(dump), "--out", str(tmp_path / "t.jsonl")]
+    assert tool("trace").main(argv) == 1
+    err = capsys.readouterr().err
+    assert dump.name in err and words in err, err
+    assert not (tmp_path / "t.jsonl").exists()
+
+
 def test_stats_json_into_a_missing_directory_is_refused_first(tmp_path, capsys):
     trace = tool("trace")
     path = tmp_path / "t.jsonl"
