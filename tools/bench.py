@@ -64,6 +64,7 @@ from benchlib.config import BenchConfig, build_parser, config_from_args  # noqa:
 from benchlib.measure import config_batch, selected_backend  # noqa: E402
 from benchlib.report import format_table, run_bench  # noqa: E402
 from benchlib.workload import make_batch  # noqa: E402
+from outputs import check_output, write_text_atomic  # noqa: E402
 
 __all__ = ["BenchConfig", "make_batch", "run_bench", "format_table", "parse_args", "main"]
 
@@ -76,8 +77,11 @@ def parse_args(argv=None) -> tuple[BenchConfig, Path | None]:
 def main(argv=None) -> int:
     try:
         config, out = parse_args(argv)
+        check_output(out, "--json")  # before the run, not after it
         config.model_dims()
         config.placement(config_batch(config))  # e.g. fewer trajectories than DP ranks
+        if config.cp > 1:
+            config.cp_dense_placement(config_batch(config))
         # a backend that cannot run here, with the reason (models sit where build_model puts them)
         selected_backend(config, "cuda" if torch.cuda.is_available() else "cpu")
     except ValueError as exc:
@@ -95,7 +99,7 @@ def main(argv=None) -> int:
     if out is not None:
         import json
 
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_text_atomic(out, json.dumps(result, indent=2) + "\n")
     return 0
 
 

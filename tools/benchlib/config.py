@@ -303,6 +303,19 @@ class BenchConfig:
                             max_seq_len=self.max_seq_len)
 
 
+    def cp_dense_placement(self, batch: GroupBatch) -> Placement:
+        """With --cp N the dense path runs the batch as CP=1 x DP=N on the same processes
+        (benchlib/cp.py): its shares, or a ValueError naming --cp."""
+        rows = sum(len(g.trajectories) for g in batch.groups)
+        if rows < self.cp:
+            raise ValueError(f"--cp={self.cp}: the dense path runs the batch as CP=1 x DP="
+                             f"{self.cp} on the same processes and needs a trajectory per "
+                             f"process, the batch has {rows}; raise --group-size x --num-groups "
+                             f"to at least {self.cp} or lower --cp")
+        return place_groups(batch, dp_size=self.cp, token_budget=self.token_budget,
+                            max_seq_len=self.prefix_len + self.suffix_len)
+
+
 def _field_docs() -> Dict[str, str]:
     """BenchConfig's attribute docstrings (the --help text of each flag)."""
     tree = ast.parse(Path(__file__).read_text())
