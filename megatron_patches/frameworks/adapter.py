@@ -184,15 +184,33 @@ def _loss(item, logits, *, prepared: "PreparedStep", loss_fn: Optional[LossFn]):
                        ref_logprobs=arrays.pop("ref_logprobs"), fields=arrays,
                        num_microbatches=prepared.num_microbatches, rollout=prepared.rollout)
     out = loss_fn(batch)
+    _check_contract(out, prepared)
+    return out
+
+
+def _check_contract(out, prepared: "PreparedStep") -> None:
+    """Megatron's loss_func contract, and exactness under reuse: without per-token loss Megatron
+    divides a 3-tuple's loss by its num_tokens, which must then not depend on the packing (a
+    constant, as slime's 1)."""
     per_token = prepared.per_token
-    if not isinstance(out, tuple) or len(out) != (3 if per_token else 2):
+    ok = isinstance(out, tuple) and (len(out) == 3 if per_token else len(out) in (2, 3))
+    if not ok:
         raise ValueError(
             f"with calculate_per_token_loss={per_token} loss_fn must return "
             + ("(loss_sum, num_tokens, report)" if per_token else
-               "(loss, report), the loss normalised over the global batch and multiplied by "
-               "TokenBatch.num_microbatches (a per-microbatch mean would depend on the packing)")
-            + f"; got {type(out).__name__}{'' if not isinstance(out, tuple) else len(out)}")
-    return out
+               "(loss, report) (or (loss, constant, report)), the loss normalised over the "
+               "global batch and multiplied by TokenBatch.num_microbatches")
+            + f"; got {type(out).__name__} of {len(out) if isinstance(out, tuple) else 1}")
+    if not per_token and len(out) == 3:
+        count = float(out[1])
+        if prepared.constant_num_tokens is None:
+            prepared.constant_num_tokens = count
+        elif count != prepared.constant_num_tokens:
+            raise ValueError(
+                f"loss_fn returned num_tokens {prepared.constant_num_tokens} and then {count} "
+                "with calculate_per_token_loss=False: Megatron divides each microbatch's loss by "
+                "it, so the gradient would depend on how sequences are packed; return a constant "
+                "(as slime's 1) or set calculate_per_token_loss=True")
 
 
 @dataclass(kw_only=True)
@@ -208,6 +226,7 @@ class PreparedStep:
     per_token: bool = False
     """calculate_per_token_loss of the model: which return contract loss_fn keeps."""
     store: Optional[_TokenStore] = None
+    constant_num_tokens: Optional[float] = None
 
     def forward_step(self, loss_fn: Optional[LossFn]) -> Callable:
         """Megatron's forward_step_func for this step, with `loss_fn` as the loss."""
