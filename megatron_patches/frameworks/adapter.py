@@ -223,6 +223,8 @@ class PreparedStep:
     """The data_iterator of the call (an IndexedReuseStep, or the dense rows' iterator)."""
     num_microbatches: int
     report: str
+    sources: tuple = ()
+    """Per planned group, the RolloutBatch indices of its sequences."""
     per_token: bool = False
     """calculate_per_token_loss of the model: which return contract loss_fn keeps."""
     store: Optional[_TokenStore] = None
@@ -300,6 +302,7 @@ class PrefixReuseAdapter:
         report = "\n".join([detection.describe(), planned.describe(),
                             f"expected speedup (FLOP-ideal): {ideal:.2f}x"])
         return PreparedStep(rollout=rollout, config=self.config, step=step, per_token=per_token,
+                            sources=detection.sources,
                             num_microbatches=step.num_microbatches, report=report)
 
     def forward_backward(self, rollout: RolloutBatch, loss_fn: Optional[LossFn], *,
