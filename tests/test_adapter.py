@@ -180,3 +180,31 @@ def test_refusals_before_compute(megatron_env):
         [torch.zeros(1), torch.ones(299)])] * 2, group_ids=[0, 0])
     with pytest.raises(ValueError, match="max_seq_len"):
         adapter.prepare(long)
+
+
+def test_bench_adapter_generic(tmp_path):
+    """tools/bench.py --adapter generic on a tiny model (subprocess: it initialises Megatron):
+    the JSON fields and the gradient agreement, never timings."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "adapter.json"
+    args = ["--adapter", "generic", "--prefix-len", "48", "--suffix-len", "8", "--group-size", "3",
+            "--num-groups", "2", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size",
+            "176", "--num-attention-heads", "4", "--steps", "1", "--warmup", "0", "--threads", "1",
+            "--overhead-groups", "4", "--overhead-group-size", "3", "--json", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, str(root / "tools" / "bench.py"), *args], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["grads_finite"] and result["max_grad_rel_diff"] <= 1e-5
+    assert result["num_microbatches"]["dense"] == 6 > result["num_microbatches"]["reuse"]
+    assert result["ideal_speedup"] > 1 and result["adapter_overhead_seconds"] > 0
+    assert result["efficiency"] == pytest.approx(result["speedup"] / result["ideal_speedup"])
+    bad = subprocess.run([sys.executable, str(root / "tools" / "bench.py"), "--adapter", "nope"],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "choose one of generic, verl" in bad.stderr
