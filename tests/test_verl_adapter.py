@@ -153,6 +153,37 @@ def test_verl_default_balancing_splits_groups_the_adapter_keeps_them(megatron_en
     assert sorted(len(g.trajectories) for g in prepared.step.batch.groups) == [3, 4, 4]  # one group per uid
 
 
+def _response_logprobs(data, output):
+    """Per sample, the log-probs of its response tokens at response_mask (verl's layout:
+    entry j of a sample's log_probs is log p(token j+1))."""
+    out = []
+    width = data["prompts"].shape[1]
+    for b, lp in enumerate(output["model_output"]["log_probs"].unbind()):
+        r = int(data["attention_mask"][b, width:].sum())
+        p = lp.numel() - r
+        keep = data["response_mask"][b, :r] > 0
+        out.append(lp[p - 1:p - 1 + r][keep])
+    return out
+
+
+def test_verl_log_prob_pass_reuse_equals_verl_dense(megatron_env):
+    """verl's compute_log_prob shape: forward_only, no loss; reuse runs Phase A + B only."""
+    import megatron_patches
+    from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
+    from megatron_patches.frameworks.verl import register_engine
+    model = _model()
+    data = _verl_batch(3)
+    with megatron_patches.use_prefix_reuse_schedule(False):
+        dense = _engine(MegatronEngineWithLMHead, model).forward_backward_batch(
+            data.clone(), None, forward_only=True)
+    reuse = _engine(register_engine(), model).forward_backward_batch(data.clone(), None,
+                                                                     forward_only=True)
+    for d, r in zip(_response_logprobs(data, dense), _response_logprobs(data, reuse)):
+        assert torch.isfinite(d).all() and (d != 0).all()
+        torch.testing.assert_close(r, d, rtol=1e-5, atol=1e-5)
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_verl_engine_reuse_equals_verl_dense(megatron_env):
     import megatron_patches
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
@@ -169,10 +200,5 @@ def test_verl_engine_reuse_equals_verl_dense(megatron_env):
     assert len(dense["loss"]) != len(reuse["loss"])  # different microbatch counts
     assert abs(sum(dense["loss"]) - sum(reuse["loss"])) <= 1e-5 * abs(sum(dense["loss"]))
     assert_grads_equal(dense_grads, grads_of(model))
-    mask = data["response_mask"]
-    for b, (d, r) in enumerate(zip(dense["model_output"]["log_probs"].unbind(),
-                                   reuse["model_output"]["log_probs"].unbind())):
-        p = d.numel() - int(data["attention_mask"][b, data["prompts"].shape[1]:].sum())
-        keep = mask[b, :d.numel() - p] > 0  # entry p-1+r predicts response token r
-        torch.testing.assert_close(r[p - 1:p - 1 + keep.numel()][keep], d[p - 1:p - 1 + keep.numel()][keep],
-                                   rtol=1e-5, atol=1e-5)
+    for d, r in zip(_response_logprobs(data, dense), _response_logprobs(data, reuse)):
+        torch.testing.assert_close(r, d, rtol=1e-5, atol=1e-5)

@@ -34,7 +34,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from prefix_schedule.planning.data import Group, GroupBatch
+from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.detect import (DEFAULT_MIN_SHARED_LEN, DEFAULT_NODE_OVERHEAD_TOKENS,
                                              Detection, FlatTrajectory, detect_prefix_trees)
 from prefix_schedule.planning.flops import ModelDims, dense_flops, reuse_flops
