@@ -52,7 +52,7 @@ $(FW_STAMP): Makefile tools/frameworks-requirements.txt megatron_patches/declara
 	touch $(FW_STAMP)
 
 test-frameworks: $(FW_STAMP)
-	$(FW_PY) -m pytest -q $(PYTEST_ARGS) $(FW_TESTS)
+	PREFIX_REUSE_REQUIRE_FRAMEWORKS=1 $(FW_PY) -m pytest -q $(PYTEST_ARGS) $(FW_TESTS)
 
 bench: setup
 	$(PY) tools/bench.py

@@ -17,13 +17,17 @@ Stubbed, because it needs CUDA or a checkpoint on disk (named here, nothing else
   device mesh): the engine object gets its config (a real `McoreEngineConfig`), the model and a
   stand-in for `HFModelConfig` (mtp off, a LlamaConfig, pad id 0) directly.
 """
+import os
 import types
 from functools import partial
 
 import pytest
 import torch
 
-verl = pytest.importorskip("verl", reason="verl is installed by `make test-frameworks`")
+if os.environ.get("PREFIX_REUSE_REQUIRE_FRAMEWORKS") == "1":
+    import verl  # noqa: F401  (make test-frameworks: a broken install fails, never skips)
+else:
+    verl = pytest.importorskip("verl", reason="verl is installed by `make test-frameworks`")
 
 from framework_data import SMALL, assert_grads_equal, grads_of  # noqa: E402
 
