@@ -263,11 +263,16 @@ def _default(field: dataclasses.Field):
     return dataclasses.MISSING
 
 
-def check_config_supported(config) -> None:
-    """ValueError (before any compute) for every config value prefix reuse would not honour."""
+def check_config_supported(config, *, global_loss_contract: bool = False) -> None:
+    """ValueError (before any compute) for every config value prefix reuse would not honour.
+    `global_loss_contract`: the step's loss returns `(loss, report)` already normalised over the
+    global batch and multiplied by the step's microbatch count (the framework adapter,
+    megatron_patches/frameworks): then calculate_per_token_loss=False is exact too."""
     problems = []
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
+        if global_loss_contract and field.name == "calculate_per_token_loss":
+            continue
         rule = FIELD_RULES.get(field.name)
         if rule is None:
             if value is not _default(field) and value != _default(field):

@@ -49,7 +49,8 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
             f"num_microbatches={num_microbatches} but the step plan has {step.num_microbatches} "
             "suffix microbatches; pass num_microbatches=step.num_microbatches"
         )
-    check_config_supported(config)  # every TransformerConfig field: config_support.py
+    check_config_supported(  # every TransformerConfig field: config_support.py
+        config, global_loss_contract=getattr(step, "global_loss_contract", False))
     check_moe_supported(config)  # MoE settings that need the process groups to judge
     chosen = getattr(step.plan, "memory", None)  # plan_microbatches(memory_budget_bytes=...)
     if chosen is not None and chosen.options.recompute == "full" \

@@ -47,6 +47,7 @@ bounds the whole multi-process run.
 
     python tools/bench.py [--prefix-len 1024 --suffix-len 64 --group-size 8 --num-groups 2 ...]
     python tools/bench.py --pp 2 --json out.json
+    python tools/bench.py --adapter generic   # through the framework adapter (benchlib/adapter_bench.py)
 """
 from __future__ import annotations
 
@@ -90,6 +91,18 @@ def main(argv=None) -> int:
     from megatron_patches.launch import LaunchError
 
     raw_times: Dict[str, List[float]] = {}
+    if config.adapter is not None:  # the step through a framework adapter (docs/FRAMEWORKS.md)
+        from benchlib.adapter_bench import format_adapter, run_adapter_bench
+        try:
+            result = run_adapter_bench(config, raw_times)
+        except (ValueError, ImportError) as exc:
+            print(f"bench.py: error: {exc}", file=sys.stderr)
+            return 2
+        print(format_adapter(result))
+        if out is not None:
+            import json
+            out.write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     try:
         result = run_bench(config, raw_times)
     except LaunchError as exc:  # every rank's traceback and output tail

@@ -118,12 +118,20 @@ class BenchConfig:
     (benchlib/capacity.py): reuse via plan_microbatches(memory_budget_bytes=...) (packing,
     prefix chunks, offload), dense the most rows per microbatch that fit; the JSON's
     memory_budget reports both and the speedup at equal memory."""
+    adapter: Optional[str] = None
+    """Run the step through a framework adapter: generic or verl (benchlib/adapter_bench.py;
+    one process): the framework's dense step vs the adapter, and the adapter's own overhead."""
+    overhead_groups: int = 512
+    """--adapter: groups of the adapter-overhead measurement (detection + planning, no model)."""
+    overhead_group_size: int = 16
+    """--adapter: trajectories per group of the adapter-overhead measurement."""
 
     def __post_init__(self) -> None:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
                         hidden_size=1, ffn_hidden_size=1, num_attention_heads=1,
                         num_query_groups=1, vocab_size=2, steps=1, warmup=0, threads=1, seed=0,
-                        pp=1, tp=1, dp=1, vpp=1, cp=1, timeout=1, moe_router_topk=1, ep=1)
+                        pp=1, tp=1, dp=1, vpp=1, cp=1, timeout=1, moe_router_topk=1, ep=1,
+                        overhead_groups=1, overhead_group_size=1)
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
