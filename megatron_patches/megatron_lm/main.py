@@ -13,7 +13,7 @@ import torch
 
 from megatron_patches.megatron_lm import compat
 
-__all__ = ["main", "CPU_ARGUMENT_CHANGES"]
+__all__ = ["main", "CPU_ARGUMENT_CHANGES", "path_with_this_python"]
 
 CPU_ARGUMENT_CHANGES = {
     "distributed_backend": "gloo",
@@ -65,22 +65,29 @@ def _check_cpu_arguments(args) -> None:
                          "without CUDA it fails after the first step's compute; give --clip-grad 0")
 
 
+def path_with_this_python(path: str) -> str:
+    """`path` with this interpreter's directory first, when that directory's `python3` is this
+    interpreter (a venv's bin/); else `path` unchanged."""
+    bindir = os.path.dirname(os.path.abspath(sys.executable))
+    python3 = os.path.join(bindir, "python3")
+    if os.path.exists(python3) and os.path.samefile(python3, sys.executable):
+        return bindir + os.pathsep + path
+    return path
+
+
 def _python_first_on_path() -> None:
     """Megatron's rank 0 compiles its C++ dataset helpers with `make`, whose Makefile asks
     `python3 -m pybind11 --includes`: the first `python3` on PATH, not this interpreter. Without
     this Python's bin directory on PATH (a venv not activated) that is another Python, usually
-    without pybind11, the compile fails and every other rank dies in Megatron's barrier
-    ("Connection closed by peer"). Put this interpreter's directory first (when it has a
-    `python3` that is this interpreter), and name the fix if pybind11 itself is missing."""
+    without pybind11: the compile fails and every other rank dies in Megatron's barrier
+    ("Connection closed by peer"). So this interpreter goes first on PATH; and if pybind11 itself
+    is missing, the error says so before anything starts."""
     from megatron.core import datasets
 
     helpers = os.path.dirname(datasets.__file__)
     if glob.glob(os.path.join(helpers, "helpers_cpp*.so")):
         return  # already built: make has nothing to do
-    bindir = os.path.dirname(os.path.abspath(sys.executable))
-    python3 = os.path.join(bindir, "python3")
-    if os.path.exists(python3) and os.path.samefile(python3, sys.executable):
-        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    os.environ["PATH"] = path_with_this_python(os.environ.get("PATH", ""))
     if importlib.util.find_spec("pybind11") is None:
         raise ValueError(f"Megatron compiles its C++ dataset helpers ({helpers}) with pybind11, "
                          f"which {sys.executable} lacks: pip install pybind11==3.1.0 (make setup "
