@@ -246,6 +246,7 @@ def _check_loss_lines(output: str) -> None:
 @pytest.mark.parametrize("flags,message", [
     (["--rl-trace-format", "nosuchmod:make"], "cannot load the reader (ModuleNotFoundError"),
     (["--clip-grad", "1.0"], "--clip-grad 1.0 (Megatron's default is 1.0)"),
+    (["--save", "ckpt"], "refused the arguments: `assert args.save_interval is not None`"),
 ])
 def test_bad_arguments_are_one_line_before_compute(tree, tmp_path, flags, message):
     args = _common(_synth_trace(tmp_path / "t.jsonl", steps=1))

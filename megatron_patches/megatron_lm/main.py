@@ -8,6 +8,7 @@ import glob
 import importlib.util
 import os
 import sys
+import traceback
 
 import torch
 
@@ -127,6 +128,15 @@ def _job_store():
         return None
 
 
+def _megatron_assertion(error: AssertionError) -> str:
+    """A failed assert of Megatron's argument validation as one line: its message, or its
+    source line (most have no message), and where it is."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    what = str(error) or (f"`{frame.line}`" if frame.line else "an assert without a message")
+    return (f"Megatron-LM refused the arguments: {what} ({os.path.basename(frame.filename)}:"
+            f"{frame.lineno}); fix the flag it names")
+
+
 def _parse_and_check(on_cpu: bool, verbose: bool):
     """Megatron's argument parsing plus our checks, all before any process group exists; returns
     (args, the HF config or None, the RL step source)."""
@@ -139,8 +149,11 @@ def _parse_and_check(on_cpu: bool, verbose: bool):
     if not verbose:
         quiet.shorten_argument_dump()
         defaults.update(quiet.quiet_defaults())
-    parse_and_validate_args(extra_args_provider=arguments.add_prefix_reuse_args,
-                            args_defaults=defaults)
+    try:
+        parse_and_validate_args(extra_args_provider=arguments.add_prefix_reuse_args,
+                                args_defaults=defaults)
+    except AssertionError as error:  # Megatron validates its arguments with bare asserts
+        raise ValueError(_megatron_assertion(error)) from None
     args = get_args()
     arguments.check_prefix_reuse_args(args)
     hf_config = _check_hf_checkpoint(args) if args.hf_checkpoint else None
