@@ -93,8 +93,10 @@ def test_a_jsonl_that_is_not_a_trace_says_how_to_import_it(tmp_path):
     ("os:sep", r"sep is not callable"),
 ])
 def test_rl_trace_format_errors_are_value_errors_before_compute(tmp_path, fmt, message):
-    from megatron_patches.megatron_lm.arguments import add_prefix_reuse_args, check_prefix_reuse_args
     import argparse
+
+    from megatron_patches.megatron_lm.arguments import (add_prefix_reuse_args,
+                                                        check_prefix_reuse_args)
 
     trace = _synth_trace(tmp_path / "t.jsonl", steps=1)
     args = add_prefix_reuse_args(argparse.ArgumentParser()).parse_args(
@@ -212,7 +214,8 @@ def test_walkthrough_on_a_synthesized_trace(tree, tmp_path):
         assert "end of arguments" not in _output(run)  # the dump is one line now
         assert "Megatron-LM arguments: " in _output(run)
     for iteration in (1, 2):
-        a, b = rank_params(tmp_path / "dense", iteration), rank_params(tmp_path / "reuse", iteration)
+        a = rank_params(tmp_path / "dense", iteration)
+        b = rank_params(tmp_path / "reuse", iteration)
         assert a.keys() == b.keys() == {"rank_0.safetensors", "rank_1.safetensors"}
         for rank in a:
             assert any(k.startswith("grad.") for k in a[rank])

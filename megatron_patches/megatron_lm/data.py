@@ -125,9 +125,10 @@ def _import_reader(fmt: str) -> ReaderFactory:
     module, _, attr = fmt.partition(":")
     try:
         factory = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as error:
+    except (ImportError, AttributeError, ValueError) as error:  # ValueError: ":make"
         raise ValueError(f"--rl-trace-format {fmt}: cannot load the reader "
-                         f"({type(error).__name__}: {error}); give module:callable of an importable module (on PYTHONPATH) "
+                         f"({type(error).__name__}: {error}); give module:callable of an "
+                         "importable module (on PYTHONPATH) "
                          f"or a registered reader ({sorted(_READERS) or 'none'})") from None
     if not callable(factory):
         raise ValueError(f"--rl-trace-format {fmt}: {attr} is not callable; give a factory "
