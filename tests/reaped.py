@@ -35,8 +35,8 @@ def run_reaped(command: Sequence[str], *, timeout: float, **popen_kwargs):
                 break
             except subprocess.TimeoutExpired:
                 _record(proc.pid, seen)
-                if time.monotonic() > deadline:
-                    proc.kill()
+                if time.monotonic() > deadline:  # the ranks first: they hold the pipes too
+                    _end(proc, list(seen.values()))
                     out, err = proc.communicate()
                     raise subprocess.TimeoutExpired(command, timeout, out, err) from None
     finally:
