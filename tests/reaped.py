@@ -35,6 +35,10 @@ def run_reaped(command: Sequence[str], *, timeout: float, **popen_kwargs):
                 break
             except subprocess.TimeoutExpired:
                 _record(proc.pid, seen)
+                if proc.poll() is not None:  # it ended; orphans of it still hold its pipes
+                    _end(proc, list(seen.values()))
+                    out, err = proc.communicate()
+                    break
                 if time.monotonic() > deadline:  # the ranks first: they hold the pipes too
                     _end(proc, list(seen.values()))
                     out, err = proc.communicate()

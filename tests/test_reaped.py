@@ -14,7 +14,7 @@ _DETACHED = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-
 
 
 def test_detached_children_are_ended_when_the_command_exits():
-    run = run_reaped([sys.executable, "-c", _DETACHED.format(1.5)], timeout=60)
+    run = run_reaped([sys.executable, "-c", _DETACHED.format(5)], timeout=120)
     assert run.returncode == 0 and run.descendants
     assert not any(p.is_running() for p in run.descendants)
 
