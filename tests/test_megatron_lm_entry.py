@@ -10,9 +10,9 @@ Megatron-LM core_r0.19.0 checkout (CPU, gloo), as a user runs it:
 * (slow, versions) Megatron-LM main (0.20.0): PP=2 reuse == dense, checkpoint saved.
 """
 
+import concurrent.futures
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -20,6 +20,7 @@ import torch
 
 from megatron_lm_runs import (REPO, child_env, entry_tree, iterations, model_args,
                               rank_params, small_args, torchrun)
+from reaped import run_reaped
 
 pytestmark = pytest.mark.megatron
 QWEN = "qwen3-8b-tiny"
@@ -99,10 +100,10 @@ def _two_agents(tree, args, tmp_path):
            "RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}", "RDZV_ID": f"test-{os.getpid()}",
            "PREFIX_REUSE_COLLECTIVE_TIMEOUT_S": "120"}
     script = str(REPO / "examples" / "megatron_lm" / "torchrun_multinode.sh")
-    agents = [subprocess.Popen(["bash", script, *args], env=env, cwd=REPO, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-              for _ in range(2)]
-    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each agent's processes are ended
+        agents = list(pool.map(lambda _: run_reaped(["bash", script, *args], env=env, cwd=REPO,
+                                                     timeout=600), range(2)))
+    outputs = [agent.stdout + agent.stderr for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode == 0, output[-6000:]
     return iterations("\n".join(outputs))
