@@ -58,17 +58,23 @@ MOVES = {  # old module -> new module, both under megatron_patches
     "layers": "runtime.layers",
     "moe": "runtime.moe",
     "agreement": "runtime.agreement",
+    "finite_grads": "runtime.finite_grads",
+    "gdn_hooks": "runtime.gdn_hooks",
+    "mamba_hooks": "runtime.mamba_hooks",
     "models": "models.tiny",
     "hybrid": "models.hybrid",
     "model_configs": "models.model_configs",
     "checkpoints": "models.checkpoints",
     "hf_checkpoints": "models.hf_checkpoints",
+    "gdn": "models.gdn",
     "config_support": "config.config_support",
     "config_support_moe": "config.config_support_moe",
     "config_rules": "config.config_rules",
     "cpu_support": "support.cpu_support",
     "launch": "support.launch",
     "failures": "support.failures",
+    "gdn_cpu": "support.gdn_cpu",
+    "mamba_cpu": "support.mamba_cpu",
 }
 STAYS = {"__init__", "__main__", "rl", "training"}  # the public entry points
 SPLITS = {  # files over MAX_LINES today, and how to split them (by hand; not done by --apply)
