@@ -76,13 +76,12 @@ def run_both(model, batch, token_budget, max_seq_len=512, loss=LOSS, **plan_kwar
 
 
 def assert_equal_step(dense, dense_grads, reuse, reuse_grads):
-    from megatron_patches.training import max_relative_diff
+    from megatron_patches.training import max_relative_diff, missing_grads
 
     assert dense.num_tokens == reuse.num_tokens
     assert abs(dense.loss - reuse.loss) <= TOL * max(abs(dense.loss), 1e-3), (dense.loss, reuse.loss)
-    for side, grads in (("dense", dense_grads), ("reuse", reuse_grads)):
-        missing = [n for n, g in grads.items() if not g.abs().max() > 0]  # NaN fails too
-        assert not missing, f"{side}: parameters got no (or a non-finite) gradient: {missing[:5]}"
+    missing = missing_grads(dense=dense_grads, reuse=reuse_grads)
+    assert not missing, f"parameters got no (or a non-finite) gradient: {missing[:5]}"
     diff = max_relative_diff(dense_grads, reuse_grads)
     assert diff <= TOL, f"max relative gradient difference {diff:.3e}"
 

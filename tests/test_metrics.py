@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from megatron_patches.training import max_elementwise_error, max_relative_diff
+from megatron_patches.training import (max_elementwise_error, max_relative_diff, missing_grads,
+                                       worst_of)
 
 METRICS = [max_relative_diff, max_elementwise_error]
 
@@ -63,3 +64,22 @@ def test_missing_extra_or_misshaped_tensors_are_refused(metric):
 def test_zero_reference_tensor_uses_absolute_difference(metric):
     a = {"z": torch.zeros(3)}
     assert metric(a, {"z": torch.tensor([0.0, 0.25, 0.0])}) == 0.25
+
+
+@pytest.mark.parametrize("bad", [0.0, math.nan, math.inf])
+@pytest.mark.parametrize("side", ["dense", "reuse"])
+def test_missing_grads_sees_zero_or_non_finite_on_either_side(side, bad):
+    good = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5])}
+    sides = {"dense": dict(good), "reuse": dict(good)}
+    assert missing_grads(**sides) == []
+    sides[side]["b"] = torch.tensor([bad]) if bad else torch.zeros(1)
+    assert missing_grads(**sides) == [f"{side}: b"]
+
+
+def test_worst_of_keeps_nan_and_inf():
+    assert max(0.0, math.nan) == 0.0  # the fold this helper exists for
+    assert worst_of(1e-7, None, 3e-6) == 3e-6
+    assert worst_of() == 0.0
+    for bad in (math.nan, math.inf, -math.inf):
+        assert worst_of(0.0, bad, 1e-7) == math.inf
+        assert worst_of(bad) == math.inf
