@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, memory_pro
 
 from benchlib.config import BenchConfig, build_parser, config_from_args  # noqa: E402
 from benchlib.measure import config_batch, selected_backend  # noqa: E402
-from benchlib.report import format_table, run_bench  # noqa: E402
+from benchlib.report import check_failures, format_table, run_bench  # noqa: E402
 from benchlib.workload import make_batch  # noqa: E402
 
 __all__ = ["BenchConfig", "make_batch", "run_bench", "format_table", "parse_args", "main"]
@@ -96,7 +96,10 @@ def main(argv=None) -> int:
         import json
 
         out.write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    failures = check_failures(result)
+    for failure in failures:
+        print(f"bench.py: error: numerical check failed: {failure}", file=sys.stderr)
+    return 3 if failures else 0
 
 
 if __name__ == "__main__":

@@ -185,6 +185,8 @@ def _row_line(row: dict) -> str:
 
 
 def _result(settings: dict, stats, rows: list) -> dict:
+    from megatron_patches.training import worst_of  # keeps a NaN step's inf
+
     last = rows[-1]["param_diff"]
     low = settings["precision"] == "bf16"
     return {
@@ -195,7 +197,7 @@ def _result(settings: dict, stats, rows: list) -> dict:
         "control_mean_param_diff": last["control"]["mean"],
         "control_rmse_param_diff": last["control"]["rmse"],
         **{f"reuse_vs_control_{k}_param_diff": last["reuse_vs_control"][k] for k in ("max", "mean", "rmse")},
-        "worst_step_max_param_diff": max(r["param_diff"]["reuse"]["max"] for r in rows),
+        "worst_step_max_param_diff": worst_of(*(r["param_diff"]["reuse"]["max"] for r in rows)),
         "runs": {"dense": "reference: fp32, stock Megatron dense schedule, local attention",
                  "reuse": f"{'bf16' if low else 'fp32'}, prefix reuse",
                  "control": ("bf16, stock dense" if low else

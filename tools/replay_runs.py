@@ -146,6 +146,8 @@ def param_diff(reference: dict, other: dict) -> dict:
         r, a = ref.double(), other[name].double()
         scale = float(r.abs().max()) or 1.0
         d = (a - r).abs() / scale
+        if not (bool(torch.isfinite(r).all()) and bool(torch.isfinite(a).all())):
+            d = torch.full_like(d, math.inf)  # a NaN must not vanish in the max fold
         worst = max(worst, float(d.max()))
         total += float(d.sum())
         squares += float(d.pow(2).sum())

@@ -19,6 +19,7 @@ with several ranks a step's time is the slowest rank's. The gradient check runs 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -77,8 +78,11 @@ def selected_backend(config: BenchConfig, device="cpu", dtype=torch.float32) -> 
 
 
 def _reduce_max(value: float) -> float:
+    """The max over ranks; a NaN on any rank gives inf (a MAX reduction may drop a NaN:
+    [Note: non-finite comparisons] in megatron_patches/training.py)."""
+    value = math.inf if math.isnan(value) else float(value)
     if torch.distributed.get_world_size() == 1:
-        return float(value)
+        return value
     t = torch.tensor([value], dtype=torch.float64)
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return float(t)

@@ -1,6 +1,7 @@
 """tools/bench.py's result dict (the JSON) and its human-readable table."""
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Dict, List, Optional
 
@@ -10,7 +11,7 @@ from benchlib.config import BenchConfig
 from benchlib.measure import config_batch, config_plan, measure
 from prefix_schedule.planning.flops import ideal_speedup
 
-__all__ = ["IDEAL_BASIS", "format_table", "run_bench"]
+__all__ = ["IDEAL_BASIS", "format_table", "run_bench", "check_failures"]
 
 IDEAL_BASIS = ("FLOP ratio dense/reuse of the whole (global) batch planned as one step "
                "(prefix_schedule/planning/flops.py); ignores pipeline bubbles and DP imbalance")
@@ -162,6 +163,19 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         *_cp_lines(result),
     ]
     return "\n".join(lines)
+
+
+def check_failures(result: dict) -> List[str]:
+    """What the untimed numerical check says is broken: a NaN or inf loss or gradient
+    difference (`max_relative_diff` gives inf for a non-finite entry on either side). Empty:
+    the numbers are finite (their size is for the reader; the tests hold the tolerances)."""
+    batched = result.get("dense_batched") or {}
+    values = {"loss_dense": result.get("loss_dense"), "loss_reuse": result.get("loss_reuse"),
+              "max_grad_rel_diff": result.get("max_grad_rel_diff"),
+              "dense_batched.max_grad_rel_diff_vs_stock_dense":
+                  batched.get("max_grad_rel_diff_vs_stock_dense")}
+    return [f"{name} is {value} (a NaN or inf on the dense or the reuse side)"
+            for name, value in values.items() if value is not None and not math.isfinite(value)]
 
 
 def _budget_lines(result: dict) -> List[str]:
