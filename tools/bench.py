@@ -36,8 +36,10 @@ whole-step peak / dense's.
 `--offload-prefix-activations` offloads the reuse path's dormant prefix activations;
 `--recompute` sets the same activation recompute on every path.
 
-Parallel layouts: `--pp/--tp/--dp` start pp*tp*dp gloo processes on this machine (one process,
-no subprocess, when all are 1), each with max(1, threads // world size) threads. Pipeline stages
+Parallel layouts: `--pp/--tp/--dp/--cp` start pp*tp*dp (or pp*tp*cp) processes on this machine
+(one process, no subprocess, when all are 1), each with max(1, threads // world size) threads:
+gloo on CPU; on a CUDA machine NCCL with one GPU per rank (`torch.cuda.set_device(LOCAL_RANK)`,
+megatron_patches.launch.rank_backend; refused when there are fewer GPUs than ranks). Pipeline stages
 use Megatron's 1F1B for dense (variable row lengths); DP ranks are Megatron-DDP-wrapped and each
 runs its share from `prefix_schedule.planning.placement.place_groups`, dense and reuse on the same share.
 A step's time is the slowest rank's (all-reduce MAX); `max_grad_rel_diff` is the max over ranks;
@@ -47,6 +49,9 @@ bounds the whole multi-process run.
 
     python tools/bench.py [--prefix-len 1024 --suffix-len 64 --group-size 8 --num-groups 2 ...]
     python tools/bench.py --pp 2 --json out.json
+
+Exit status: 2 bad arguments, 1 a rank failed, 3 the untimed check saw a NaN or inf loss or
+gradient difference (on the dense or the reuse side; printed), else 0.
 """
 from __future__ import annotations
 
@@ -80,6 +85,10 @@ def main(argv=None) -> int:
         config.placement(config_batch(config))  # e.g. fewer trajectories than DP ranks
         # a backend that cannot run here, with the reason (models sit where build_model puts them)
         selected_backend(config, "cuda" if torch.cuda.is_available() else "cpu")
+        if config.world_size > 1:  # NCCL on CUDA needs a GPU per rank (gloo on CPU)
+            from megatron_patches.launch import rank_backend
+
+            rank_backend("auto", config.world_size - 1, torch.cuda.device_count())
     except ValueError as exc:
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 2

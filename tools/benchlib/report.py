@@ -36,7 +36,8 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
 
         measured = launch(measure_cp if config.cp > 1 else measure,
                           world_size=config.world_size, args=(config, True),
-                          timeout_s=config.timeout, threads_per_rank=threads)[0]
+                          timeout_s=config.timeout, threads_per_rank=threads,
+                          backend="auto")[0]  # NCCL, one GPU per rank, on CUDA
     times, cpu_times = measured.pop("times"), measured.pop("cpu_times")
     if raw_times is not None:
         raw_times.update(times)
