@@ -111,8 +111,6 @@ FIELD_RULES: Dict[str, Rule] = _merge(
               "variants are not hooked by prefix reuse", "dsa", allowed=lambda v: v is None),
     _refuse("linear_attention_freq", "linear attention", "linear-attention layers hold "
               "recurrent state, not a K/V cache: not supported", 4, allowed=lambda v: v is None),
-    _refuse("is_hybrid_model", "Mamba", "hybrid (Mamba) models hold recurrent state, not a "
-              "K/V cache: not supported", True),
     _refuse("heterogeneous_block_specs", "per-layer configs", "heterogeneous block specs "
               "(per-layer configs) are not classified for prefix reuse", True),
     _refuse("use_mup", "muP", "muP scaling is " + _UNVERIFIED, True),
@@ -182,6 +180,11 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _group("irrelevant", "initialisation", "perform_initialization use_cpu_initialization "
              "init_method output_layer_init_method init_method_std embedding_init_method "
              "embedding_init_method_std init_model_with_meta_device"),
+    _group("irrelevant", "set by Megatron-LM for every --hybrid-layer-pattern model; read only "
+             "by the output-layer init scaling (transformer_config.py). A HybridModel's layers "
+             "are checked per pattern symbol before compute: Mamba 'M' and gated-delta-net 'G' "
+             "hold recurrent state and are refused (layers.check_layers_supported)",
+             "is_hybrid_model"),
     _group("irrelevant", "loss fusion of GPTModel(labels=...): the RL forward step computes "
              "its own log-probs", "cross_entropy_loss_fusion cross_entropy_fusion_impl"),
     _group("irrelevant", "pipeline p2p / memory knobs of the stock schedules (the reuse "
