@@ -190,8 +190,9 @@ def test_weights_match_after_optimizer_steps(megatron_env, models, optimizer):
         assert moved > 0, "the optimizer step changed nothing"
 
 
-def test_bf16_reuse_is_as_close_to_fp32_as_bf16_dense(megatron_env, models):
-    """bf16: reuse's distance from the fp32 dense reference <= bf16 dense's distance x 1.5."""
+def test_bf16_reuse_is_within_1_5x_of_bf16_dense_distance_to_fp32(megatron_env, models):
+    """bf16: reuse's distance from the fp32 dense reference <= bf16 dense's distance x 1.5
+    (here 1.1x: reuse rounds differently -- fp32 gK/gV, one prefix pass -- not always less)."""
     from megatron_patches.models import build_model
     from megatron_patches.training import dense_step, max_relative_diff, reuse_step
 
@@ -217,5 +218,6 @@ def test_bf16_reuse_is_as_close_to_fp32_as_bf16_dense(megatron_env, models):
     reuse16 = _grads(model16)
     dense_err = max_relative_diff(reference, dense16)
     reuse_err = max_relative_diff(reference, reuse16)
+    print(f"bf16 vs fp32 reference: dense {dense_err:.3e}, reuse {reuse_err:.3e}")
     assert 0 < dense_err < 0.2, dense_err
     assert reuse_err <= 1.5 * dense_err, (reuse_err, dense_err)

@@ -210,9 +210,9 @@ def _cp_lines(result: dict) -> List[str]:
 
 def _memory_line(memory: Optional[dict]) -> str:
     if memory is None:
-        return "device memory (accounting model): not measured with several processes"
+        return "device memory (saved-tensor accounting): not counted with several processes"
     mib = 2.0 ** 20
-    return (f"device MiB (accounting model; recompute {memory['recompute']}, offload "
+    return (f"device MiB (saved-tensor accounting, not an allocator; recompute {memory['recompute']}, offload "
             f"{memory['offload_prefix_activations']}): dense peak "
             f"{memory['dense_peak_saved_bytes'] / mib:.1f}, "
             f"reuse peak {memory['reuse_peak_saved_bytes'] / mib:.1f}, reuse suffix phase "
