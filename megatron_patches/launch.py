@@ -84,8 +84,9 @@ def rank_backend(backend: str, local_rank: int, cuda_devices: int) -> Tuple[str,
 
 def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, timeouts, threads,
                backend="gloo") -> None:
-    """One rank: output to its log, env, gloo, run `fn`, pickle ("ok", value, time) or
-    (failure class, traceback, time, one-line detail); then wait until every rank is done."""
+    """One rank: output to its log, env, gloo or NCCL (`rank_backend`), run `fn`, pickle ("ok",
+    value, time) or (failure class, traceback, time, one-line detail); then wait until every
+    rank is done."""
     log = os.open(os.path.join(workdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
