@@ -83,3 +83,35 @@ def test_worst_of_keeps_nan_and_inf():
     for bad in (math.nan, math.inf, -math.inf):
         assert worst_of(0.0, bad, 1e-7) == math.inf
         assert worst_of(bad) == math.inf
+
+
+def _dump(directory, iteration, tensors):
+    from safetensors.torch import save_file
+
+    (directory / f"iter_{iteration}").mkdir(parents=True)
+    save_file(tensors, str(directory / f"iter_{iteration}" / "rank_0.safetensors"))
+
+
+@pytest.mark.parametrize("broken", [None, "nan grad", "zero grad", "weight"])
+def test_entry_point_dump_comparison_fails_on_either_side(tmp_path, broken):
+    """megatron_lm_runs.assert_dumps_equal, what the entry-point tests compare with."""
+    from megatron_lm_runs import assert_dumps_equal
+
+    dense = {"0.w": torch.tensor([1.0, 2.0]), "grad.0.w": torch.tensor([0.5, -0.25])}
+    reuse = {k: v.clone() for k, v in dense.items()}
+    if broken == "nan grad":
+        reuse["grad.0.w"][0] = math.nan
+    elif broken == "zero grad":
+        dense["grad.0.w"].zero_()
+        reuse["grad.0.w"].zero_()  # equal, and still wrong: no gradient reached the weight
+    elif broken == "weight":
+        reuse["0.w"][1] += 1e-3
+    _dump(tmp_path / "d", 1, dense)
+    _dump(tmp_path / "r", 1, reuse)
+    if broken is None:
+        assert_dumps_equal(tmp_path / "d", tmp_path / "r", 1)
+        return
+    with pytest.raises(AssertionError):
+        assert_dumps_equal(tmp_path / "d", tmp_path / "r", 1)
+    if broken == "zero grad":  # unless the caller allows that parameter no gradient
+        assert_dumps_equal(tmp_path / "d", tmp_path / "r", 1, may_be_zero=lambda n: n == "grad.0.w")
