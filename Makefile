@@ -1,4 +1,5 @@
-# Quick start: `make demo` and `make test` set everything up themselves.
+# Quick start: `make demo` and `make test` set everything up themselves; `make test-fast`
+# (a few minutes) while iterating. docs/TESTING.md says what each runs.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -16,7 +17,8 @@ setup: $(STAMP)
 # a test-only dependency (it does not depend on torch's wheel: it leaves torch as installed).
 # pybind11 / psutil / tensorboard are what megatron.training (examples/megatron_lm) needs beyond
 # megatron-core: its dataset helpers are built with pybind11, its checkpoint writers use psutil,
-# --tensorboard-dir needs tensorboard.
+# --tensorboard-dir needs tensorboard. matplotlib draws the tools' PNGs (sweep, replay, capacity
+# frontier, plan timeline); tqdm their progress bars.
 # Re-run when the patch declarations change: `apply` adds new patches and leaves applied ones.
 $(STAMP): setup.py Makefile megatron_patches/declarations.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +27,7 @@ $(STAMP): setup.py Makefile megatron_patches/declarations.py
 	$(PIP) install -q transformers==5.23.0  # test-only: cross-checks tests/reference_impl.py
 	$(PIP) install -q safetensors==0.8.0  # tools/replay.py checkpoints (also a transformers dep)
 	$(PIP) install -q pybind11==3.1.0 psutil==7.2.2 tensorboard==2.21.0  # megatron.training
+	$(PIP) install -q matplotlib==3.10.7 tqdm==4.70.1  # tools/: plots (sweep, replay, capacity, plan, predict) and progress
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PY) -m megatron_patches apply
 	touch $(STAMP)
@@ -34,6 +37,15 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+
+# The fast tiers: plan / validator / simulator, attention, data, planner, traces, tools' output,
+# import graph, patch registry on the installed Megatron -- everything not marked megatron, slow,
+# versions or gpu, less the files that start processes (gloo ranks, fresh interpreters).
+FAST_MARKERS := not megatron and not slow and not versions and not gpu
+FAST_SKIP := test_cp_phase_c_memory.py test_cpu_support.py test_dist_harness.py \
+	test_model_configs.py test_plan_tool.py
+test-fast: setup
+	$(PY) -m pytest -q -m "$(FAST_MARKERS)" $(addprefix --ignore=tests/,$(FAST_SKIP)) $(PYTEST_ARGS) tests
 
 bench: setup
 	$(PY) tools/bench.py

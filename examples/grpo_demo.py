@@ -155,6 +155,7 @@ def timed(fn):
 
 def train_step(config, models, optimizers, batch):
     """One optimizer step of both runs on the same batch; returns the numbers printed per step."""
+    from megatron_patches.finite_grads import check_finite_grads
     from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
 
     dense, reuse = models
@@ -167,6 +168,8 @@ def train_step(config, models, optimizers, batch):
     dense_result, dense_s = timed(lambda: dense_step(dense, batch, LOSS))
     reuse_result, reuse_s = timed(lambda: reuse_step(reuse, batch, plan, LOSS))
     grad_diff = max_relative_diff(param_grads(dense), param_grads(reuse))
+    for name, model in (("dense", dense), ("reuse", reuse)):  # NaN/inf never reach the weights
+        check_finite_grads(model, run=name)
     for opt in optimizers:
         opt.step()
     return dict(loss_dense=dense_result.loss, loss_reuse=reuse_result.loss, grad_diff=grad_diff,

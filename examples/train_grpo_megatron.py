@@ -132,6 +132,7 @@ def train(args, everyone) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_patches.agreement import refuse_step
+    from megatron_patches.finite_grads import agree_finite_grads
     from megatron_patches.rl import make_policy_forward_step
     from megatron_patches.training import prepare_for_training
     from prefix_schedule import PolicyLossConfig, ReuseStep, plan_microbatches
@@ -180,6 +181,7 @@ def train(args, everyone) -> None:
                                    data_iterator=data, model=[model],
                                    num_microbatches=num_microbatches, seq_length=0,
                                    micro_batch_size=1)
+        agree_finite_grads(model, step=step)  # NaN/inf gradients stop every rank here
         _, grad_norm, _ = optimizer.step()
         seconds = time.perf_counter() - start
         # loss sum, tokens (last stage reports); on the model's device: NCCL reduces it

@@ -15,7 +15,8 @@ then reaches the step's one agreement point (`StepChecks.agree`):
    data-parallel replicas share no collective in the step: no DDP wrapper, EP or CP; a device
    tensor on the model's device: NCCL reduces no host tensors) of a failure flag and, per data-parallel rank, the max and -min of
    the step fingerprints of that replica's ranks (its TP, PP and CP ranks run one step together,
-   so they must hold one plan: `Shared`). Every rank learns whether any rank failed, and if one
+   so they must hold one plan and one batch -- the fingerprint folds in a digest of the data:
+   `Shared`). Every rank learns whether any rank failed, and if one
    did, every rank raises `StepRefused` (a ValueError) naming the failing rank(s) with their
    messages (all-gathered on this failure path only, as fixed-size byte tensors on the device),
    the failing rank chaining its own error; a replica whose ranks hold different steps is
@@ -254,8 +255,9 @@ def _replica(value: Optional[int]) -> Optional[Shared]:
 def _replica_mismatch(replicas: List[int]) -> str:
     return (f"the ranks of data-parallel rank{'s' if len(replicas) > 1 else ''} "
             f"{', '.join(map(str, replicas))} (the tensor-, pipeline- and context-parallel ranks "
-            "that run one step together) were given different steps (plans, microbatch counts "
-            "or row lengths): their p2p and collectives would not pair up. Give every rank of a "
+            "that run one step together) were given different steps (plans, microbatch counts, "
+            "row lengths, or data: token ids, masks, advantages, log-probs): their p2p and "
+            "collectives would not pair up, or would train on mixed data. Give every rank of a "
             "replica the same batch and plan, e.g. place_groups(batch, dp_size=...).ranks["
             "parallel_state.get_data_parallel_rank()] of the same global batch")
 

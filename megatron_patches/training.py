@@ -14,6 +14,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
+from prefix_schedule.planning.batch_checks import batch_digest
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.losses import PolicyLossConfig
 from prefix_schedule.planning.inputs import build_dense_inputs, build_dense_microbatch_inputs
@@ -184,9 +185,10 @@ def agree_on_dense_step(checks: StepChecks, batch: Optional[GroupBatch],
     every rank, the same rows on the ranks of a data-parallel replica, and with expert
     parallelism equal microbatch counts (each MoE layer exchanges tokens among the
     expert-parallel ranks in every forward and backward). `batch`: None if a check failed."""
-    replica = None if batch is None or not checks.ok else fingerprint(repr((num_microbatches, [
-        (g.context_len(t), tr.suffix.numel()) for g in batch.groups
-        for t, tr in enumerate(g.trajectories)])))
+    replica = None if batch is None or not checks.ok else fingerprint(repr((
+        num_microbatches, batch_digest(batch), [(g.context_len(t), tr.suffix.numel())
+                                                for g in batch.groups
+                                                for t, tr in enumerate(g.trajectories)])))
     checks.agree(num_microbatches, replica=replica, mismatch=lambda values: (
         f"the expert-parallel ranks' dense steps have {values} microbatches: "
         "expert parallelism exchanges tokens in every MoE layer, so every expert-parallel rank "

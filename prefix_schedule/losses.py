@@ -17,6 +17,18 @@ k1 = -d, k2 = d**2 / 2, k3 = exp(d) - d - 1.
 
 Tokens outside the loss mask contribute exactly 0 to the loss and to its gradient, even if their
 log-probs are unusual (their log-ratio is zeroed before exp, so nothing can overflow).
+
+[Note: log-ratio clamp]
+The log-ratio logp - old_logp (and k3's d) is clamped to [-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP] = [-20, 20]
+before exp, as verl's policy losses and k3 KL do (Megatron-LM's megatron/rl does not clamp). Without
+it one stale old_logprob (say -100 on a loss token) makes exp overflow to inf; the clipped branch
+then carries the loss but autograd still multiplies its zero gradient by exp's inf: NaN weights.
+Inside the range the clamp is the identity (same bits, same gradient), so dense and reuse agree
+exactly as before; outside it the ratio saturates at e**20 ~ 4.9e8 and the token's gradient
+through the ratio is 0 (as in verl: with a positive advantage the clip zeroes it anyway; with a
+negative one the unclamped gradient, -A * e**x, is what overflows). With |advantage| <= 1e6 (Trajectory's bound) every per-token term stays
+below ~5e14, so the loss is finite for any finite input (k1/k2 are polynomial in d: finite for
+log-probs of magnitude below ~1e18).
 Arithmetic is float32, or float64 when the log-probs are float64 (for oracle tests).
 """
 from __future__ import annotations
@@ -26,7 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PolicyLossConfig", "policy_loss_sum", "entropy_from_logits", "grpo_advantages"]
+__all__ = ["PolicyLossConfig", "policy_loss_sum", "entropy_from_logits", "grpo_advantages",
+           "LOG_RATIO_CLAMP"]
+
+LOG_RATIO_CLAMP = 20.0
+"""|log-ratio| bound before exp ([Note: log-ratio clamp]); verl's value."""
 
 _KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -90,6 +106,7 @@ def _kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str) -> t
         return -d
     if estimator == "k2":
         return 0.5 * d * d
+    d = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [Note: log-ratio clamp]
     return torch.expm1(d) - d  # k3 = exp(d) - 1 - d, expm1 keeps it >= 0 for small d
 
 
@@ -116,7 +133,8 @@ def policy_loss_sum(
     logp = logprobs.to(dtype)
     old = logp.detach() if old_logprobs is None else old_logprobs.to(dtype)
     adv = advantages.to(dtype)
-    ratio = torch.exp(torch.where(mask, logp - old, zero))
+    log_ratio = torch.where(mask, logp - old, zero).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)  # [Note: log-ratio clamp]
     clipped = ratio.clamp(1 - config.clip_eps_low, 1 + config.clip_eps_high)
     surrogate, surrogate_clipped = ratio * adv, clipped * adv
     pg = -torch.minimum(surrogate, surrogate_clipped)

@@ -39,3 +39,12 @@ def megatron_env():
     megatron_patches.install()
     initialize_single_process(seed=1234)
     yield
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line for every test skipped without the Megatron-LM checkouts (tests/megatron_trees.py)."""
+    from megatron_trees import skip_summary
+
+    line = skip_summary(terminalreporter.stats.get("skipped", []))
+    if line:
+        terminalreporter.write_line(line, yellow=True)

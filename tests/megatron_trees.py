@@ -5,11 +5,15 @@ Supported releases (megatron_patches.declarations.SUPPORTED_RELEASES) come from 
 * 0.19.1 and 0.20.0: offline Megatron-LM tarballs (no repository is reachable from CI). They are
   looked for in `$MEGATRON_LM_TARBALLS`, else in `shared/megatron-lm/` beside the checkout or in
   any directory above it (`../shared/megatron-lm/` for a checkout next to the shared folder,
-  `../../shared/...` for a worktree one level deeper). Tests that need one skip with the places
-  looked at when it is absent.
+  `../../shared/...` for a worktree one level deeper). Without one, the pinned commit (`PINNED`)
+  is fetched from the Megatron-LM repository (`$MEGATRON_LM_REMOTE`, default GitHub) into
+  pytest's tmp directory when that repository answers within `REACH_TIMEOUT_S`; otherwise the
+  tests that need it skip, and the session ends with ONE line naming them and why (conftest.py's
+  terminal summary, `skip_summary`).
 
 Each tarball is extracted once per test session into pytest's tmp directory (a fraction of a
-second; nothing is cached across sessions, nothing is written outside tmp).
+second; nothing is cached across sessions, nothing is written outside tmp; a fetch is made
+once per session too).
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
 import tarfile
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -32,10 +37,21 @@ TARBALLS = {
 }
 """megatron-core version -> offline tarball (paper-scale.md, "Megatron-LM sources")."""
 
+PINNED = {"0.19.1": ("core_r0.19.0", "f8837c04ef6c"), "0.20.0": ("main", "d98e8a64ddf3")}
+"""megatron-core version -> (branch, commit) of the same sources (declarations.py's releases)."""
+
+REMOTE_ENV = "MEGATRON_LM_REMOTE"
+DEFAULT_REMOTE = "https://github.com/NVIDIA/Megatron-LM.git"
+REACH_TIMEOUT_S = 20
+FETCH_TIMEOUT_S = 900
+SKIP_PREFIX = "Megatron-LM checkout"
+"""Every skip for a missing checkout starts with this (the terminal summary counts them)."""
+
 EXPECT_ENV = "PREFIX_REUSE_EXPECT_MEGATRON"
 
-__all__ = ["REPO", "TARBALLS", "EXPECT_ENV", "tarball_dirs", "find_tarball", "extract_tree",
-           "tree_digest", "stock_tree", "patched_tree", "pytest_sessionstart"]
+__all__ = ["REPO", "TARBALLS", "PINNED", "REMOTE_ENV", "SKIP_PREFIX", "EXPECT_ENV",
+           "tarball_dirs", "find_tarball", "fetch_tarball", "extract_tree", "tree_digest",
+           "stock_tree", "patched_tree", "skip_summary", "pytest_sessionstart"]
 
 
 def tarball_dirs() -> List[Path]:
@@ -45,15 +61,63 @@ def tarball_dirs() -> List[Path]:
     return dirs + [d / "shared" / "megatron-lm" for d in (REPO, *REPO.parents)]
 
 
-def find_tarball(version: str) -> Path:
-    """The tarball of `version`; pytest.skip naming the places looked at when there is none."""
+def find_tarball(version: str, factory=None) -> Path:
+    """The tarball of `version`: the offline one, else (with tmp_path_factory `factory`) one
+    made from the pinned commit fetched from the repository; pytest.skip naming the places
+    looked at and why the fetch did not happen when neither is there."""
     name = TARBALLS[version]
     for directory in tarball_dirs():
         if (directory / name).is_file():
             return directory / name
-    looked = ", ".join(str(d) for d in tarball_dirs()[:4])
-    pytest.skip(f"offline Megatron-LM tarball {name} (megatron-core {version}) not found in "
-                f"{looked}, ...; set MEGATRON_LM_TARBALLS=DIR")
+    fetched = "no fetch asked"
+    if factory is not None:
+        fetched = fetch_tarball(version, factory.mktemp(f"fetch-{version}"))
+        if isinstance(fetched, Path):
+            return fetched
+    looked = ", ".join(str(d) for d in tarball_dirs()[:3])
+    pytest.skip(f"{SKIP_PREFIX} {version}: no tarball {name} in {looked}, ... and {fetched}; "
+                "set MEGATRON_LM_TARBALLS=DIR (or reach the repository)")
+
+
+def _git(*args: str, timeout_s: float, cwd: Optional[Path] = None) -> Tuple[bool, str]:
+    """(succeeded, stdout or the error's first line); never prompts for credentials."""
+    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}
+    try:
+        done = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return False, f"{type(exc).__name__}: {exc}"
+    lines = (done.stderr or done.stdout).strip().splitlines() or [f"exit {done.returncode}"]
+    return done.returncode == 0, done.stdout.strip() if done.returncode == 0 else lines[0]
+
+
+def fetch_tarball(version: str, into: Path, *, remote: Optional[str] = None,
+                  pin: Optional[Tuple[str, str]] = None) -> Path | str:
+    """A tarball of the pinned commit of `version` (`PINNED`, or `pin` = (branch, commit)) made
+    under `into` from `remote` ($MEGATRON_LM_REMOTE, default GitHub), or the reason there is
+    none: no git, the repository not reachable within REACH_TIMEOUT_S, the commit not on its
+    branch. The branch's history comes without file contents (a blobless clone); only the
+    pinned commit's files are fetched."""
+    remote = remote or os.environ.get(REMOTE_ENV, DEFAULT_REMOTE)
+    branch, commit = pin or PINNED[version]
+    if shutil.which("git") is None:
+        return "git is not installed (needed to fetch the pinned commit)"
+    ok, out = _git("ls-remote", "--exit-code", remote, f"refs/heads/{branch}",
+                   timeout_s=REACH_TIMEOUT_S)
+    if not ok:
+        return f"{remote} is not reachable ({out})"
+    clone = into / "clone"
+    ok, out = _git("clone", "-q", "--filter=blob:none", "--no-checkout", "--single-branch",
+                   "--branch", branch, remote, str(clone), timeout_s=FETCH_TIMEOUT_S)
+    if ok:
+        ok, out = _git("checkout", "-q", "--detach", commit, cwd=clone, timeout_s=FETCH_TIMEOUT_S)
+    if not ok:
+        return f"commit {commit} of {branch} could not be fetched from {remote} ({out})"
+    tarball = into / TARBALLS[version]
+    ok, out = _git("archive", "--format=tar.gz", "--prefix=Megatron-LM/", "-o", str(tarball),
+                   "HEAD", cwd=clone, timeout_s=FETCH_TIMEOUT_S)
+    shutil.rmtree(clone, ignore_errors=True)
+    return tarball if ok else f"git archive of {commit} failed ({out})"
 
 
 def extract_tree(tarball: Path, into: Path) -> Path:
@@ -76,7 +140,7 @@ _STOCK: Dict[str, Path] = {}
 def stock_tree(version: str, factory) -> Path:
     """The session's read-only stock extraction of `version` (tmp_path_factory as factory)."""
     if version not in _STOCK:
-        tarball = find_tarball(version)
+        tarball = find_tarball(version, factory)
         root = extract_tree(tarball, factory.mktemp(f"stock-{version}"))
         assert registry.megatron_version(root) == version, f"{tarball}: not megatron-core {version}"
         _STOCK[version] = root
@@ -90,6 +154,26 @@ def patched_tree(version: str, factory) -> Path:
     registry.apply(root)
     assert registry.check(root)
     return root
+
+
+def skip_summary(reports) -> Optional[str]:
+    """One line for the test reports skipped for a missing Megatron-LM checkout, or None."""
+    reasons, files = {}, {}
+    for report in reports:
+        if not report.skipped or not isinstance(report.longrepr, tuple):
+            continue
+        reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+        if reason.startswith(SKIP_PREFIX):
+            version = reason[len(SKIP_PREFIX):].split(":")[0].strip()
+            reasons[version] = reason.split(": ", 1)[1]
+            name = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
+            files[name] = files.get(name, 0) + 1
+    if not files:
+        return None
+    tests = ", ".join(f"{name} x{count}" for name, count in sorted(files.items()))
+    why = "; ".join(f"{version}: {reason}" for version, reason in sorted(reasons.items()))
+    return (f"{sum(files.values())} tests skipped without the Megatron-LM checkouts ({tests}): "
+            f"{why}")
 
 
 def pytest_sessionstart(session):

@@ -5,14 +5,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
+from prefix_schedule.planning.inputs import build_dense_inputs, build_prefix_inputs, build_suffix_inputs
 from prefix_schedule.planning.planner import (
     PrefixWork,
     Segment,
     StepPlan,
     SuffixMicrobatch,
-    build_dense_inputs,
-    build_prefix_inputs,
-    build_suffix_inputs,
     plan_microbatches,
 )
 

@@ -85,7 +85,8 @@ def test_runtime_tensors_follow_the_model_device(megatron_env):
 
 def test_policy_forward_step_moves_items_to_the_model_device(megatron_env):
     from megatron_patches.rl import make_policy_forward_step
-    from prefix_schedule.planning.planner import build_suffix_inputs, plan_microbatches
+    from prefix_schedule.planning.inputs import build_suffix_inputs
+    from prefix_schedule.planning.planner import plan_microbatches
 
     seen = []
 

@@ -161,3 +161,34 @@ def test_grpo_advantages():
     assert grpo_advantages([[1.0, 3.0], [5.0, 5.0]], normalize_std=False).tolist() == [[-1.0, 1.0], [0.0, 0.0]]
     with pytest.raises(ValueError, match="NaN or inf"):
         grpo_advantages([1.0, float("nan")])
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0, 1e6, -1e6])
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_loss_and_gradient_finite_for_any_finite_log_probs(adv, estimator):
+    """[Note: log-ratio clamp]: a stale old_logprob of -100 on a loss token (issue 22: exp
+    overflowed, the clipped branch's zero gradient times exp's inf gave NaN weights), and a
+    reference far off, keep loss and gradient finite in float32."""
+    logp = torch.tensor([-0.5, -200.0, -1.0], requires_grad=True)
+    old = torch.tensor([-100.0, -0.1, -1.0])
+    ref = torch.tensor([-300.0, -0.1, -1.0])
+    config = PolicyLossConfig(kl_coef=0.5, kl_estimator=estimator)
+    loss, count, metrics = policy_loss_sum(logp, loss_mask=torch.ones(3),
+                                           advantages=torch.full((3,), adv), old_logprobs=old,
+                                           ref_logprobs=ref, config=config)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all(), (loss, logp.grad)
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_log_ratio_clamp_is_the_identity_inside_its_range():
+    logp = t(-0.5, -3.0, -1.0, grad=True)
+    old = t(-20.4, -3.0, -0.9)  # log-ratios 19.9, 0, -0.1: inside [-20, 20]
+    loss, _, _ = policy_loss_sum(logp, loss_mask=t(1, 1, 1), advantages=t(-1.0, 2.0, 0.5),
+                                 old_logprobs=old, config=CFG)
+    loss.backward()
+    ratio = torch.exp(t(-0.5, -3.0, -1.0) - old)
+    expected = -torch.minimum(ratio * t(-1.0, 2.0, 0.5),
+                              ratio.clamp(0.8, 1.2) * t(-1.0, 2.0, 0.5)).sum()
+    assert loss.item() == expected.item()
+    assert logp.grad[0].item() == pytest.approx(ratio[0].item())  # -A * r, A = -1: unclipped side

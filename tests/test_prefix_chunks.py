@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from prefix_schedule.runtime.cache import CacheProtocolError, PrefixKVCache
 from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
 from prefix_schedule.pipeline.lowering import lower
-from prefix_schedule.planning.planner import PrefixChunk, build_prefix_inputs, plan_microbatches
+from prefix_schedule.planning.inputs import build_prefix_inputs
+from prefix_schedule.planning.planner import PrefixChunk, plan_microbatches
 from prefix_schedule.pipeline import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
                                       validate_schedule)
-from prefix_schedule.pipeline.simulate import TokenCostModel, compare_with_dense, simulate
+from prefix_schedule.pipeline.baselines import TokenCostModel, compare_with_dense
+from prefix_schedule.pipeline.simulate import simulate
 from prefix_schedule.runtime.step import ReuseStep
 from prefix_schedule.pipeline.units import StepShape, chunk_spans, number_units
 from test_schedule import load_tool, microbatches_for, step_shapes

@@ -40,7 +40,7 @@ def test_replay_fp32_matches_dense_and_resumes_bit_for_bit(megatron_env, trace, 
     ckpt = tmp_path / "ckpt"
     first = replay(["--trace", str(trace), "--steps", "1", "--checkpoint-dir", str(ckpt),
                     "--checkpoint-every", "1"])
-    assert first["steps"] == 1 and (ckpt / "reuse.safetensors").is_file()
+    assert first["steps"] == 1 and (ckpt / "step_000001" / "reuse.safetensors").is_file()
     resumed = replay(["--trace", str(trace), "--steps", "2", "--checkpoint-dir", str(ckpt),
                       "--resume"])
     strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731

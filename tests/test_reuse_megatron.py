@@ -168,7 +168,7 @@ def test_forward_step_func_may_leave_the_item_unread(megatron_env):
     model.zero_grad(set_to_none=True)
     step = ReuseStep(batch, plan)
     # what TP rank 0 would broadcast: each forward's item, built apart from the iterator
-    from prefix_schedule.planning.planner import build_prefix_inputs, build_suffix_inputs
+    from prefix_schedule.planning.inputs import build_prefix_inputs, build_suffix_inputs
     units = plan.prefix_units()
     copies = iter([build_prefix_inputs(batch, units[a.index]) if a.kind.value == "PF"
                    else build_suffix_inputs(batch, plan.microbatches[a.index])

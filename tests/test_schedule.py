@@ -9,10 +9,9 @@ lowering, regenerate them with (then review the diff):
 import importlib.util
 import json
 import os
-import struct
-import zlib
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,8 +19,8 @@ from hypothesis import strategies as st
 from prefix_schedule.pipeline.lowering import add_grad_reduce, add_p2p, lower
 from prefix_schedule.pipeline import (Action, ActionKind, Schedule, ScheduleError, build_schedule,
                                       parse_action, validate_schedule)
-from prefix_schedule.pipeline.simulate import (DeadlockError, TokenCostModel, build_dense_1f1b, chrome_trace,
-                                      compare_with_dense, simulate)
+from prefix_schedule.pipeline.baselines import TokenCostModel, build_dense_1f1b, compare_with_dense
+from prefix_schedule.pipeline.simulate import DeadlockError, chrome_trace, simulate
 
 GOLDEN = Path(__file__).parent / "golden"
 REPO = Path(__file__).resolve().parents[1]
@@ -382,11 +381,11 @@ def test_plan_tool_writes_png_trace_and_csv_and_reloads(tmp_path, capsys):
                              "--save", str(files[2])]) == 0
     first = capsys.readouterr().out
     assert "dense 1F1B" in first and "valid" in first
-    png = files[0].read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", png[16:24])
-    idat_len = struct.unpack(">I", png[33:37])[0]
-    assert len(zlib.decompress(png[41:41 + idat_len])) == height * (1 + 3 * width)
+    assert files[0].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    pixels = (matplotlib.image.imread(files[0])[..., :3] * 255).round().astype(int)
+    found = {tuple(p) for p in pixels.reshape(-1, 3).tolist()}
+    for colour in tool.COLOURS.values():  # a box of every action kind (and its legend patch)
+        assert tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5)) in found, colour
     json.loads(files[1].read_text())
     assert tool.main(args + ["--load", str(files[2])]) == 0
     assert capsys.readouterr().out == first

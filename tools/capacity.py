@@ -234,21 +234,34 @@ def format_result(r: dict) -> str:
 
 
 def frontier(spec: ModelSpec, path: str, shares, group_sizes, **kw) -> List[dict]:
-    """capacity_ratio over prefix share x group size, as a PNG (tools/pngplot.py)."""
-    from pngplot import Figure
+    """capacity_ratio over prefix share x group size, as a PNG (benchlib/plotting.py)."""
+    from benchlib.progress import Progress
 
-    rows = [capacity(spec, group_size=g, prefix_share=s, **kw) for g in group_sizes for s in shares]
-    fig = Figure(2)
-    for panel, (key, what) in enumerate((("capacity_ratio", "each path at its best"),
-                                         ("capacity_ratio_plain", "no offload, no recompute"))):
-        fig.chart(panel, title=f"{spec.name} {kw['memory_gib']:g} GIB: {what}",
-                  xlabel="prefix share", ylabel="capacity ratio", markers=True,
-                  series={f"G={g}": ([r["prefix_share"] for r in rows if r["group_size"] == g],
-                                     [r[key] for r in rows if r["group_size"] == g])
-                          for g in group_sizes})
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.save(path)
+    points = [(g, s) for g in group_sizes for s in shares]
+    rows = []
+    with Progress(len(points), name="frontier", unit="point") as progress:
+        for g, s in points:
+            rows.append(capacity(spec, group_size=g, prefix_share=s, **kw))
+            progress.step()
+    plot_frontier(rows, path, title=f"{spec.name}, {kw['memory_gib']:g} GiB")
     return rows
+
+
+def plot_frontier(rows: List[dict], path: str, *, title: str) -> None:
+    """Two panels (each path at its best; no offload, no recompute): capacity_ratio vs prefix
+    share, one line per group size."""
+    from benchlib.plotting import line_chart, panels, save
+
+    fig, axes = panels(2)
+    group_sizes = sorted({r["group_size"] for r in rows})
+    for ax, (key, what) in zip(axes, (("capacity_ratio", "each path at its best"),
+                                      ("capacity_ratio_plain", "no offload, no recompute"))):
+        line_chart(ax, title=f"{title}: {what}", xlabel="prefix share",
+                   ylabel="capacity ratio (reuse / dense)", markers=True,
+                   series={f"G={g}": ([r["prefix_share"] for r in rows if r["group_size"] == g],
+                                      [r[key] for r in rows if r["group_size"] == g])
+                           for g in group_sizes})
+    save(fig, path)
 
 
 def main(argv=None) -> int:

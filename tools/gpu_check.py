@@ -20,6 +20,10 @@
    activations).
 4. MoE end to end (tools/gpu_check_moe.py): the same with MoE layers and grouped experts
    (TEGroupedMLP, moe_grouped_gemm=True), dense over the plan's packing, aux losses compared.
+5. The predictor's microbenchmark (tools/predict_bench.py: GEMM, flash-attention, memory
+   bandwidth, per-op cost; bf16): `predict_device` in the JSON, a device file for
+   `tools/predict.py --device-file gpu_check.json` (measured costs replace the roofline's
+   assumed efficiencies; docs/PREDICT.md).
 The JSON's `claims` says what the run proved, what failed and what did not run (and why).
 
     python tools/gpu_check.py --json gpu_check.json
@@ -262,7 +266,8 @@ def claims(report, checked_backends, dry_run) -> list[dict]:
     out.append(dict(claim="attention fwd+bwd time (synchronized) and peak memory per backend x mode",
                     status="proved" if timing and all(t["ok"] for t in timing)
                     else "failed" if timing else "not run"))
-    for key, label in (("e2e", "end-to-end step"), ("moe_e2e", "MoE end-to-end step")):
+    for key, label in (("e2e", "end-to-end step"), ("moe_e2e", "MoE end-to-end step"),
+                       ("predict_device", "predictor microbenchmark")):
         e2e = report.get(key)
         if e2e is None or "skipped" in (e2e or {}):
             out.append(dict(claim=label, status=f"not run: {(e2e or {}).get('skipped')}"))
@@ -297,6 +302,23 @@ def _moe_e2e(args, device, cuda, started, report) -> dict:
         return gpu_check_moe.run(device, dry_run=not cuda)
     except Exception:  # noqa: BLE001 -- the other results still count
         return dict(ok=False, claim="MoE end-to-end step", error=traceback.format_exc())
+
+
+def _predict_device(args, cuda, started, report) -> dict:
+    """Phase 5 (tools/predict_bench.py): the predictor's op throughputs on this device."""
+    if time.monotonic() - started > args.budget_s:
+        return {"skipped": f"time budget of {args.budget_s:.0f} s used up"}
+    _save(args.json, report)
+    claim = ("predictor microbenchmark: GEMM / attention throughput curves, memory bandwidth and "
+             "per-op cost measured and fitted into a device file")
+    try:
+        import predict_bench
+
+        result = predict_bench.measure_device("cuda" if cuda else "cpu", repeats=3 if cuda else 1,
+                                              quick=not cuda)
+        return dict(ok=True, claim=claim, device=result["device"], raw=result["raw"])
+    except Exception:  # noqa: BLE001 -- the other results still count
+        return dict(ok=False, claim=claim, error=traceback.format_exc())
 
 
 def _save(path, report) -> None:
@@ -352,13 +374,14 @@ def main(argv=None) -> int:
         except Exception:  # noqa: BLE001 -- the attention results still count
             report["e2e"] = dict(ok=False, claim="end-to-end step", error=traceback.format_exc())
     report["moe_e2e"] = _moe_e2e(args, device, cuda, started, report)
+    report["predict_device"] = _predict_device(args, cuda, started, report)
     report["env"] = {k: os.environ.get(k) for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN",
                                                      "NVTE_UNFUSED_ATTN")}  # as the run left them
     report["claims"] = claims(report, names, dry_run=not cuda)
     failures = sum(not r.get("ok", True) for r in report["correctness"] + report["timing"]
                    + report["cp_correctness"])
     failures += sum(int(bool(report[k]) and report[k].get("ok") is False)
-                    for k in ("e2e", "moe_e2e"))
+                    for k in ("e2e", "moe_e2e", "predict_device"))
     failures += int(report["te_cp_filter"].get("ok") is False)
     report["failures"], report["elapsed_s"] = failures, time.monotonic() - started
     report["not_run"] = not_run(report)

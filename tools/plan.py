@@ -16,16 +16,14 @@ prefix as chunks of at most N tokens (PF/PB indices are then prefix units, liste
 group and chunk). `--load CSV` runs a saved plan instead of generating one (the shape arguments
 must describe the same step, and --pp/--vpp its layout). Bad arguments or files end with a
 message and exit status 2 (arguments) or 1 (files, invalid plans), never a traceback.
-The PNG has one row per rank: PF blue, SF green, SB orange, PB purple, labelled with the
-group (prefix unit) / microbatch index; a legend sits below.
+The PNG (matplotlib) has one row per rank: PF blue, SF green, SB orange, PB purple, labelled with
+the group (prefix unit) / microbatch index; a legend sits below.
 """
 
 from __future__ import annotations
 
 import argparse
-import struct
 import sys
-import zlib
 from pathlib import Path
 
 # This checkout first, even where another one is installed (`pip install -e .` of a sibling).
@@ -39,14 +37,8 @@ from prefix_schedule.pipeline.baselines import (Comparison, TokenCostModel,  # n
 from prefix_schedule.pipeline.simulate import SimResult, chrome_trace  # noqa: E402
 from prefix_schedule.pipeline.units import chunk_spans, number_units  # noqa: E402
 
-COLOURS = {ActionKind.PREFIX_FORWARD: (66, 120, 220), ActionKind.SUFFIX_FORWARD: (70, 170, 90),
-           ActionKind.SUFFIX_BACKWARD: (235, 140, 50), ActionKind.PREFIX_BACKWARD: (150, 80, 190)}
-# 3x5 bitmap font: each glyph is five rows of three bits, top to bottom.
-GLYPHS = {"0": "111101101101111", "1": "010110010010111", "2": "111001111100111",
-          "3": "111001111001111", "4": "101101111001001", "5": "111100111001111",
-          "6": "111100111101111", "7": "111001001001001", "8": "111101111101111",
-          "9": "111101111001111", "P": "110101110100100", "F": "111100110100100",
-          "S": "011100010001110", "B": "110101110101110", "R": "110101110101101"}
+COLOURS = {ActionKind.PREFIX_FORWARD: "#4278dc", ActionKind.SUFFIX_FORWARD: "#46aa5a",
+           ActionKind.SUFFIX_BACKWARD: "#eb8c32", ActionKind.PREFIX_BACKWARD: "#9650be"}
 
 
 def _count(minimum: int):
@@ -209,7 +201,7 @@ def main(argv=None) -> int:
     if args.chrome_trace:
         args.chrome_trace.write_text(chrome_trace(result))
     if args.png:
-        write_png(args.png, *draw_timeline(result))
+        write_timeline(args.png, result)
     return 0
 
 
@@ -228,68 +220,45 @@ def report(comparison, costs, vpp: int = 1) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------- PNG (no matplotlib needed)
-ROW_H, GAP, FONT = 28, 6, 2  # pixels; FONT = glyph pixel size
+# ---------------------------------------------------------------- PNG (matplotlib)
+def write_timeline(path: Path, result: SimResult) -> None:
+    """One row per rank, a box per compute action coloured by kind and labelled with its index
+    (group, prefix unit or microbatch) where it fits; idle time light grey; a legend below."""
+    tools = str(Path(__file__).resolve().parent)  # benchlib, however this script was loaded
+    if tools not in sys.path:
+        sys.path.insert(0, tools)
+    from benchlib.plotting import panels, save
 
-
-def draw_timeline(result: SimResult, max_width: int = 1600) -> tuple[int, int, bytearray]:
-    """(width, height, RGB pixels): one row per rank, a coloured box per compute action."""
     num = len(result.timeline)
-    left = 8 + 4 * FONT * len(f"R{num - 1}")
-    scale = max(1.0, min(40.0, (max_width - left - 8) / max(result.makespan, 1e-9)))
-    width = left + int(result.makespan * scale) + 8
-    height = num * (ROW_H + GAP) + GAP + ROW_H
-    pixels = bytearray(b"\xff" * (width * height * 3))
+    fig, (ax,) = panels(1)
+    fig.set_size_inches(min(16.0, 4.0 + result.makespan / 4), 1.2 + 0.45 * num)
     for rank, row in enumerate(result.timeline):
-        y0 = GAP + rank * (ROW_H + GAP)
-        _text(pixels, width, 4, y0 + (ROW_H - 5 * FONT) // 2, f"R{rank}")
-        _fill(pixels, width, left, y0, width - 8, y0 + ROW_H, (235, 235, 235))  # idle
+        ax.barh(rank, result.makespan, left=0, height=0.8, color="#ebebeb")
         for timed in row:
-            if timed.action.kind.is_compute:
-                x0, x1 = left + int(timed.start * scale), left + int(timed.end * scale)
-                _fill(pixels, width, x0, y0, max(x1 - 1, x0 + 1), y0 + ROW_H,
-                      COLOURS[timed.action.kind])
-                label = str(timed.action.index)
-                if len(label) * 4 * FONT + 2 < x1 - x0:
-                    _text(pixels, width, x0 + 2, y0 + (ROW_H - 5 * FONT) // 2, label)
-    x = left
-    for kind, colour in COLOURS.items():  # legend
-        y0 = num * (ROW_H + GAP) + GAP
-        _fill(pixels, width, x, y0 + 4, x + 40, y0 + ROW_H - 4, colour)
-        _text(pixels, width, x + 6, y0 + (ROW_H - 5 * FONT) // 2, kind.value)
-        x += 48
-    return width, height, pixels
+            if not timed.action.kind.is_compute:
+                continue
+            width = timed.end - timed.start
+            ax.barh(rank, width, left=timed.start, height=0.8, edgecolor="white", linewidth=0.5,
+                    color=COLOURS[timed.action.kind])
+            if width >= result.makespan / 80:  # a label only where it can fit
+                ax.text(timed.start + width / 2, rank, str(timed.action.index), ha="center",
+                        va="center", fontsize=7, clip_on=True)
+    ax.set_yticks(range(num), [f"rank {r}" for r in range(num)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, result.makespan)
+    ax.set_xlabel("time (cost units)")
+    ax.set_title(f"makespan {result.makespan:,.0f}, bubble {result.bubble_fraction:.3f}",
+                 fontsize=10)
+    handles = [_legend_patch(colour, kind.value) for kind, colour in COLOURS.items()]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if num < 4 else -0.2),
+              ncol=len(handles), fontsize=8, frameon=False)
+    save(fig, path)
 
 
-def _fill(pixels, width, x0, y0, x1, y1, colour) -> None:
-    row = bytes(colour) * max(0, min(x1, width) - x0)
-    for y in range(y0, y1):
-        start = (y * width + x0) * 3
-        pixels[start:start + len(row)] = row
+def _legend_patch(colour: str, label: str):
+    from matplotlib.patches import Patch
 
-
-def _text(pixels, width, x, y, text) -> None:
-    for char in text:
-        bits = GLYPHS[char]
-        for i, bit in enumerate(bits):
-            if bit == "1":
-                px, py = x + (i % 3) * FONT, y + (i // 3) * FONT
-                _fill(pixels, width, px, py, px + FONT, py + FONT, (20, 20, 20))
-        x += 4 * FONT
-
-
-def write_png(path: Path, width: int, height: int, pixels: bytearray) -> None:
-    """Minimal truecolour PNG: signature, IHDR, one zlib IDAT (filter 0 per row), IEND."""
-    stride = width * 3
-    raw = b"".join(b"\x00" + bytes(pixels[y * stride:(y + 1) * stride]) for y in range(height))
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + tag + data
-                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
-    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-                           + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    return Patch(color=colour, label=label)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python tools/replay.py --trace T --steps 100 [--json J] [--png P] [--precision fp32|bf16]
                            [--checkpoint-dir D --checkpoint-every 10] [--resume]
+    python tools/replay.py --replot J P     # the PNG of a saved --json result, no training
 
 Three runs step through the trace's optimizer steps with AdamW (fp32 master weights, Megatron
 DDP with fp32 gradient accumulation, token-mean loss over each step; tools/replay_runs.py):
@@ -21,12 +22,18 @@ master weights after the update). The JSON's `max_param_diff`, `mean_param_diff`
 `rmse_param_diff` are reuse's after the last step (the paper's table), `control_*` the
 control's; `rows` has every step. The whole trace is validated before any compute (the
 model's length and the default token budget come from it). With --checkpoint-dir the runs' weights and AdamW state (safetensors) and the rows so
-far are saved every --checkpoint-every steps; --resume continues from there bit for bit.
+far are saved every --checkpoint-every steps, as one verified unit ([Note: replay checkpoint as
+one unit] in tools/replay_checkpoint.py); --resume continues from there bit for bit, and refuses
+a partial, corrupt or foreign checkpoint, or a trace whose content changed. A step whose
+gradients are not finite stops the replay before any optimizer step of it (ValueError naming
+the step, the run and the parameter); differences with a NaN or inf on either side are inf.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -39,9 +46,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefix_schedule.losses import PolicyLossConfig  # noqa: E402
 from prefix_schedule.planning.planner import plan_microbatches  # noqa: E402
 from prefix_schedule.traces import read_header, read_steps, validate_trace  # noqa: E402
+from benchlib.progress import Progress  # noqa: E402
+from replay_checkpoint import (load_checkpoint, load_runs, save_checkpoint,  # noqa: E402
+                               trace_digest)
 from replay_runs import ModelShape, Run, initial_weights, param_diff  # noqa: E402
 
-__all__ = ["main", "replay", "parse_args", "format_summary"]
+__all__ = ["main", "replay", "parse_args", "format_summary", "check_output_paths"]
 
 COMPARED = ("reuse", "control")
 
@@ -81,7 +91,8 @@ def _settings(args, stats) -> dict:
     """Everything that determines the replay's numbers (a resumed replay must match it)."""
     vocab = max(stats.vocab_size or 0, stats.max_token_id + 1)
     kl = args.kl_coef if args.kl_coef is not None else (0.01 if stats.has_ref_logprobs else 0.0)
-    return {"trace": str(args.trace), "steps": args.steps, "precision": args.precision,
+    return {"trace": str(args.trace), "trace_sha256": trace_digest(args.trace),
+            "steps": args.steps, "precision": args.precision,
             "model": {**ModelShape(**{f: getattr(args, f) for f in ModelShape().__dict__}).__dict__,
                       "vocab_size": -(-vocab // 128) * 128, "max_seq_len": stats.max_seq_len},
             "optimizer": {"name": "AdamW", "lr": args.lr, "eps": args.adam_eps,
@@ -116,34 +127,9 @@ def _build_runs(settings: dict) -> dict:
             "control": Run("control", "dense", other, weights, fused_attention=not low, **kw)}
 
 
-def _checkpoint(directory: Path, settings: dict, runs: dict, rows: list) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, run in runs.items():
-        tmp = directory / f"{name}.safetensors.tmp"
-        run.save(tmp)
-        tmp.replace(directory / f"{name}.safetensors")
-    tmp = directory / "state.json.tmp"
-    tmp.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
-    tmp.replace(directory / "state.json")  # written last: it names the step the weights are at
-
-
-def _saved_rows(directory: Path, settings: dict) -> list:
-    """The rows of the replay saved in `directory` ([] if none); ValueError if its settings differ."""
-    state_path = directory / "state.json"
-    if not state_path.is_file():
-        return []
-    state = json.loads(state_path.read_text())
-    saved = {k: v for k, v in state["settings"].items() if k != "steps"}
-    wanted = {k: v for k, v in settings.items() if k != "steps"}
-    if saved != wanted:
-        diff = sorted(k for k in wanted if saved.get(k) != wanted[k])
-        raise ValueError(f"{directory} holds a replay with other settings ({diff}); use another "
-                         "--checkpoint-dir or the same arguments")
-    return state["rows"]
-
-
-def replay(args, *, log=print) -> dict:
-    """Run the replay described by `args` (parse_args); returns the JSON result."""
+def replay(args, *, log=print, progress=None) -> dict:
+    """Run the replay described by `args` (parse_args); returns the JSON result. Each step's
+    line goes to `log`, or with `progress` (benchlib.progress.Progress or alike) to its bar."""
     # The whole trace: the model's length and the default budget must not depend on --steps
     # (a resumed replay may go further than the first).
     stats = validate_trace(args.trace, models={})
@@ -152,28 +138,38 @@ def replay(args, *, log=print) -> dict:
     settings = _settings(args, stats)
     if settings["loss"]["kl_coef"] > 0 and not stats.has_ref_logprobs:
         raise ValueError("--kl-coef > 0 needs ref_logprobs in the trace; use --kl-coef 0")
-    rows = _saved_rows(args.checkpoint_dir, settings) if args.resume else []
+    rows, saved = (load_checkpoint(args.checkpoint_dir, settings, steps=args.steps)
+                   if args.resume else ([], None))
     torch.set_num_threads(args.threads)
     runs = _build_runs(settings)
-    if rows:
-        for name, run in runs.items():
-            run.load(args.checkpoint_dir / f"{name}.safetensors")
-        log(f"resumed from {args.checkpoint_dir} after step {len(rows) - 1}")
+    if saved is not None:
+        load_runs(saved, runs, len(rows))
+        log(f"resumed from {saved} after step {len(rows) - 1}")
     loss = PolicyLossConfig(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=settings["loss"]["kl_coef"])
     max_len = settings["model"]["max_seq_len"]
+    bar = progress(args.steps, name="replay", start=len(rows)) if progress else None
     for step, batch in enumerate(read_steps(args.trace, start=len(rows), stop=args.steps),
                                  start=len(rows)):
         plan = plan_microbatches(batch, token_budget=settings["token_budget"], max_seq_len=max_len)
-        results = {name: run.train_step(batch, plan, loss) for name, run in runs.items()}
+        try:  # each run checks its gradients before its optimizer step
+            results = {name: run.train_step(batch, plan, loss) for name, run in runs.items()}
+        except ValueError as exc:
+            raise ValueError(f"step {step}: {exc}; the replay stops here (saved checkpoints are "
+                             "from earlier steps)") from None
         reference = runs["dense"].weights()
         rows.append({"step": step, **{k: {n: r[k] for n, r in results.items()}
                                       for k in ("loss", "grad_norm", "seconds")},
                      "param_diff": {**{n: param_diff(reference, runs[n].weights()) for n in COMPARED},
                                     "reuse_vs_control": param_diff(runs["control"].weights(),
                                                                    runs["reuse"].weights())}})
-        log(_row_line(rows[-1]))
+        if bar:
+            bar.step(_row_line(rows[-1]))
+        else:
+            log(_row_line(rows[-1]))
         if args.checkpoint_dir and ((step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps):
-            _checkpoint(args.checkpoint_dir, settings, runs, rows)
+            save_checkpoint(args.checkpoint_dir, settings, runs, rows)
+    if bar:
+        bar.close()
     return _result(settings, stats, rows)
 
 
@@ -186,8 +182,6 @@ def _row_line(row: dict) -> str:
 
 
 def _result(settings: dict, stats, rows: list) -> dict:
-    from megatron_patches.training import worst_of  # keeps a NaN step's inf
-
     last = rows[-1]["param_diff"]
     low = settings["precision"] == "bf16"
     return {
@@ -198,7 +192,7 @@ def _result(settings: dict, stats, rows: list) -> dict:
         "control_mean_param_diff": last["control"]["mean"],
         "control_rmse_param_diff": last["control"]["rmse"],
         **{f"reuse_vs_control_{k}_param_diff": last["reuse_vs_control"][k] for k in ("max", "mean", "rmse")},
-        "worst_step_max_param_diff": worst_of(*(r["param_diff"]["reuse"]["max"] for r in rows)),
+        "worst_step_max_param_diff": _worst(r["param_diff"]["reuse"]["max"] for r in rows),
         "runs": {"dense": "reference: fp32, stock Megatron dense schedule, local attention",
                  "reuse": f"{'bf16' if low else 'fp32'}, prefix reuse",
                  "control": ("bf16, stock dense" if low else
@@ -210,6 +204,12 @@ def _result(settings: dict, stats, rows: list) -> dict:
         "trace_stats_basis": "the whole trace",
         "rows": rows,
     }
+
+
+def _worst(values) -> float:
+    """max, but inf if any value is NaN or inf (Python's max drops a NaN that comes second)."""
+    values = list(values)
+    return math.inf if not all(math.isfinite(v) for v in values) else max(values)
 
 
 def format_summary(result: dict) -> str:
@@ -230,31 +230,72 @@ def format_summary(result: dict) -> str:
 
 
 def write_png(result: dict, path: Path) -> None:
-    from pngplot import Figure
+    """Loss, gradient norm and parameter difference per step of a replay result (its JSON)."""
+    from benchlib.plotting import line_chart, panels, save
 
     steps = [r["step"] for r in result["rows"]]
-    fig = Figure(3, 1)
+    fig, axes = panels(3)
     col = lambda key, run: [r[key][run] for r in result["rows"]]  # noqa: E731
     runs = ("dense", "reuse", "control")
-    fig.chart(0, title="loss", xlabel="step", series={n: (steps, col("loss", n)) for n in runs},
-              styles={"reuse": "dashed"})
-    fig.chart(1, title="grad norm", xlabel="step",
-              series={n: (steps, col("grad_norm", n)) for n in runs}, styles={"reuse": "dashed"})
+    line_chart(axes[0], title="loss", xlabel="step", styles={"reuse": "dashed"},
+               series={n: (steps, col("loss", n)) for n in runs})
+    line_chart(axes[1], title="grad norm (before clipping)", xlabel="step",
+               series={n: (steps, col("grad_norm", n)) for n in runs}, styles={"reuse": "dashed"})
     diff = lambda run, k: [r["param_diff"][run][k] for r in result["rows"]]  # noqa: E731
-    fig.chart(2, title="param diff vs dense (relative)", xlabel="step", log_y=True, series={
-        "reuse max": (steps, diff("reuse", "max")), "reuse rmse": (steps, diff("reuse", "rmse")),
-        "control max": (steps, diff("control", "max")),
-        "control rmse": (steps, diff("control", "rmse"))},
-        styles={"control max": "dashed", "control rmse": "dashed"})
-    fig.save(path)
+    line_chart(axes[2], title="parameter difference vs fp32 dense (relative)", xlabel="step",
+               log_y=True, series={
+                   "reuse max": (steps, diff("reuse", "max")),
+                   "reuse rmse": (steps, diff("reuse", "rmse")),
+                   "control max": (steps, diff("control", "max")),
+                   "control rmse": (steps, diff("control", "rmse"))},
+               styles={"control max": "dashed", "control rmse": "dashed"})
+    fig.suptitle(f"{result['steps']} AdamW steps of {Path(result['trace']).name} "
+                 f"({result['precision']}); control: {result['runs']['control']}", fontsize=10)
+    save(fig, path)
+
+
+def replot(argv) -> int:
+    """`--replot JSON PNG`: the PNG of a saved --json result, without running anything."""
+    if len(argv) != 3:
+        print("replay.py: error: --replot takes a result JSON and a PNG path", file=sys.stderr)
+        return 2
+    try:
+        result = json.loads(Path(argv[1]).read_text())
+    except (OSError, ValueError) as exc:
+        print(f"replay.py: error: {argv[1]}: not a replay --json result ({exc})", file=sys.stderr)
+        return 1
+    write_png(result, Path(argv[2]))
+    print(f"wrote {argv[2]}")
+    return 0
+
+
+def check_output_paths(args) -> None:
+    """ValueError before any work for an output that could not be written after it."""
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        if path is None:
+            continue
+        if path.is_dir():
+            raise ValueError(f"{flag} {path} is a directory; give a file name")
+        if not path.parent.is_dir():
+            raise ValueError(f"{flag} {path}: directory {path.parent} does not exist; create it "
+                             "first")
+        if not os.access(path.parent, os.W_OK):
+            raise ValueError(f"{flag} {path}: directory {path.parent} is not writable")
+    ckpt = args.checkpoint_dir
+    if ckpt is not None and ckpt.exists() and not ckpt.is_dir():
+        raise ValueError(f"--checkpoint-dir {ckpt} is a file; give a directory")
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--replot"]:
+        return replot(argv)
     args = parse_args(argv)
     try:
+        check_output_paths(args)
         read_header(args.trace)
         start = time.perf_counter()
-        result = replay(args)
+        result = replay(args, progress=Progress)
     except ValueError as exc:
         print(f"replay.py: error: {exc}", file=sys.stderr)
         return 1
@@ -264,6 +305,11 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.png:
         write_png(result, args.png)
+    diffs = [v for k, v in result.items() if k.endswith("param_diff")]
+    if not all(math.isfinite(v) for v in diffs):
+        print("replay.py: error: a parameter difference is not finite (NaN or inf weights)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

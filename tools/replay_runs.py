@@ -84,6 +84,9 @@ class Run:
         return {"loss": result.loss, "grad_norm": norm, "seconds": time.perf_counter() - start}
 
     def _apply_update(self) -> float:
+        from megatron_patches.finite_grads import check_finite_grads
+
+        check_finite_grads(self.model, run=self.name)  # before AdamW touches the weights
         grads = []
         for name, master in self.master.items():
             g = self.params[name].main_grad
@@ -140,14 +143,15 @@ class Run:
 
 def param_diff(reference: dict, other: dict) -> dict:
     """{max, mean, rmse} of the relative parameter difference ([Note: relative parameter
-    difference] above)."""
+    difference] above); all three inf when either side holds a NaN or inf (a NaN would vanish
+    from a max fold and read as agreement)."""
     worst, total, squares, count = 0.0, 0.0, 0.0, 0
     for name, ref in reference.items():
         r, a = ref.double(), other[name].double()
+        if not (bool(torch.isfinite(r).all()) and bool(torch.isfinite(a).all())):
+            return {"max": math.inf, "mean": math.inf, "rmse": math.inf}
         scale = float(r.abs().max()) or 1.0
         d = (a - r).abs() / scale
-        if not (bool(torch.isfinite(r).all()) and bool(torch.isfinite(a).all())):
-            d = torch.full_like(d, math.inf)  # a NaN must not vanish in the max fold
         worst = max(worst, float(d.max()))
         total += float(d.sum())
         squares += float(d.pow(2).sum())

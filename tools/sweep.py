@@ -12,8 +12,10 @@ four dense rows' tokens; `--no-policy`: a group's suffixes in one microbatch, th
 Columns: speedup (wall) and cpu_speedup (process CPU time, the figure plotted: steadier on a
 shared machine), ideal (FLOP ratio of the plan run) and ideal_full_reuse (of plain reuse),
 efficiency = cpu_speedup / ideal, suffix_phase_reduction (held-for-backward bytes), the plan's
-note, the gradient check. The CSV is appended point by point; a rerun skips the points it holds
-(same settings), so an interrupted sweep resumes. PNGs: speedup.png (measured and ideal speedup
+note, the gradient check, and every setting that changes a point (min-gain, token budget,
+seed, reps, warm-up, memory, threads: the resume key with the point and the model). The CSV is
+appended point by point; a rerun skips the points it holds under the same settings (a last row
+cut short by a kill is dropped and measured again), so an interrupted sweep resumes. PNGs: speedup.png (measured and ideal speedup
 vs prefix share, one line per group size), memory.png, efficiency.png.
 
 `--compile` wraps both models' forward in torch.compile (dynamic shapes). Where it cannot be
@@ -30,13 +32,13 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from prefix_schedule.planning.policy import DEFAULT_MIN_GAIN, ReusePolicy  # noqa: E402
+from benchlib.progress import Progress  # noqa: E402
 from sweep_measure import ModelSpec, Models, measure_point  # noqa: E402
 
 __all__ = ["main", "grid", "PAPER"]
@@ -45,7 +47,9 @@ SPLITS = ((1, 5), (1, 2), (1, 1), (2, 1), (5, 1))
 PAPER = {"total": 12288, "group_sizes": (2, 4, 8, 16, 32, 64, 128),
          "model": ModelSpec(num_layers=8, hidden_size=2048, ffn_hidden_size=5632,
                             num_attention_heads=16, num_query_groups=8, vocab_size=32768)}
-KEY = ("total", "prefix", "suffix", "group_size", "num_groups", "policy_on", "compile", "model")
+KEY = ("total", "prefix", "suffix", "group_size", "num_groups", "policy_on", "compile", "model",
+       "min_gain", "token_budget", "seed", "reps", "warmup", "memory", "threads")
+"""Every setting that changes a point's numbers: a rerun skips a point only under all of them."""
 FIELDS = KEY + ("prefix_share", "dense_s", "reuse_s", "speedup", "dense_cpu_s", "reuse_cpu_s",
                 "cpu_speedup", "ideal", "ideal_full_reuse", "efficiency", "dense_peak_mib",
                 "reuse_suffix_peak_mib", "suffix_phase_reduction", "microbatches", "policy",
@@ -103,14 +107,38 @@ def _points(args) -> list[tuple[int, int, int]]:
 
 
 def _key(row: dict) -> tuple:
-    return tuple(str(row[k]) for k in KEY)
+    return tuple("" if row.get(k) is None else str(row[k]) for k in KEY)
 
 
 def _load(path) -> list[dict]:
+    """The CSV's complete rows: a last line without its newline (a run killed mid-write) and a
+    row with empty fields are not points that were measured; ValueError for other columns."""
     if path is None or not path.is_file():
         return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+    text = path.read_text()
+    if text and not text.endswith("\n"):
+        text = text[:text.rfind("\n") + 1]
+    reader = csv.DictReader(text.splitlines(keepends=True))
+    if reader.fieldnames is not None and tuple(reader.fieldnames) != FIELDS:
+        raise ValueError(f"{path} has columns {reader.fieldnames}, not this sweep.py's; use "
+                         "another --csv (the resume key needs every setting of a point)")
+    return [r for r in reader if all(r.get(k) not in (None, "") for k in FIELDS
+                                     if k not in _OPTIONAL)]
+
+
+_OPTIONAL = ("min_gain", "token_budget", "dense_peak_mib", "reuse_suffix_peak_mib",
+             "suffix_phase_reduction")
+"""Columns that may be empty in a complete row (no policy, default budget, memory off)."""
+
+
+def _drop_partial_line(path) -> None:
+    """Cut a last line without its newline (killed mid-write) so the next row starts clean."""
+    if path is None or not path.is_file():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        print(f"sweep.py: {path}: dropping an incomplete last row", file=sys.stderr)
+        path.write_bytes(data[:data.rfind(b"\n") + 1])
 
 
 def _append(path, row: dict) -> None:
@@ -125,16 +153,7 @@ def _append(path, row: dict) -> None:
         writer.writerow(row)
 
 
-def _progress(i: int, total: int, started: float, text: str) -> None:
-    done = i / total
-    eta = (time.perf_counter() - started) / max(i, 1) * (total - i) if i else 0
-    bar = "#" * int(24 * done) + "-" * (24 - int(24 * done))
-    print(f"[{bar}] {i}/{total} eta {eta / 60:4.1f} min  {text}", flush=True)
-
-
 def run(args) -> list[dict]:
-    import os
-
     import torch
 
     spec, points = _spec(args), _points(args)
@@ -145,13 +164,25 @@ def run(args) -> list[dict]:
     policy = None if args.no_policy else ReusePolicy(dims=spec.dims(), min_gain=args.min_gain,
                                                      token_budget=args.token_budget)
     done = {_key(r) for r in _load(args.csv)}
-    models, rows, started = None, [], time.perf_counter()
-    for i, (prefix, suffix, g) in enumerate(points):
+    _drop_partial_line(args.csv)
+    with Progress(len(points), name="sweep", unit="point") as progress:
+        return _run_points(args, spec, points, policy, done, progress)
+
+
+def _run_points(args, spec: ModelSpec, points: list, policy, done: set, progress) -> list[dict]:
+    import os
+
+    models, rows = None, []
+    for prefix, suffix, g in points:
         row = {"total": prefix + suffix, "prefix": prefix, "suffix": suffix, "group_size": g,
                "num_groups": args.num_groups, "policy_on": policy is not None,
-               "compile": args.compile, "model": "x".join(str(v) for v in spec.__dict__.values())}
+               "compile": args.compile, "model": "x".join(str(v) for v in spec.__dict__.values()),
+               "min_gain": args.min_gain if policy is not None else None,
+               "token_budget": args.token_budget if policy is not None else None,
+               "seed": args.seed, "reps": args.reps, "warmup": args.warmup,
+               "memory": not (args.no_memory or args.compile), "threads": args.threads}
         if _key(row) in done:
-            _progress(i + 1, len(points), started, f"P={prefix} S={suffix} G={g}: in the CSV")
+            progress.step(f"P={prefix} S={suffix} G={g}: in the CSV")
             continue
         if models is None:
             models = Models(spec, max(p + s for p, s, _ in points), seed=args.seed,
@@ -166,9 +197,8 @@ def run(args) -> list[dict]:
         row["efficiency"] = row["cpu_speedup"] / row["ideal"]
         _append(args.csv, row)
         rows.append(row)
-        _progress(i + 1, len(points), started, f"P={prefix} S={suffix} G={g}: speedup "
-                  f"{row['cpu_speedup']:.2f}x (wall {row['speedup']:.2f}x), ideal {row['ideal']:.2f}x; "
-                  f"{row['policy']}")
+        progress.step(f"P={prefix} S={suffix} G={g}: speedup {row['cpu_speedup']:.2f}x (wall "
+                      f"{row['speedup']:.2f}x), ideal {row['ideal']:.2f}x; {row['policy']}")
     return rows
 
 
@@ -186,7 +216,8 @@ def main(argv=None) -> int:
     if args.png_dir and args.csv:
         from sweep_plots import write_plots
 
-        write_plots(_load(args.csv), args.png_dir)
+        for path in write_plots(_load(args.csv), args.png_dir):
+            print(f"wrote {path}")
     return 0
 
 

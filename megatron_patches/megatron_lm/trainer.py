@@ -17,6 +17,7 @@ import torch
 
 import megatron_patches
 from megatron_patches.agreement import StepChecks
+from megatron_patches.finite_grads import agree_finite_grads
 from megatron_patches.megatron_lm.data import StepSource, check_moe_tensor_parallel_rows
 
 from megatron.core import parallel_state as ps
@@ -141,6 +142,9 @@ def train_step(args, model, optimizer, scheduler, batch: GroupBatch, forward_ste
                checks: Optional[StepChecks] = None):
     """One RL step: forward-backward (dense or reuse), optimizer, LR scheduler. Runs under
     Megatron's rerun state machine like `train_step` (a rerun rebuilds the step's data).
+    Non-finite gradients stop the step on every rank before the optimizer, naming the iteration
+    and the parameter (megatron_patches/finite_grads.py; under fp16 with dynamic loss scaling
+    Megatron's optimizer skips such a step and lowers the scale instead).
     `checks`: the step's checks so far (reading `batch` may have failed: it is then None)."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
@@ -154,6 +158,8 @@ def train_step(args, model, optimizer, scheduler, batch: GroupBatch, forward_ste
     should_checkpoint, should_exit, exit_code = rerun_state_machine.should_checkpoint_and_exit()
     if should_exit:
         raise SystemExit(exit_code)  # the state machine has logged why
+    if not (args.fp16 and not args.loss_scale):  # dynamic loss scaling skips inf steps itself
+        agree_finite_grads(model, step=args.iteration)  # [Note: non-finite gradients stop ...]
     update_successful, grad_norm, num_zeros = optimizer.step()
     if update_successful:
         scheduler.step(increment=args.global_batch_size)

@@ -137,11 +137,3 @@ def chrome_trace(result: SimResult) -> str:
             events.append(event)
     return json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}, indent=1)
 
-
-def __getattr__(name: str):
-    """Names that moved to baselines.py stay importable from here."""
-    if name in ("Comparison", "TokenCostModel", "build_dense_1f1b", "build_dense_interleaved",
-                "compare_with_dense"):
-        from prefix_schedule.pipeline import baselines
-        return getattr(baselines, name)
-    raise AttributeError(name)

@@ -17,71 +17,16 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Trajectory", "ContextLoss", "PrefixNode", "Group", "GroupBatch"]
+from prefix_schedule.planning._checks import (_as_1d, _as_floats, _as_tokens,  # noqa: F401
+                                           _check_range, _prefixed)
 
-
-def _as_1d(value: Any, *, name: str) -> torch.Tensor:
-    try:
-        tensor = torch.as_tensor(value).detach().cpu()
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"{name}: cannot be converted to a tensor ({exc}); give a list or 1-D tensor") from None
-    if tensor.dim() != 1:
-        raise ValueError(f"{name}: expected a 1-D sequence, got shape {tuple(tensor.shape)}; flatten it")
-    return tensor
-
-
-def _as_tokens(value: Any, *, name: str) -> torch.Tensor:
-    tokens = _as_1d(value, name=name)
-    if tokens.numel() == 0:  # an empty list converts as float; the caller reports the emptiness
-        return tokens.to(torch.int64)
-    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise ValueError(f"{name}: token ids must be integers, got dtype {tokens.dtype}; pass int token ids")
-    if tokens.numel() and int(tokens.min()) < 0:
-        raise ValueError(f"{name}: token id {int(tokens.min())} is negative; token ids must be >= 0")
-    return tokens.to(torch.int64).clone()
-
-
-def _as_floats(value: Any, *, name: str, length: int, allow_scalar: bool = False) -> torch.Tensor:
-    tensor = torch.as_tensor(value, dtype=torch.float64) if not torch.is_tensor(value) else value.detach().cpu()
-    if allow_scalar and tensor.dim() == 0:
-        tensor = tensor.reshape(1).expand(length)
-    tensor = _as_1d(tensor, name=name)
-    if tensor.numel() != length:
-        raise ValueError(
-            f"{name} has {tensor.numel()} entries but the suffix has {length} tokens; "
-            "give one entry per suffix token"
-        )
-    bad = ~torch.isfinite(tensor.to(torch.float64))
-    if bad.any():
-        index = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"{name}[{index}] is {float(tensor[index])}; every entry must be finite "
-            "(put any finite value, e.g. 0, at positions the loss mask excludes)"
-        )
-    stored = tensor.to(torch.float32)
-    overflow = ~torch.isfinite(stored)
-    if overflow.any():
-        index = int(overflow.nonzero()[0, 0])
-        raise ValueError(f"{name}[{index}] is {float(tensor[index])}, beyond float32's range "
-                         "(the loss is computed in float32); give values within +-3.4e38")
-    return stored.clone()
+__all__ = ["Trajectory", "ContextLoss", "PrefixNode", "Group", "GroupBatch", "check_tree"]
 
 
 MAX_ABS_ADVANTAGE = 1e6
 """Larger advantages are refused: the fp32 loss sums ratio * advantage over the global batch
 (up to millions of tokens), so such values overflow to inf or swamp every other token; GRPO's
 normalised advantages are O(1) and PPO's GAE advantages are bounded by the return scale."""
-
-
-def _check_range(values: torch.Tensor, *, name: str, low: float, high: float, hint: str) -> None:
-    bad = (values < low) | (values > high)
-    if bad.any():
-        index = int(bad.nonzero()[0, 0])
-        raise ValueError(f"{name}[{index}] is {float(values[index])}, outside [{low}, {high}]; {hint}")
-
-
-def _prefixed(where: str, exc: ValueError) -> ValueError:
-    return ValueError(f"{where}: {exc}")
 
 
 @dataclass(kw_only=True)
@@ -209,8 +154,6 @@ class Group:
             if not isinstance(trajectory, Trajectory):
                 raise ValueError(f"trajectory {t}: expected a Trajectory, got {type(trajectory).__name__}")
         self.nodes = list(self.nodes)
-        from prefix_schedule.planning.tree import check_tree  # tree.py imports this module
-
         check_tree(self)
 
     @property
@@ -293,6 +236,47 @@ class Group:
         return cls(prefix=prefix, trajectories=trajectories)
 
 
+def check_tree(group: Group) -> None:
+    """The prefix tree's rules ([Note: prefix trees] in planning/tree.py; Group construction
+    calls it); ValueError naming what to fix."""
+    for i, node in enumerate(group.nodes, start=1):
+        if not isinstance(node, PrefixNode):
+            raise ValueError(f"node {i}: expected a PrefixNode, got {type(node).__name__}")
+        if node.parent >= i:
+            raise ValueError(f"node {i} has parent {node.parent}; list parents before their "
+                             "children (parent < node index)")
+    used = {0}
+    for t, trajectory in enumerate(group.trajectories):
+        if trajectory.node >= group.num_nodes:
+            raise ValueError(f"trajectory {t} follows node {trajectory.node} but the group has "
+                             f"nodes 0..{group.num_nodes - 1}; add the node or fix the index")
+        used.update(group.chain(trajectory.node))
+        if trajectory.context_loss is not None:
+            _check_context_loss(trajectory, group.context_len(t), where=f"trajectory {t}")
+    unused = sorted(set(range(group.num_nodes)) - used)
+    if unused:
+        raise ValueError(f"prefix-tree nodes {unused} lead to no trajectory; drop them")
+    for i in range(1, group.num_nodes):
+        if not group.has_children(i) and group.node_tokens(i).numel() < 2:
+            raise ValueError(f"node {i} is a 1-token leaf: it would cache nothing (its last token "
+                             "runs with each suffix); move the token into its trajectories' "
+                             "suffixes")
+
+
+def _check_context_loss(trajectory: Trajectory, length: int, *, where: str) -> None:
+    context = trajectory.context_loss
+    if not isinstance(context, ContextLoss):
+        raise ValueError(f"{where}: context_loss must be a ContextLoss, got {type(context).__name__}")
+    try:
+        context.validate(length)
+    except ValueError as exc:
+        raise _prefixed(where, exc) from None
+    for name in ("old_logprobs", "ref_logprobs"):
+        if (getattr(context, name) is None) != (getattr(trajectory, name) is None):
+            raise ValueError(f"{where}: give context_loss.{name} exactly when the trajectory has "
+                             f"{name}")
+
+
 def _check_starts_with(sequence: torch.Tensor, prefix: torch.Tensor, *, index: int) -> None:
     p = prefix.numel()
     if sequence.numel() <= p:
@@ -341,7 +325,11 @@ class GroupBatch:
         return self.groups[0].trajectories[0].ref_logprobs is not None
 
     def validate(self, *, max_seq_len: int, vocab_size: int | None = None) -> None:
-        """Check lengths, token ids and log-prob presence against the model; ValueError if wrong."""
+        """Check lengths, token ids and log-prob presence against the model, and every array
+        again ([Note: checks at step build] in batch_checks.py); ValueError if wrong."""
+        from prefix_schedule.planning.batch_checks import check_batch_arrays  # imports this module
+
+        check_batch_arrays(self)
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"max_seq_len={max_seq_len!r}; give the model's maximum length as an int >= 2")
         if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):

@@ -8,6 +8,7 @@ from typing import Optional, Union
 
 import torch
 
+from prefix_schedule.planning.batch_checks import check_plan_covers
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.planner import (PrefixChunk, PrefixWork, Segment, SuffixMicrobatch,
                                               _check_int, _padding)
@@ -67,7 +68,9 @@ def _segment_row(batch: GroupBatch, segment: Segment) -> dict[str, torch.Tensor]
 
 def check_plan_rows(batch: GroupBatch, plan) -> None:
     """ValueError unless every row of `plan` (a StepPlan) belongs to `batch`: what the builders
-    below check when they build a row (mid-step), checked up front without building any."""
+    below check when they build a row (mid-step), checked up front without building any; and
+    that it runs every trajectory of `batch` exactly once (batch_checks.check_plan_covers)."""
+    check_plan_covers(batch, plan)
     for mb in plan.microbatches:
         for segment in mb.segments:
             _check_segment(batch, segment)

@@ -395,14 +395,3 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
     return StepPlan(microbatches=microbatches, prefixes=tuple(prefixes.values()), token_budget=token_budget,
                     prefix_chunk_tokens=prefix_chunk_tokens, row_multiple=row_multiple)
 
-
-# The tensor builders live in planning/inputs.py; importing them from here keeps working.
-_BUILDERS = ("build_suffix_inputs", "build_prefix_inputs", "build_dense_inputs")
-
-
-def __getattr__(name: str):
-    if name in _BUILDERS:
-        from prefix_schedule.planning import inputs
-
-        return getattr(inputs, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

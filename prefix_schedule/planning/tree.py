@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from prefix_schedule.planning.data import ContextLoss, Group, PrefixNode, Trajectory, _prefixed
+from prefix_schedule.planning.data import ContextLoss, Group, PrefixNode, Trajectory, check_tree
 
 __all__ = ["NodeSpan", "cached_spans", "is_tree", "check_tree", "subgroup"]
 
@@ -78,46 +78,6 @@ def cached_spans(group: Group) -> tuple[NodeSpan, ...]:
         if length > 0:
             spans.append(NodeSpan(node=node, parent=parent, start=start, length=length))
     return tuple(spans)
-
-
-def check_tree(group: Group) -> None:
-    """The tree's rules (Group construction calls it); ValueError naming what to fix."""
-    for i, node in enumerate(group.nodes, start=1):
-        if not isinstance(node, PrefixNode):
-            raise ValueError(f"node {i}: expected a PrefixNode, got {type(node).__name__}")
-        if node.parent >= i:
-            raise ValueError(f"node {i} has parent {node.parent}; list parents before their "
-                             "children (parent < node index)")
-    used = {0}
-    for t, trajectory in enumerate(group.trajectories):
-        if trajectory.node >= group.num_nodes:
-            raise ValueError(f"trajectory {t} follows node {trajectory.node} but the group has "
-                             f"nodes 0..{group.num_nodes - 1}; add the node or fix the index")
-        used.update(group.chain(trajectory.node))
-        if trajectory.context_loss is not None:
-            _check_context_loss(trajectory, group.context_len(t), where=f"trajectory {t}")
-    unused = sorted(set(range(group.num_nodes)) - used)
-    if unused:
-        raise ValueError(f"prefix-tree nodes {unused} lead to no trajectory; drop them")
-    for i in range(1, group.num_nodes):
-        if not group.has_children(i) and group.node_tokens(i).numel() < 2:
-            raise ValueError(f"node {i} is a 1-token leaf: it would cache nothing (its last token "
-                             "runs with each suffix); move the token into its trajectories' "
-                             "suffixes")
-
-
-def _check_context_loss(trajectory: Trajectory, length: int, *, where: str) -> None:
-    context = trajectory.context_loss
-    if not isinstance(context, ContextLoss):
-        raise ValueError(f"{where}: context_loss must be a ContextLoss, got {type(context).__name__}")
-    try:
-        context.validate(length)
-    except ValueError as exc:
-        raise _prefixed(where, exc) from None
-    for name in ("old_logprobs", "ref_logprobs"):
-        if (getattr(context, name) is None) != (getattr(trajectory, name) is None):
-            raise ValueError(f"{where}: give context_loss.{name} exactly when the trajectory has "
-                             f"{name}")
 
 
 def subgroup(group: Group, trajectories) -> Group:

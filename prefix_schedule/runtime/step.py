@@ -23,6 +23,8 @@ from prefix_schedule.attention import PackedMeta
 from prefix_schedule.runtime.cache import PrefixKVCache
 from prefix_schedule.runtime.context import PrefixForwardContext, SuffixForwardContext
 from prefix_schedule.runtime.cp import CPGroup, CPRow, ZigzagLayout, balance_owners
+from prefix_schedule.planning.batch_checks import (batch_digest, check_batch_arrays,
+                                                   check_plan_covers)
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.inputs import (build_prefix_inputs, build_prefix_loss,
                                              build_suffix_inputs, check_plan_rows)
@@ -48,6 +50,8 @@ class ReuseStep:
         pipeline size V (each rank holds V model chunks: [Note: virtual stages] in ir.py);
         `cp_group`: this rank's context-parallel group (None or size 1: no CP); each row then
         runs as this rank's zigzag rows ([Note: zigzag CP layout] in runtime/cp.py)."""
+        check_batch_arrays(batch)  # [Note: checks at step build] in planning/batch_checks.py
+        check_plan_covers(batch, plan)
         self.batch = batch
         self.plan = plan
         self.cp = cp_group if cp_group is not None and cp_group.size > 1 else None
@@ -161,8 +165,9 @@ class ReuseStep:
     def signature(self) -> str:
         """What the ranks that run this step together (its TP, PP and CP ranks) must share: the
         plan's rows and units and the schedule's shape (every p2p and collective follows from
-        them). Host work linear in the number of trajectories."""
-        return repr((self.lowered.num_ranks, len(self.caches),
+        them), and a digest of its data (same-shaped but different token ids would pair up and
+        train on: batch_checks.batch_digest). Host work linear in the number of tokens."""
+        return repr((batch_digest(self.batch), self.lowered.num_ranks, len(self.caches),
                      None if self.cp is None else (self.cp.size, self.cp.row_multiple),
                      tuple(self.plan.microbatches), sorted(self._units.items()),
                      sorted(self._rows.items())))

@@ -12,6 +12,8 @@ import dataclasses
 from pathlib import Path
 from typing import Dict, Optional
 
+from benchlib.capacity import check_budget_config, dense_rows
+from benchlib.workload import config_batch
 from prefix_schedule.attention import backends as attention_backends
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.flops import ModelDims
@@ -145,8 +147,6 @@ class BenchConfig:
         self._check_memory_budget()
 
     def _check_memory_budget(self) -> None:
-        from benchlib.capacity import check_budget_config, dense_rows
-
         check_budget_config(self)
         if self.memory_budget_mib is not None and self.dense_micro_batch_size is None:
             object.__setattr__(self, "dense_micro_batch_size", dense_rows(self))
@@ -243,8 +243,6 @@ class BenchConfig:
 
     def rows_per_rank(self) -> list:
         """Dense rows (trajectories) of each data-parallel rank's share of the batch."""
-        from benchlib.measure import config_batch  # the batch the bench runs (trees too)
-
         batch = config_batch(self)
         if self.dp == 1:
             return [sum(len(g.trajectories) for g in batch.groups)]

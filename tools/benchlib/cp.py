@@ -25,8 +25,8 @@ from typing import Dict, List
 import torch
 
 from benchlib.config import BenchConfig
-from benchlib.measure import (LOSS, _reduce_max, collective_tensor, config_batch, config_plan,
-                              selected_backend)
+from benchlib.measure import (LOSS, _progress, _reduce_max, collective_tensor, config_batch,
+                              config_plan, selected_backend)
 from benchlib.models import model_shape
 from benchlib.steps import dense_step, reuse_step
 from benchlib.timing import RegionTimer
@@ -72,17 +72,19 @@ def _time_interleaved(config: BenchConfig, states: ParallelStates,
 
     times = {name: [] for name in paths}
     cpu = {name: [] for name in paths}
-    for step in range(config.warmup + config.steps):
-        for name, (cp, model, run) in paths.items():
-            states.use(cp)
-            zero_grads(model)
-            device = next(model.parameters()).device
-            with RegionTimer(device) as timer:
-                run()
-            seconds, cpu_seconds = _reduce_max(timer.seconds), _reduce_max(timer.cpu_seconds)
-            if step >= config.warmup:
-                times[name].append(seconds)
-                cpu[name].append(cpu_seconds)
+    with _progress(config) as progress:
+        for step in range(config.warmup + config.steps):
+            for name, (cp, model, run) in paths.items():
+                states.use(cp)
+                zero_grads(model)
+                device = next(model.parameters()).device
+                with RegionTimer(device) as timer:
+                    run()
+                seconds, cpu_seconds = _reduce_max(timer.seconds), _reduce_max(timer.cpu_seconds)
+                if step >= config.warmup:
+                    times[name].append(seconds)
+                    cpu[name].append(cpu_seconds)
+            progress.step("warm-up" if step < config.warmup else "timed")
     return times, cpu
 
 

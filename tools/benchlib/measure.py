@@ -27,9 +27,10 @@ import torch
 import memory_probe
 from benchlib.config import BenchConfig
 from benchlib.models import build_models, first_param, grads, zero
+from benchlib.progress import Progress
 from benchlib.steps import dense_step, reuse_step
 from benchlib.timing import RegionTimer
-from benchlib.workload import make_batch, make_tree_batch
+from benchlib.workload import config_batch
 from prefix_schedule.attention import backends as attention_backends
 from prefix_schedule.losses import PolicyLossConfig
 from prefix_schedule.planning.data import GroupBatch
@@ -45,18 +46,6 @@ MEMORY_BASIS = ("device bytes of the accounting model (prefix_schedule/runtime/m
                 "activations brought back for Phase C; offloaded bytes count as host; dense "
                 "one row per microbatch, same recompute; one untimed step per path; not the "
                 "allocator's peak (tools/memory_probe.py)")
-
-
-def config_batch(config: BenchConfig) -> GroupBatch:
-    if config.tree is not None:
-        depth, branching = config.tree_shape
-        return make_tree_batch(depth=depth, branching=branching, node_len=config.node_len,
-                               suffix_len=config.suffix_len, per_leaf=config.group_size,
-                               num_groups=config.num_groups, vocab_size=config.vocab_size,
-                               seed=config.seed)
-    return make_batch(prefix_len=config.prefix_len, suffix_len=config.suffix_len,
-                      group_size=config.group_size, num_groups=config.num_groups,
-                      vocab_size=config.vocab_size, seed=config.seed)
 
 
 def config_plan(config: BenchConfig, batch: GroupBatch) -> StepPlan:
@@ -126,6 +115,16 @@ def _aux_loss(num_microbatches: int) -> Optional[float]:
     return float(total) / entry.values.numel()
 
 
+def _progress(config: BenchConfig):
+    """The steps' progress on the first rank; other ranks (their output goes to a log under
+    launch) count silently."""
+    import io
+
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    return Progress(config.warmup + config.steps, name="bench", unit="step",
+                    stream=None if rank0 else io.StringIO(), tty=None if rank0 else False)
+
+
 def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
                 plan: StepPlan) -> tuple[Dict[str, List[float]], Dict[str, List[float]]]:
     """(wall seconds, process CPU seconds) per timed step and path; with several ranks a step's
@@ -148,16 +147,19 @@ def _time_paths(config: BenchConfig, local, fused, batch: GroupBatch,
     times: Dict[str, List[float]] = {name: [] for name in runs}
     cpu: Dict[str, List[float]] = {name: [] for name in runs}
     device = first_param(local).device
-    for step in range(config.warmup + config.steps):
-        for name, (model, run) in runs.items():  # interleaved: noise hits every path alike
-            zero(model)
-            with RegionTimer(device) as timer:
-                run()
-            seconds = _reduce_max(timer.seconds)  # the MAX also lines the ranks up for the next
-            cpu_seconds = _reduce_max(timer.cpu_seconds)
-            if step >= config.warmup:
-                times[name].append(seconds)
-                cpu[name].append(cpu_seconds)
+    with _progress(config) as progress:
+        for step in range(config.warmup + config.steps):
+            for name, (model, run) in runs.items():  # interleaved: noise hits every path alike
+                zero(model)
+                with RegionTimer(device) as timer:
+                    run()
+                seconds = _reduce_max(timer.seconds)  # the MAX also lines the ranks up
+                cpu_seconds = _reduce_max(timer.cpu_seconds)
+                if step >= config.warmup:
+                    times[name].append(seconds)
+                    cpu[name].append(cpu_seconds)
+            progress.step("warm-up" if step < config.warmup else "timed: " + ", ".join(
+                f"{name} {cpu[name][-1]:.3f}s" for name in runs) + " CPU")
     zero(local)
     zero(fused)
     _aux_loss(1)  # the timed steps' logged aux losses (the one-row dense's too) are dropped

@@ -7,7 +7,7 @@ import torch
 
 from prefix_schedule.planning.data import Group, GroupBatch, PrefixNode, Trajectory
 
-__all__ = ["make_batch", "make_tree_batch"]
+__all__ = ["config_batch", "make_batch", "make_tree_batch"]
 
 
 def make_batch(*, prefix_len: int, suffix_len: int, group_size: int, num_groups: int,
@@ -81,3 +81,16 @@ def _fold(leaf: PrefixNode, trajectory: Trajectory) -> Trajectory:
                       advantages=torch.cat([zeros, trajectory.advantages]),
                       old_logprobs=torch.cat([zeros - 1, trajectory.old_logprobs]),
                       ref_logprobs=torch.cat([zeros - 1, trajectory.ref_logprobs]))
+
+
+def config_batch(config) -> GroupBatch:
+    """The batch the bench runs for a BenchConfig (its tree or one-level shape, its seed)."""
+    if config.tree is not None:
+        depth, branching = config.tree_shape
+        return make_tree_batch(depth=depth, branching=branching, node_len=config.node_len,
+                               suffix_len=config.suffix_len, per_leaf=config.group_size,
+                               num_groups=config.num_groups, vocab_size=config.vocab_size,
+                               seed=config.seed)
+    return make_batch(prefix_len=config.prefix_len, suffix_len=config.suffix_len,
+                      group_size=config.group_size, num_groups=config.num_groups,
+                      vocab_size=config.vocab_size, seed=config.seed)

@@ -1,0 +1,155 @@
+"""Checks that a batch is still what was validated, and that a plan is exactly its plan.
+
+[Note: checks at step build]
+`Trajectory`, `Group` and `GroupBatch` validate their arrays when constructed, but they are
+plain mutable objects: a caller can edit an array in place afterwards (`advantages[3] = nan`,
+`loss_mask *= 0.5`), append a trajectory or a group, or hand a step a plan made for another
+batch. None of that fails later by itself: a NaN advantage trains NaN weights, a 0.5 mask
+weights tokens silently, and a plan that misses a trajectory trains on part of the batch. So a
+step re-checks the batch when it is built (`check_batch_arrays`: GroupBatch.validate, which the
+dense path and the planner call, and ReuseStep) and checks that its plan covers exactly the
+batch's trajectories and tokens (`check_plan_covers`). Both are linear in the batch's tokens,
+with no copy kept.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+
+from prefix_schedule.planning.data import (MAX_ABS_ADVANTAGE, GroupBatch, Group, Trajectory,
+                                           _as_floats, _as_tokens, _check_range)
+
+__all__ = ["check_batch_arrays", "check_plan_covers", "batch_digest"]
+
+_EDITED = "(edited after the Trajectory was built?); fix the array or build the batch again"
+
+
+def check_batch_arrays(batch: GroupBatch) -> None:
+    """ValueError naming the group, trajectory and entry of an array that no longer passes the
+    checks it passed when built ([Note: checks at step build])."""
+    if not isinstance(batch, GroupBatch):
+        raise ValueError(f"expected a GroupBatch, got {type(batch).__name__}")
+    if not batch.groups:
+        raise ValueError("GroupBatch has no groups; give at least one Group")
+    for g, group in enumerate(batch.groups):
+        if not isinstance(group, Group):
+            raise ValueError(f"group {g}: expected a Group, got {type(group).__name__}")
+        try:
+            _check_group(group)
+        except ValueError as exc:
+            raise ValueError(f"group {g}: {exc}") from None
+
+
+def _check_group(group: Group) -> None:
+    if _as_tokens(group.prefix, name="prefix").numel() < 1:
+        raise ValueError("prefix is empty")
+    if not group.trajectories:
+        raise ValueError("group has no trajectories")
+    for t, trajectory in enumerate(group.trajectories):
+        if not isinstance(trajectory, Trajectory):
+            raise ValueError(f"trajectory {t}: expected a Trajectory, got "
+                             f"{type(trajectory).__name__}")
+        try:
+            _check_trajectory(trajectory)
+            if trajectory.context_loss is not None:
+                _check_context_loss(trajectory.context_loss, _context_len(group, t))
+        except ValueError as exc:
+            raise ValueError(f"trajectory {t}: {exc}") from None
+
+
+def _check_trajectory(tr: Trajectory) -> None:
+    n = _as_tokens(tr.suffix, name="suffix").numel()
+    if n < 1:
+        raise ValueError("suffix is empty")
+    mask = _as_floats(tr.loss_mask, name="loss_mask", length=n)
+    if not ((mask == 0) | (mask == 1)).all():
+        bad = int(((mask != 0) & (mask != 1)).nonzero()[0, 0])
+        raise ValueError(f"loss_mask[{bad}] is {float(mask[bad])}, not 0 or 1 {_EDITED}")
+    advantages = _as_floats(tr.advantages, name="advantages", length=n)
+    _check_range(advantages, name="advantages", low=-MAX_ABS_ADVANTAGE, high=MAX_ABS_ADVANTAGE,
+                 hint=f"normalise the advantages {_EDITED}")
+    for name in ("old_logprobs", "ref_logprobs"):
+        if getattr(tr, name) is not None:
+            values = _as_floats(getattr(tr, name), name=name, length=n)
+            _check_range(values, name=name, low=-math.inf, high=0.0,
+                         hint=f"a log-probability is <= 0 {_EDITED}")
+
+
+def _context_len(group: Group, t: int) -> int:
+    node = group.trajectories[t].node
+    if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < group.num_nodes:
+        raise ValueError(f"node {node!r} is not a node of the group (0..{group.num_nodes - 1})")
+    return group.context_len(t)
+
+
+def _check_context_loss(loss, length: int) -> None:
+    """ContextLoss.validate's checks for a context of `length` tokens, converting nothing in
+    place."""
+    mask = _as_floats(loss.loss_mask, name="context loss_mask", length=length)
+    if not ((mask == 0) | (mask == 1)).all() or mask[0] != 0:
+        raise ValueError(f"context loss_mask must hold only 0 and 1, and 0 at entry 0 {_EDITED}")
+    advantages = _as_floats(loss.advantages, name="context advantages", length=length)
+    _check_range(advantages, name="context advantages", low=-MAX_ABS_ADVANTAGE,
+                 high=MAX_ABS_ADVANTAGE, hint=f"normalise the advantages {_EDITED}")
+    for name in ("old_logprobs", "ref_logprobs"):
+        if getattr(loss, name) is not None:
+            _as_floats(getattr(loss, name), name=f"context {name}", length=length)
+
+
+def check_plan_covers(batch: GroupBatch, plan) -> None:
+    """ValueError unless `plan` (a StepPlan) runs every trajectory of `batch` exactly once, each
+    as the whole tail of its dense row (cached part + row = P+n-1 tokens), following its own
+    tree node ([Note: checks at step build]): a plan made for another batch, or a batch that
+    gained a trajectory or group after planning, would otherwise train on part of it."""
+    seen = {}
+    for mb in plan.microbatches:
+        for s in mb.segments:
+            key = (s.group, s.trajectory)
+            if key in seen:
+                raise ValueError(f"group {s.group}, trajectory {s.trajectory} appears in "
+                                 f"microbatches {seen[key]} and {mb.index}; the plan does not "
+                                 "belong to this batch: plan it again")
+            seen[key] = mb.index
+            if not (0 <= s.group < len(batch.groups)
+                    and 0 <= s.trajectory < len(batch.groups[s.group].trajectories)):
+                raise ValueError(f"the plan runs group {s.group}, trajectory {s.trajectory}, which "
+                                 "the batch does not have; plan this batch again")
+            group = batch.groups[s.group]
+            node = group.trajectories[s.trajectory].node
+            if s.node != node or s.cached_len not in (0, group.context_len(s.trajectory) - 1):
+                raise ValueError(f"group {s.group}, trajectory {s.trajectory}: the plan reads node "
+                                 f"{s.node} with {s.cached_len} cached tokens, the batch has node "
+                                 f"{node} after {group.context_len(s.trajectory)} context tokens; "
+                                 "plan this batch again")
+    total = sum(len(g.trajectories) for g in batch.groups)
+    if len(seen) != total:
+        missing = next((g, t) for g, group in enumerate(batch.groups)
+                       for t in range(len(group.trajectories)) if (g, t) not in seen)
+        raise ValueError(f"the plan runs {len(seen)} of the batch's {total} trajectories (group "
+                         f"{missing[0]}, trajectory {missing[1]} is in none of its microbatches): "
+                         "it was made for another batch, or the batch changed after planning; "
+                         "plan this batch again")
+
+
+def batch_digest(batch: GroupBatch) -> str:
+    """A cheap content fingerprint of the batch (crc32 of every token id and per-token array, in
+    order, with the shapes): the ranks that run one step together fold it into their agreement,
+    so same-shaped but different data on a pipeline or tensor-parallel peer is refused, not
+    trained on ([Note: agreed refusal] in megatron_patches/agreement.py). Linear in the tokens;
+    equal batches give equal digests on every rank."""
+    crc = 0
+    for group in batch.groups:
+        arrays = [group.prefix, *(node.tokens for node in group.nodes)]
+        for tr in group.trajectories:
+            arrays += [tr.suffix, tr.loss_mask, tr.advantages, tr.old_logprobs, tr.ref_logprobs]
+            if tr.context_loss is not None:
+                arrays += [tr.context_loss.loss_mask, tr.context_loss.advantages]
+        for array in arrays:
+            if array is None:
+                crc = zlib.crc32(b"-", crc)
+                continue
+            values = array.detach().cpu().contiguous()
+            crc = zlib.crc32(repr((str(values.dtype), tuple(values.shape))).encode(), crc)
+            crc = zlib.crc32(values.numpy().tobytes(), crc)
+    return f"{crc:08x}"
