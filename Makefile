@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast bench patches-report clean
+.PHONY: setup demo test test-fast test-frameworks bench patches-report clean
 
 setup: $(STAMP)
 
@@ -26,6 +26,7 @@ $(STAMP): setup.py Makefile megatron_patches/declarations.py
 	$(PIP) install -q --no-deps --ignore-requires-python megatron-core==0.19.2
 	$(PIP) install -q transformers==5.23.0  # test-only: cross-checks tests/reference_impl.py
 	$(PIP) install -q safetensors==0.8.0  # tools/replay.py checkpoints (also a transformers dep)
+	$(PIP) install -q einops==0.8.1  # megatron.core.ssm (Mamba layers) needs it
 	$(PIP) install -q pybind11==3.1.0 psutil==7.2.2 tensorboard==2.21.0  # megatron.training
 	$(PIP) install -q matplotlib==3.10.7 tqdm==4.70.1  # tools/: plots (sweep, replay, capacity, plan, predict) and progress
 	$(PIP) install -q --no-deps --no-build-isolation -e .
@@ -54,4 +55,23 @@ patches-report: setup
 	$(PY) -m megatron_patches report
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FW_VENV) build *.egg-info
+
+# Framework tests (test names say verl / train_rl) in their own venv: verl 0.9.1 pins transformers
+# < 5.11 and tensordict <= 0.10 (ours: 5.23). torch goes in first, pinned, and everything else
+# with --no-deps from a pinned list, so no CUDA torch is ever pulled.
+FW_VENV := .venv-frameworks
+FW_PY := $(FW_VENV)/bin/python
+FW_STAMP := $(FW_VENV)/.setup-stamp
+FW_TESTS := $(wildcard tests/test_*verl*.py tests/test_*train_rl*.py)
+
+$(FW_STAMP): Makefile tools/frameworks-requirements.txt megatron_patches/declarations.py
+	test -x $(FW_PY) || $(PYTHON) -m venv $(FW_VENV)
+	$(FW_PY) -m pip install -q torch==2.13.0 numpy==2.4.6 'packaging>=24.2' 'pytest>=8' 'hypothesis>=6'
+	$(FW_PY) -m pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
+	$(FW_PY) -m pip install -q --no-deps verl==0.9.1 -r tools/frameworks-requirements.txt
+	$(FW_PY) -m megatron_patches apply
+	touch $(FW_STAMP)
+
+test-frameworks: $(FW_STAMP)
+	PREFIX_REUSE_REQUIRE_FRAMEWORKS=1 $(FW_PY) -m pytest -q $(PYTEST_ARGS) $(FW_TESTS)

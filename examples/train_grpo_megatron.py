@@ -12,14 +12,21 @@ Megatron's `get_forward_backward_func()` (prefix reuse selected), Megatron's DDP
 builder and rollout; nothing else changes.
 
 A stalled or dead rank ends the job within `--collective-timeout` seconds (default
-`$PREFIX_REUSE_COLLECTIVE_TIMEOUT_S`, else 600): every process group the step uses gets it as
-its timeout, so a rank waiting that long for a peer fails; its error then names the rank that
-failed first (megatron_patches/failures.py: ranks record how they ended in torchrun's store; one
+`$PREFIX_REUSE_COLLECTIVE_TIMEOUT_S`, else 600), at start-up as mid-run: the default group's
+rendezvous and every process group the step uses get it as their timeout, so a rank waiting that
+long for a peer fails; its error then names the rank that failed first
+(megatron_patches/failures.py: ranks record how they ended in torchrun's store; one
 that recorded nothing stalled or was killed), and torchrun stops the others. On gloo the waiting
 collective raises. On NCCL PyTorch's watchdog enforces the same timeout
 (TORCH_NCCL_ASYNC_ERROR_HANDLING, which torchrun sets to 1: abort the communicator and end the
 process), so the waiting ranks may end before they can report; set TORCH_NCCL_DESYNC_DEBUG=1 to
 have the watchdog log which ranks never joined the timed-out collective.
+
+How long a stall takes to end the job: the timeout, then up to 5 s in which the failing rank
+collects its peers' ends (for the headline), then torchrun stops the other ranks with SIGTERM;
+a rank that does not end on SIGTERM (a stopped process, one stuck in the kernel) gets torchrun's
+fixed 30 s shutdown grace before SIGKILL. So: timeout + 5 s, or timeout + 35 s at worst. A slow
+start-up (imports, data) counts against the same timeout: give a larger one for huge jobs.
 """
 
 from __future__ import annotations
@@ -35,10 +42,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import megatron_patches
 from megatron_patches.failures import collective_timeout_s, report_first_failure
 from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
-
-_STARTUP_S = 600.0
-"""Rendezvous timeout of the default group: ranks may reach it minutes apart (imports, data)."""
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -64,6 +67,9 @@ def parse_args(argv=None):
                         "else 600)")
     p.add_argument("--stall-rank", type=int, default=None,
                    help="testing aid: this rank sleeps forever before its first step")
+    p.add_argument("--stall-at", choices=("step", "startup"), default="step",
+                   help="testing aid: where --stall-rank sleeps (startup: before the default "
+                        "process group exists)")
     p.add_argument("--cpu", action="store_true",
                    help="train on CPU over gloo (turns on megatron_patches.enable_cpu_support)")
     args = p.parse_args(argv)
@@ -111,11 +117,14 @@ def main(argv=None) -> int:
     else:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = datetime.timedelta(seconds=args.collective_timeout)
-    torch.distributed.init_process_group(
-        "gloo" if args.cpu else "nccl", timeout=max(timeout, datetime.timedelta(seconds=_STARTUP_S)))
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     key = f"prefix_reuse/end/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     with report_first_failure(_store(timeout), rank, world, key=key):
+        if args.stall_at == "startup" and rank == args.stall_rank:
+            time.sleep(10**9)
+        # start-up waits for every rank as long as any collective does, and its failure is
+        # reported like one (a rank that never arrives is named)
+        torch.distributed.init_process_group("gloo" if args.cpu else "nccl", timeout=timeout)
         megatron_patches.install()
         # every group the step uses gets the collective timeout: Megatron's, and `everyone`
         initialize_distributed(seed=1234 + args.seed, tp=args.tp, pp=args.pp,
@@ -150,7 +159,8 @@ def train(args, everyone) -> None:
     rank0 = torch.distributed.get_rank() == 0
 
     for step in range(args.steps):
-        if step == 0 and torch.distributed.get_rank() == args.stall_rank:
+        stall = args.stall_at == "step" and torch.distributed.get_rank() == args.stall_rank
+        if step == 0 and stall:
             time.sleep(10**9)
         args.seed += 1
         batch = rollout(args, cfg.vocab_size)

@@ -42,15 +42,33 @@ def install() -> None:
     from megatron.core.models.gpt import gpt_model
     from megatron.core.models.hybrid import hybrid_model
     from megatron.core.pipeline_parallel import schedules
+    from megatron.core.ssm.gated_delta_net import gdn
     from megatron.core.transformer import attention
 
-    from megatron_patches import hooks, moe
+    from megatron_patches import gdn_hooks, hooks, mamba_hooks, moe
 
     attention._core_attention_hook = hooks.core_attention_hook
+    gdn._gdn_state_hook = gdn_hooks.gdn_state_hook
+    mamba_mixer = _mamba_mixer()
+    if mamba_mixer is not None:
+        mamba_mixer._mamba_state_hook = mamba_hooks.mamba_state_hook
     moe.install()  # TopKRouter.routing: logical prefix-token accounting in reuse contexts
     gpt_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     hybrid_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     schedules._forward_backward_func_hook = _select_schedule
+
+
+def _mamba_mixer():
+    """Megatron's mamba_mixer module, or None where it cannot be imported: Megatron-LM main
+    (0.20.0) imports Triton kernels there at import time, so without triton (a CPU machine) no
+    Mamba layer can be built and there is nothing to hook."""
+    try:
+        from megatron.core.ssm import mamba_mixer
+    except ModuleNotFoundError as error:
+        if error.name != "triton":
+            raise
+        return None
+    return mamba_mixer
 
 
 def uninstall() -> None:
@@ -61,6 +79,12 @@ def uninstall() -> None:
     from megatron.core.transformer import attention
 
     attention._core_attention_hook = None
+    from megatron.core.ssm.gated_delta_net import gdn
+
+    gdn._gdn_state_hook = None
+    mamba_mixer = _mamba_mixer()
+    if mamba_mixer is not None:
+        mamba_mixer._mamba_state_hook = None
     gpt_model._rotary_pos_emb_hook = None
     hybrid_model._rotary_pos_emb_hook = None
     schedules._forward_backward_func_hook = None

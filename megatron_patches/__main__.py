@@ -1,7 +1,8 @@
 """`python -m megatron_patches {apply,revert,check,report,diff} [--root PATH] [--write]`.
 
 Exit status: 0 done / all applied; 1 `check` found a patch not applied, or a patch conflicts
-(nothing was written); 2 usage error (no megatron-core found, unsupported version, bad --root).
+(nothing was written); 2 usage error (no megatron-core found, unsupported version, bad --root,
+a target that cannot be written: nothing was written).
 """
 
 from __future__ import annotations

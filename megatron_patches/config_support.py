@@ -108,9 +108,11 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _refuse("no_rope_freq", "NoPE layers", "no_rope_freq (layers without RoPE) is "
               + _UNVERIFIED, 4, allowed=lambda v: v is None),
     _refuse("experimental_attention_variant", "attention variant", "experimental attention "
-              "variants are not hooked by prefix reuse", "dsa", allowed=lambda v: v is None),
-    _refuse("linear_attention_freq", "linear attention", "linear-attention layers hold "
-              "recurrent state, not a K/V cache: not supported", 4, allowed=lambda v: v is None),
+              "variants other than 'gated_delta_net' are not hooked by prefix reuse", "dsa",
+              allowed=lambda v: v in (None, "gated_delta_net")),
+    _refuse("use_mamba_mem_eff_path", "Mamba inference path", "use_mamba_mem_eff_path=False "
+              "trains Mamba layers through their inference (prefill) path, which prefix reuse "
+              "does not hook; keep the default True", False, allowed=lambda v: v),
     _refuse("heterogeneous_block_specs", "per-layer configs", "heterogeneous block specs "
               "(per-layer configs) are not classified for prefix reuse", True),
     _refuse("use_mup", "muP", "muP scaling is " + _UNVERIFIED, True),
@@ -182,8 +184,7 @@ FIELD_RULES: Dict[str, Rule] = _merge(
              "embedding_init_method_std init_model_with_meta_device"),
     _group("irrelevant", "set by Megatron-LM for every --hybrid-layer-pattern model; read only "
              "by the output-layer init scaling (transformer_config.py). A HybridModel's layers "
-             "are checked per pattern symbol before compute: Mamba 'M' and gated-delta-net 'G' "
-             "hold recurrent state and are refused (layers.check_layers_supported)",
+             "are checked per pattern symbol before compute (layers.check_layers_supported)",
              "is_hybrid_model"),
     _group("irrelevant", "loss fusion of GPTModel(labels=...): the RL forward step computes "
              "its own log-probs", "cross_entropy_loss_fusion cross_entropy_fusion_impl"),
@@ -220,10 +221,15 @@ FIELD_RULES: Dict[str, Rule] = _merge(
              "dsa_indexer_skip_topk_offset dsa_indexer_loss_coeff dsa_indexer_use_sparse_loss "
              "dsa_kernel_backend dsa_indexer_rope_interleaved dsa_indexer_rotate_activation "
              "dsa_indexer_scoring_relu dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32 "
-             "linear_conv_kernel_dim linear_key_head_dim linear_value_head_dim "
-             "linear_num_key_heads linear_num_value_heads mamba_state_dim mamba_head_dim "
-             "mamba_num_groups mamba_num_heads mamba_training_ssm_states_dtype "
-             "use_mamba_mem_eff_path mrope_section hetereogenous_dist_checkpoint"),
+             "mrope_section hetereogenous_dist_checkpoint"),
+    _group("supported", "Mamba-2 layers (HybridModel 'M'): each caches its SSD state and conv "
+             "tail per group (megatron_patches/mamba_hooks.py)", "mamba_state_dim "
+             "mamba_head_dim mamba_num_groups mamba_num_heads mamba_training_ssm_states_dtype"),
+    _group("supported", "Gated DeltaNet layers (experimental_attention_variant="
+             "'gated_delta_net'): each caches its recurrent state and conv tail per group "
+             "(megatron_patches/gdn_hooks.py)", "linear_attention_freq linear_conv_kernel_dim "
+             "linear_key_head_dim linear_value_head_dim linear_num_key_heads "
+             "linear_num_value_heads"),
     MOE_RULES,
     _group("irrelevant", "only read with CUDA graphs / offloading (refused)",
              "cuda_graph_use_single_mempool cuda_graph_retain_backward_graph "
@@ -259,11 +265,16 @@ def _default(field: dataclasses.Field):
     return dataclasses.MISSING
 
 
-def check_config_supported(config) -> None:
-    """ValueError (before any compute) for every config value prefix reuse would not honour."""
+def check_config_supported(config, *, global_loss_contract: bool = False) -> None:
+    """ValueError (before any compute) for every config value prefix reuse would not honour.
+    `global_loss_contract`: the step's loss returns `(loss, report)` already normalised over the
+    global batch and multiplied by the step's microbatch count (the framework adapter,
+    megatron_patches/frameworks): then calculate_per_token_loss=False is exact too."""
     problems = []
     for field in dataclasses.fields(config):
         value = getattr(config, field.name)
+        if global_loss_contract and field.name == "calculate_per_token_loss":
+            continue
         rule = FIELD_RULES.get(field.name)
         if rule is None:
             if value is not _default(field) and value != _default(field):

@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ATTENTION_CORE_HOOK", "DECLARED_PATCHES", "GPT_ROPE_POSITIONS_HOOK",
-           "HYBRID_ROPE_POSITIONS_HOOK", "Hunk", "PATCH_SETS", "SCHEDULE_SELECTION_HOOK",
+__all__ = ["ATTENTION_CORE_HOOK", "DECLARED_PATCHES", "GDN_STATE_HOOK", "GPT_ROPE_POSITIONS_HOOK",
+           "HYBRID_ROPE_POSITIONS_HOOK", "Hunk", "MAMBA_STATE_HOOK", "PATCH_SETS", "SCHEDULE_SELECTION_HOOK",
            "SUPPORTED_RELEASES", "SUPPORTED_VERSIONS", "SourcePatch", "patch_set_name",
            "patches_for", "supported_range"]
 
@@ -258,9 +258,85 @@ HYBRID_ROPE_POSITIONS_HOOK = SourcePatch(
     references=(("HybridModel.forward", "_rotary_pos_emb_hook"),),
 )
 
+GDN_STATE_HOOK = SourcePatch(
+    id="gdn-state-hook",
+    target="megatron/core/ssm/gated_delta_net/gdn.py",
+    description=(
+        "GatedDeltaNet.forward asks _gdn_state_hook for its short causal conv and its gated delta "
+        "rule (stock: initial_state=None at both): a reuse step resumes them from a cached "
+        "prefix state; a None answer keeps the stock call."
+    ),
+    supported_versions=SUPPORTED_VERSIONS,
+    hunks=(
+        _insert(
+            "from megatron.core.packed_seq_params import PackedSeqParams\n",
+            _hook_declaration(
+                "gdn-state-hook", "_gdn_state_hook",
+                "when set,\n# GatedDeltaNet.forward asks hook(self, 'conv') for a "
+                "conv(qkv, weight, bias) and\n# hook(self, 'rule') for a gated delta rule; None "
+                "keeps the stock call.",
+            ),
+            "from megatron.core.ssm.gated_delta_net.common import (\n",
+        ),
+        Hunk(old='''\
+        if self.config.deterministic_mode:
+            qkv = qkv.transpose(1, 2).contiguous()  # b, s, d -> b, d, s
+''', new='''\
+        # megatron-prefix-reuse: a reuse step's conv resumes from the cached prefix inputs.
+        state_conv = _gdn_state_hook(self, "conv") if _gdn_state_hook is not None else None
+        if state_conv is not None:
+            qkv = state_conv(qkv, conv1d_weight, conv1d_bias)
+        elif self.config.deterministic_mode:
+            qkv = qkv.transpose(1, 2).contiguous()  # b, s, d -> b, d, s
+'''),
+        Hunk(old='''\
+        core_attn_out, _ = self.gated_delta_rule(
+''', new='''\
+        gated_delta_rule = self.gated_delta_rule
+        if _gdn_state_hook is not None:  # megatron-prefix-reuse: resume from a cached state
+            gated_delta_rule = _gdn_state_hook(self, "rule") or gated_delta_rule
+        core_attn_out, _ = gated_delta_rule(
+'''),
+    ),
+    hook="_gdn_state_hook",
+    references=(("GatedDeltaNet.forward", "_gdn_state_hook"),),
+)
+
+MAMBA_STATE_HOOK = SourcePatch(
+    id="mamba-state-hook",
+    target="megatron/core/ssm/mamba_mixer.py",
+    description=(
+        "MambaMixer._ssm_training asks _mamba_state_hook for the fused conv + scan it calls "
+        "(stock: mamba_split_conv1d_scan_combined, no initial state): a reuse step resumes the "
+        "conv and the SSD scan from a cached prefix state; a None answer keeps the stock call."
+    ),
+    supported_versions=SUPPORTED_VERSIONS,
+    hunks=(
+        _insert(
+            "from megatron.core.ssm.utils import _split_tensor_factory\n",
+            _hook_declaration(
+                "mamba-state-hook", "_mamba_state_hook",
+                "when set,\n# MambaMixer._ssm_training asks hook(self) for a stand-in of "
+                "mamba_split_conv1d_scan_combined\n# (same arguments); None keeps the stock call.",
+            ),
+            "from megatron.core.tensor_parallel import get_cuda_rng_tracker\n",
+        ),
+        Hunk(old='''\
+        y = mamba_split_conv1d_scan_combined(
+''', new='''\
+        split_conv1d_scan = mamba_split_conv1d_scan_combined
+        if _mamba_state_hook is not None:  # megatron-prefix-reuse: resume from a cached state
+            split_conv1d_scan = _mamba_state_hook(self) or split_conv1d_scan
+        y = split_conv1d_scan(
+'''),
+    ),
+    hook="_mamba_state_hook",
+    references=(("MambaMixer._ssm_training", "_mamba_state_hook"),),
+)
+
 DECLARED_PATCHES: tuple[SourcePatch, ...] = (
     ATTENTION_CORE_HOOK, GPT_ROPE_POSITIONS_HOOK, HYBRID_ROPE_POSITIONS_HOOK,
-    SCHEDULE_SELECTION_HOOK,
+    SCHEDULE_SELECTION_HOOK, GDN_STATE_HOOK, MAMBA_STATE_HOOK,
 )
 """Every declaration, all releases; a release's set is `patches_for(version)`."""
 

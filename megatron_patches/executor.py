@@ -12,6 +12,7 @@ lowered schedule, with all p2p traffic in megatron_patches/p2p.py.
 
 from __future__ import annotations
 
+from prefix_schedule.planning.batch_checks import validate_batch
 from prefix_schedule.pipeline import ActionKind
 from prefix_schedule.pipeline.lowering import forward_only as forward_half
 from prefix_schedule.runtime.step import ReuseStep
@@ -23,7 +24,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from megatron_patches.agreement import StepChecks, fingerprint
 from megatron_patches.config_support import check_config_supported
 from megatron_patches.cpu_support import cpu_support_enabled, refuse_with_nccl
-from megatron_patches.layers import check_layers_supported
+from megatron_patches.layers import check_layers_supported, check_recurrent_step
 from megatron_patches.moe import (check_moe_supported, expert_parallel_schedule,
                                   expert_parallel_schedule_mismatch)
 from megatron_patches.stage_runner import StageRunner
@@ -48,7 +49,8 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
             f"num_microbatches={num_microbatches} but the step plan has {step.num_microbatches} "
             "suffix microbatches; pass num_microbatches=step.num_microbatches"
         )
-    check_config_supported(config)  # every TransformerConfig field: config_support.py
+    check_config_supported(  # every TransformerConfig field: config_support.py
+        config, global_loss_contract=getattr(step, "global_loss_contract", False))
     check_moe_supported(config)  # MoE settings that need the process groups to judge
     chosen = getattr(step.plan, "memory", None)  # plan_microbatches(memory_budget_bytes=...)
     if chosen is not None and chosen.options.recompute == "full" \
@@ -65,7 +67,7 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
                          "them dense")
     if model is not None:  # the data against the model: token ids and lengths
         gpt = unwrap_model(model)
-        step.batch.validate(max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
+        validate_batch(step.batch, max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
     position_embedding = (getattr(unwrap_model(model), "position_embedding_type", "rope")
                           if model is not None else "rope")
     if position_embedding not in ("rope", "learned_absolute", "none"):
@@ -75,6 +77,7 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
     _check_layout(step, num_model_chunks)
     if model is not None:
         check_layers_supported(config, model)  # HybridModel layer kinds, MTP
+        check_recurrent_step(config, model, step)  # GDN: no prefix trees
     _check_context_parallel(config, step)
     _check_sequence_parallel_rows(config, step)
     _check_deferred_embedding_wgrad(config, step)

@@ -25,7 +25,9 @@ from megatron.core.models.hybrid.hybrid_block import (
     HybridStackSubmodules,
 )
 from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer,
@@ -55,13 +57,37 @@ class LocalNormHybridStack(HybridStack):
                                          eps=config.layernorm_epsilon)
 
 
-def local_hybrid_stack_spec(*, num_moe_experts: Optional[int] = None) -> ModuleSpec:
-    """A HybridStack spec with attention (`*`), MLP (`-`) and, with experts, MoE (`E`) layers.
+def _local_mamba_layer() -> ModuleSpec:
+    """Megatron's MambaLayer with the local norm and plain TP linears (imported here: Megatron-LM
+    main's mamba_mixer imports Triton kernels at import time, so only Mamba models need it)."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    norm = get_gpt_layer_local_spec(normalization="RMSNorm").submodules.input_layernorm
+    return ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+        norm=norm,
+        mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
+            in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
+        mamba_bda=get_bias_dropout_add))
+
+
+def local_hybrid_stack_spec(*, num_moe_experts: Optional[int] = None,
+                            mamba: bool = False) -> ModuleSpec:
+    """A HybridStack spec with attention (`*`), gated delta net (`G`), MLP (`-`), with `mamba`
+    Mamba-2 (`M`) and, with experts, MoE (`E`) layers.
 
     Each layer kind takes its modules from `get_gpt_layer_local_spec(normalization="RMSNorm")`:
     the attention layer is that layer without its MLP half, the MLP layer the MLP half, so the
-    pattern `*-*-` is the GPT local spec's 2-layer model. Other symbols build Megatron's
-    placeholder (`IdentityOp`), enough to reach prefix reuse's refusal of them.
+    pattern `*-*-` is the GPT local spec's 2-layer model. A `G` layer is the attention layer with
+    Megatron's GatedDeltaNet (local in/out projections, the local RMSNorm as its output norm;
+    TE's spec fuses the input norm into in_proj) -- its config needs the `linear_*` fields. An
+    `M` layer is Megatron's `MambaLayer` / `MambaMixer` with the local norm in front of a plain
+    `ColumnParallelLinear` in-projection (TE's spec fuses that norm too; its config needs the
+    `mamba_*` fields); on CPU the Mamba and GDN kernels are the CPU layer's torch stand-ins
+    (megatron_patches/mamba_cpu.py, gdn_cpu.py). Other symbols build Megatron's placeholder
+    (`IdentityOp`), enough to reach prefix reuse's refusal of them.
     """
     gpt = get_gpt_layer_local_spec(normalization="RMSNorm").submodules
     attention = TransformerLayerSubmodules(input_layernorm=gpt.input_layernorm,
@@ -69,8 +95,16 @@ def local_hybrid_stack_spec(*, num_moe_experts: Optional[int] = None) -> ModuleS
                                            self_attn_bda=gpt.self_attn_bda)
     mlp = TransformerLayerSubmodules(pre_mlp_layernorm=gpt.pre_mlp_layernorm, mlp=gpt.mlp,
                                      mlp_bda=gpt.mlp_bda)
+    gdn = TransformerLayerSubmodules(
+        input_layernorm=gpt.input_layernorm, self_attn_bda=gpt.self_attn_bda,
+        self_attention=ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+            in_proj=ColumnParallelLinear, out_norm=gpt.input_layernorm,
+            out_proj=RowParallelLinear)))
     layers = dict(attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
+                  gdn_layer=ModuleSpec(module=TransformerLayer, submodules=gdn),
                   mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp))
+    if mamba:
+        layers["mamba_layer"] = _local_mamba_layer()
     if num_moe_experts:
         moe = get_gpt_layer_local_spec(num_experts=num_moe_experts, moe_grouped_gemm=False,
                                        normalization="RMSNorm").submodules
@@ -114,7 +148,8 @@ def build_hybrid_model(cfg: TinyLlamaConfig, pattern: str, *, seed: Optional[int
         num_moe_experts = config.num_moe_experts
     model = HybridModel(
         config=config,
-        hybrid_stack_spec=local_hybrid_stack_spec(num_moe_experts=num_moe_experts),
+        hybrid_stack_spec=local_hybrid_stack_spec(num_moe_experts=num_moe_experts,
+                                                  mamba="M" in pattern),
         vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_seq_len,
         hybrid_layer_pattern=pattern,

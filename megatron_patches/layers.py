@@ -2,12 +2,12 @@
 
 `GPTModel`: every decoder layer is attention + MLP, so the last layer holds the last K/V.
 `HybridModel`: one symbol per layer in `hybrid_layer_pattern` (Megatron's `Symbols`): attention
-(`*`), MLP (`-`) and MoE (`E`, megatron_patches/moe.py) layers are supported: the last stage's
-prefix forward runs to the last `*` (its K/V), or on to the router of a later `E` layer whose
-statistics count the prefix (`prefix_stop`); Mamba (`M`)
-and gated delta net (`G`) layers carry a recurrent state that a suffix would have to resume from
-(the prefix would have to cache that state instead of K/V); DSA (`D`) and MLA (`+`) attention is
-not hooked. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
+(`*`), gated delta net (`G`: its recurrent state and conv tail are cached instead of K/V,
+[Note: recurrent prefix state]), MLP (`-`) and MoE (`E`, megatron_patches/moe.py) layers are
+supported, and so are Mamba-2 layers (`M`: SSD state and conv tail cached,
+megatron_patches/mamba_hooks.py): the last stage's prefix forward runs to the last `*`, `G` or
+`M` (its K/V or state), or on to the router of a later `E` layer whose statistics count the
+prefix (`prefix_stop`); DSA (`D`) and MLA (`+`) attention is not hooked. A GPTModel with `experimental_attention_variant="gated_delta_net"` holds GDN layers too. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
 refuse together, before any compute (no rank is left waiting on a peer that raised).
 """
 
@@ -20,16 +20,17 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_h
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.utils import get_model_config, unwrap_model
 
-__all__ = ["check_layers_supported", "last_kv_layer_number", "prefix_stop", "stage_patterns"]
+__all__ = ["check_layers_supported", "check_recurrent_step", "last_kv_layer_number",
+           "prefix_stop", "stage_patterns"]
 
-_RECURRENT = ("its recurrent state would have to be cached for the suffixes to resume from, "
-              "instead of K/V; prefix reuse caches K/V only")
 _REFUSED = {
-    Symbols.MAMBA: ("Mamba", _RECURRENT),
-    Symbols.GDN: ("gated delta net", _RECURRENT),
     Symbols.DS_ATTENTION: ("DeepSeek sparse attention", "its core attention is not hooked"),
     Symbols.MLA: ("multi-latent attention", "its core attention is not hooked"),
 }
+
+
+_CACHING = (Symbols.ATTENTION, Symbols.GDN, Symbols.MAMBA)  # prefix leaves K/V or a state
+_RECURRENT = (Symbols.GDN, Symbols.MAMBA)
 
 
 def _hybrid(model) -> Optional[HybridModel]:
@@ -67,6 +68,8 @@ def check_layers_supported(config, model) -> None:
                          "reuse steps yet; train without MTP layers")
     hybrid = _hybrid(model)
     if hybrid is None:
+        if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
+            _check_gdn_supported(config)
         return
     if config.recompute_granularity == "full":
         raise ValueError("recompute_granularity='full' with a HybridModel is not verified with "
@@ -79,20 +82,56 @@ def check_layers_supported(config, model) -> None:
                          "(after '/'): not supported in prefix reuse steps yet")
     refused = [f"{symbol!r} ({name}): {why}" for symbol, (name, why) in _REFUSED.items()
                if symbol in (parsed.main_pattern or "")]
+    if set(_RECURRENT) & set(parsed.main_pattern or ""):
+        _check_gdn_supported(config)
     if refused:
         raise ValueError(f"hybrid_layer_pattern {pattern!r} has layers prefix reuse cannot run: "
                          + "; ".join(refused))
     stages = stage_patterns(pattern, parallel_state.get_pipeline_model_parallel_world_size(),
                             config)
-    empty = [i for i, stage in enumerate(stages) if Symbols.ATTENTION not in stage]
+    empty = [i for i, stage in enumerate(stages) if not set(_CACHING) & set(stage)]
     if empty:
         raise ValueError(
-            f"hybrid_layer_pattern {pattern!r}: pipeline stage(s) {empty} hold no attention "
-            f"layer ('*'), so they would cache no prefix K/V (stages: {stages}); give every stage "
-            "an attention layer ('|' marks the stage boundaries)")
+            f"hybrid_layer_pattern {pattern!r}: pipeline stage(s) {empty} hold no attention layer "
+            f"('*'), no gated delta net ('G') and no Mamba ('M') layer, so they would cache no "
+            f"prefix K/V or state (stages: {stages}); give every stage one ('|' marks the stage "
+            "boundaries)")
     own = "".join(hybrid.decoder.layer_type_list)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     assert own == stages[rank], f"stage {rank} built {own!r}, not {stages[rank]!r}: split drifted"
+
+
+def _check_gdn_supported(config) -> None:
+    """Gated DeltaNet and Mamba layers cache a recurrent state ([Note: recurrent prefix state]);
+    the paths below would need it split or replayed, which is not implemented."""
+    why = []
+    if config.context_parallel_size > 1:
+        why.append("context parallelism (GDN's CP all-to-all splits heads, and a zigzag shard "
+                   "has no prefix state of its own): use context_parallel_size=1")
+    if config.recompute_granularity == "full":
+        why.append("recompute_granularity='full' (Phase C replays K/V only): use selective "
+                   "recompute or none")
+    if why:
+        raise ValueError("Gated DeltaNet (experimental_attention_variant='gated_delta_net', "
+                         "'G') and Mamba ('M') layers with prefix reuse do not support: "
+                         + "; ".join(why))
+
+
+def _has_recurrent(config, model) -> bool:
+    hybrid = _hybrid(model)
+    if hybrid is not None:
+        main = parse_hybrid_pattern(hybrid.hybrid_layer_pattern).main_pattern or ""
+        return bool(set(_RECURRENT) & set(main))
+    return getattr(config, "experimental_attention_variant", None) == "gated_delta_net"
+
+
+def check_recurrent_step(config, model, step) -> None:
+    """ValueError before compute: a step with prefix trees on a model with GDN layers (a tree
+    reader may stop inside a cached chunk, where no state exists; not verified yet)."""
+    if _has_recurrent(config, model) and any(w.nodes is not None for w in step.plan.prefixes):
+        raise ValueError("prefix trees with Gated DeltaNet or Mamba layers are not supported yet (a "
+                         "recurrent layer's state exists only at a chunk's end); plan these "
+                         "groups with one shared prompt each (no nodes)")
 
 
 def last_kv_layer_number(model) -> int:
@@ -106,7 +145,7 @@ def last_kv_layer_number(model) -> int:
         return get_model_config(model).num_layers
     main = (parse_hybrid_pattern(hybrid.hybrid_layer_pattern).main_pattern or "")
     layers = main.replace(Symbols.PIPE, "")
-    return max(i for i, symbol in enumerate(layers, start=1) if symbol == Symbols.ATTENTION)
+    return max(i for i, symbol in enumerate(layers, start=1) if symbol in _CACHING)
 
 
 def prefix_stop(model) -> Tuple[int, bool]:

@@ -209,9 +209,42 @@ def _transition(root, patches, *, forward: bool) -> list[PatchStatus]:
         new_texts[path] = _rewrite(text, patch, forward=forward)
         done, verb = (APPLIED, "patched") if forward else (NOT_APPLIED, "restored")
         results.append(PatchStatus(patch.id, done, f"{verb} {path}"))
-    for path, text in new_texts.items():
-        _write_atomic(path, text)
+    _write_all(new_texts)
     return results
+
+
+def _check_writable(paths) -> None:
+    """ValueError naming every target that cannot be replaced, before any is written: open
+    for append (refused on a read-only or immutable file) and a temp file in its directory."""
+    bad = []
+    for path in paths:
+        try:
+            with open(path, "ab"):
+                pass
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+            os.close(fd)
+            os.unlink(tmp)
+        except OSError as exc:
+            bad.append(f"  {path}: {exc.strerror or exc}")
+    if bad:
+        raise ValueError("nothing was written; these targets cannot be written:\n" + "\n".join(bad)
+                         + "\nmake them writable (chmod u+w, chattr -i) or run as their owner, "
+                         "or give --root a writable copy")
+
+
+def _write_all(new_texts: dict) -> None:
+    """Replace every file or none: checked first; a failure midway restores those written."""
+    _check_writable(new_texts)
+    old_texts = {path: path.read_text(encoding="utf-8") for path in new_texts}
+    written = []
+    try:
+        for path, text in new_texts.items():
+            _write_atomic(path, text)
+            written.append(path)
+    except BaseException:
+        for path in written:
+            _write_atomic(path, old_texts[path])
+        raise
 
 
 def apply(root: Path | str | None = None, patches=None) -> list[PatchStatus]:

@@ -14,7 +14,7 @@ from typing import Dict, Iterator, List, Optional
 
 import torch
 
-from prefix_schedule.planning.batch_checks import batch_digest
+from prefix_schedule.planning.batch_checks import batch_digest, validate_batch
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.losses import PolicyLossConfig
 from prefix_schedule.planning.inputs import build_dense_inputs, build_dense_microbatch_inputs
@@ -162,7 +162,7 @@ def _dense_forward_backward(model, batch, loss_config, forward_only, items, num_
     gpt = unwrap_model(models[0])
     forward_step_func = make_policy_forward_step(loss_config)
     checks = StepChecks(models[0])  # [Note: agreed refusal] in agreement.py
-    checks.run(batch.validate, max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
+    checks.run(validate_batch, batch, max_seq_len=gpt.max_sequence_length, vocab_size=gpt.vocab_size)
     checks.run(forward_step_func.check_batch, batch)
     agree_on_dense_step(checks, batch, num_microbatches)
     with megatron_patches.use_prefix_reuse_schedule(False):

@@ -3,7 +3,8 @@ under torchrun on an offline Megatron-LM checkout (tests/megatron_trees.py finds
 
 `entry_tree(version, factory)` is a patched checkout with Megatron's dataset helpers compiled
 (initialize_megatron compiles them on rank 0; pybind11 comes from `make setup`); `torchrun(...)`
-runs the entry point like a user, with the checkout and this repository on PYTHONPATH.
+runs the entry point like a user, with the checkout and this repository on PYTHONPATH, and ends
+every process it started (tests/reaped.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Sequence
 
 from megatron_trees import REPO, patched_tree
+from reaped import run_reaped
 
 __all__ = ["entry_tree", "model_args", "small_args", "torchrun", "iterations", "rank_params",
            "child_env", "COMPARE_ARGS", "assert_dumps_equal"]
@@ -69,8 +71,7 @@ def torchrun(tree: Path, nproc: int, args: Sequence[str], *, timeout: float = 60
     """`python -m torch.distributed.run --nproc-per-node N ENTRY args` (or `launcher` + args)."""
     command = list(launcher) or [sys.executable, "-m", "torch.distributed.run",
                                  "--nproc-per-node", str(nproc), str(ENTRY)]
-    return subprocess.run(command + list(args), env=child_env(tree), cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return run_reaped(command + list(args), env=child_env(tree), cwd=REPO, timeout=timeout)
 
 
 _LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?policy loss: (\S+) \|.*?grad norm: (\S+) \|")

@@ -4,7 +4,7 @@ import copy
 
 import pytest
 
-from prefix_schedule.planning.batch_checks import check_batch_arrays, check_plan_covers
+from prefix_schedule.planning.batch_checks import check_batch_arrays, check_plan_covers, validate_batch
 from prefix_schedule.planning.planner import plan_microbatches
 from prefix_schedule.runtime.step import ReuseStep
 from test_equivalence import LOSS, make_batch
@@ -40,7 +40,7 @@ def test_arrays_edited_in_place_are_refused_when_the_step_is_built(edit):
     with pytest.raises(ValueError, match=message):
         plan_microbatches(batch, token_budget=16, max_seq_len=64)
     with pytest.raises(ValueError, match=message):
-        batch.validate(max_seq_len=64)
+        validate_batch(batch, max_seq_len=64)
 
 
 def test_a_plan_of_another_batch_is_refused():
@@ -127,4 +127,4 @@ def test_context_loss_arrays_edited_in_place_are_refused():
     loss.advantages[2] = 0.0
     loss.loss_mask[0] = 1.0
     with pytest.raises(ValueError, match="0 at entry 0"):
-        batch.validate(max_seq_len=64)
+        validate_batch(batch, max_seq_len=64)

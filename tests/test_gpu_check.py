@@ -16,8 +16,8 @@ from prefix_schedule.attention.backends import _reset, get_backend
 ROOT = Path(__file__).resolve().parents[1]
 CPU, F64 = torch.device("cpu"), torch.float64
 TOP = {"schema", "mode", "device", "capability", "libraries", "sizes", "availability", "correctness",
-       "cp_correctness", "te_cp_filter", "timing", "e2e", "moe_e2e", "predict_device", "env",
-       "claims", "failures", "elapsed_s", "not_run"}
+       "cp_correctness", "te_cp_filter", "timing", "e2e", "moe_e2e", "predict_device", "gdn_e2e",
+       "env", "claims", "failures", "elapsed_s", "not_run"}
 E2E = {"claim", "ok", "settings", "model", "workload", "grad_rel_err_vs_fp32",
        "grad_rel_diff_reuse_vs_dense", "losses", "phases"}
 PHASES = ["reference_fp32_dense", "dense_bf16", "reuse_bf16", "reuse_bf16_offload_prefix_activations"]
@@ -60,6 +60,9 @@ def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
     assert moe["ok"] and moe["settings"]["expert_mlp"] == ["SequentialMLP"], moe
     assert moe["grad_rel_err_vs_fp32"]["reuse_bf16"] <= 1.5 * moe["grad_rel_err_vs_fp32"]["dense_bf16"]
     assert moe["aux_loss"]["dense_bf16"] > 0
+    gdn = report["gdn_e2e"]  # fla on a GPU; the CPU layer's stand-ins here
+    assert gdn["ok"] and gdn["kernel"]["ok"], gdn
+    assert gdn["grad_rel_err_vs_fp32"]["reuse_bf16"] <= 1.5 * gdn["grad_rel_err_vs_fp32"]["dense_bf16"]
     e2e = report["e2e"]
     assert set(e2e) == E2E and e2e["ok"] and [p["phase"] for p in e2e["phases"]] == PHASES
     model_peaks = {p["phase"]: p.get("model_peak_mib") for p in e2e["phases"]}
@@ -73,7 +76,7 @@ def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
         for o in ("zigzag", "whole", "mixed")}
     assert all(r["ok"] and r["dprefix_k"] <= r["tol"] for r in cp_rows)
     statuses = [c["status"] for c in report["claims"]]
-    assert statuses == ["proved"] * 3 + ["not run: no CUDA device (dry run)"] + ["proved"] * 4
+    assert statuses == ["proved"] * 3 + ["not run: no CUDA device (dry run)"] + ["proved"] * 5  # e2e, MoE, predictor, GDN
     assert report["not_run"] == [report["claims"][3]["claim"]]
     assert "[proved]" in proc.stdout and "0 failure(s)" in proc.stdout
 

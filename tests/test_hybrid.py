@@ -1,8 +1,9 @@
 """Prefix reuse on Megatron's `HybridModel` (GPTModel's successor) vs stock dense HybridModel.
 
 Attention (`*`) and MLP (`-`) layer patterns, fp32: loss and every gradient within 1e-5 relative,
-single process and PP=2 (gloo). Mamba, gated-delta-net and MTP patterns are refused before
-any compute (MoE `E` layers: tests/test_hybrid_moe.py). Models: megatron_patches.hybrid (Megatron's local modules, runs on CPU).
+single process and PP=2 (gloo). MTP patterns are refused before any compute (gated delta net
+`G`: tests/test_gdn_hybrid.py; Mamba `M`: tests/test_mamba.py; MoE `E`: tests/test_hybrid_moe.py).
+Models: megatron_patches.hybrid (Megatron's local modules, runs on CPU).
 """
 
 import dataclasses
@@ -103,16 +104,15 @@ def test_local_hybrid_stack_is_the_gpt_local_spec(megatron_env):
 
 
 REFUSED = {
-    "Mamba": ("M*-", r"'M' \(Mamba\): its recurrent state would have to be cached"),
-    "gated delta net": ("G*-", r"'G' \(gated delta net\): its recurrent state"),
+    "DeepSeek sparse attention": ("D-", r"'D' \(DeepSeek sparse attention\)"),
     "multi-token prediction": ("*-/*-", "multi-token prediction"),
 }
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_refused_layer_kinds_fail_before_any_compute(megatron_env, name):
-    """`M`/`G` layers are Megatron's placeholders here (the Mamba kernels need CUDA): the refusal
-    reads the pattern."""
+    """`D` layers are Megatron's placeholders here (no local spec): the refusal reads the
+    pattern."""
     from megatron_patches.training import reuse_step
 
     pattern, message = REFUSED[name]
@@ -184,4 +184,4 @@ def test_pp2_hybrid_reuse_equals_dense_and_refuses_a_stage_without_attention():
     for r in results:
         assert not r["missing"] and r["grad_diff"] <= TOL, r
         # every rank refuses, before compute: no rank waits on a peer that raised
-        assert r["refusal"] and "stage(s) [1] hold no attention layer" in r["refusal"], r
+        assert r["refusal"] and "stage(s) [1] hold no attention" in r["refusal"], r

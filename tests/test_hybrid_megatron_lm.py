@@ -2,7 +2,8 @@
 own parser and `core_transformer_config_from_args` (tests/megatron_lm_args.py), which set
 `is_hybrid_model=True` on every such config. Attention / MLP / MoE patterns are accepted and
 reuse == stock dense (fp32: loss, every gradient within 1e-5 per tensor, both sides present and
-finite); a Mamba pattern is still refused before compute, by its layer symbol."""
+finite). Which layer symbols are refused is tests/test_hybrid.py's (HybridModels built with
+the flag unset)."""
 
 import pytest
 
@@ -68,22 +69,6 @@ def parsed_hybrid_rank(pattern: str, extra: list) -> dict:
                 missing=missing_grads(dense=dense_grads, reuse=reuse_grads))
 
 
-def refused_hybrid_rank(pattern: str) -> dict:
-    """Reuse only: Megatron's Mamba layer has no CPU path (the placeholder cannot run dense)."""
-    import megatron_patches
-    from megatron_patches.training import param_grads, reuse_step
-
-    megatron_patches.install()
-    model, config, _ = _parsed_hybrid_model(pattern, [])
-    batch, plan = _batch_and_plan()
-    try:
-        reuse_step(model, batch, plan, LOSS)
-    except ValueError as error:
-        computed = any(bool(g.count_nonzero()) for g in param_grads(model).values())
-        return dict(is_hybrid_model=config.is_hybrid_model, refusal=str(error), computed=computed)
-    return dict(is_hybrid_model=config.is_hybrid_model, refusal=None, computed=True)
-
-
 @pytest.mark.parametrize("pattern,extra", [("*-*-", []), ("*E*-", MOE_FLAGS)],
                          ids=["attention-mlp", "attention-moe"])
 def test_hybrid_pattern_from_megatron_lm_arguments_reuse_equals_dense(pattern, extra):
@@ -95,9 +80,3 @@ def test_hybrid_pattern_from_megatron_lm_arguments_reuse_equals_dense(pattern, e
     assert not got["missing"], got["missing"][:5]
     assert got["loss"] <= TOL and got["grads"] <= TOL, got
 
-
-def test_a_mamba_pattern_from_megatron_lm_arguments_is_refused_by_its_symbol():
-    got = run_distributed(refused_hybrid_rank, world_size=1, args=("*M*-",), timeout_s=300)[0]
-    assert got["is_hybrid_model"] is True
-    assert got["refusal"] is not None and "'M' (Mamba)" in got["refusal"], got
-    assert not got["computed"], got

@@ -15,9 +15,9 @@ gradients (DDP's reduced main_grad) and weights after every step, dumped by
 (megatron_lm_runs.assert_dumps_equal); Adam with eps=1 (COMPARE_ARGS) so weights compare.
 """
 
+import concurrent.futures
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
@@ -25,6 +25,7 @@ import torch
 
 from megatron_lm_runs import (COMPARE_ARGS, REPO, assert_dumps_equal, child_env, entry_tree,
                               iterations, model_args, rank_params, small_args, torchrun)
+from reaped import run_reaped
 
 pytestmark = pytest.mark.megatron
 QWEN = "qwen3-8b-tiny"
@@ -104,10 +105,10 @@ def _two_agents(tree, args, tmp_path):
            "RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}", "RDZV_ID": f"test-{os.getpid()}",
            "PREFIX_REUSE_COLLECTIVE_TIMEOUT_S": "120"}
     script = str(REPO / "examples" / "megatron_lm" / "torchrun_multinode.sh")
-    agents = [subprocess.Popen(["bash", script, *args], env=env, cwd=REPO, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-              for _ in range(2)]
-    outputs = [agent.communicate(timeout=600)[0] for agent in agents]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # each agent's processes are ended
+        agents = list(pool.map(lambda _: run_reaped(["bash", script, *args], env=env, cwd=REPO,
+                                                     timeout=600), range(2)))
+    outputs = [agent.stdout + agent.stderr for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode == 0, output[-6000:]
     return iterations("\n".join(outputs))

@@ -175,7 +175,7 @@ class _ConstantReader:
 def test_trace_readers_are_pluggable(tmp_path, monkeypatch):
     trace = tmp_path / "steps.mytrace"
     trace.write_text("x")
-    with pytest.raises(ValueError, match="no trace reader claims this file name"):
+    with pytest.raises(ValueError, match="no trace reader claims this file"):
         data.open_step_source(_args(rl_trace=str(trace)))
     monkeypatch.setattr(data, "_READERS", {})
     data.register_trace_reader("mine", _ConstantReader, extensions=(".mytrace",))

@@ -1,14 +1,15 @@
 """examples/train_grpo_megatron.py under torchrun (2 gloo processes): at PP=2 dense and prefix
 reuse report the same loss and the same gradient norm from Megatron's optimizer; a rank that
-stalls ends the job at the collective timeout, and the error names it (not its waiting peer)."""
+stalls -- mid-run or at start-up -- ends the job at the collective timeout, and the error names it
+(not its waiting peer). Every process a run starts is ended when it returns (tests/reaped.py)."""
 
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from reaped import run_reaped
 
 pytestmark = pytest.mark.megatron
 
@@ -23,10 +24,9 @@ def _torchrun(*args, timeout=300):
     # strict NCCL p2p semantics on gloo (megatron_patches/p2p.py), as the whole pipeline matrix
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFIX_REUSE_P2P_STRICT": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           str(ROOT / "examples" / "train_grpo_megatron.py"), "--cpu", *SMALL,
-                           *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return run_reaped([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                       str(ROOT / "examples" / "train_grpo_megatron.py"), "--cpu", *SMALL, *args],
+                      timeout=timeout, env=env, cwd=ROOT)
 
 
 def _run(*extra):
@@ -52,3 +52,17 @@ def test_torchrun_example_a_stalled_rank_ends_the_job_and_is_named():
     text = out.stdout + out.stderr
     assert out.returncode != 0, text[-4000:]
     assert "[rank 0] rank 1 stalled" in text, text[-4000:]
+    assert len(out.descendants) >= 2 and not any(p.is_running() for p in out.descendants)
+
+
+def test_torchrun_example_a_rank_stalled_at_start_up_obeys_the_collective_timeout():
+    """Rank 1 sleeps before the default process group exists: rank 0's rendezvous fails after
+    the 8 s collective timeout (it used to wait a fixed 600 s, outside the failure report), and
+    its error names rank 1. The 240 s limit is far below the old 600 s: a run that ignored the
+    timeout fails here with TimeoutExpired."""
+    out = _torchrun("--collective-timeout", "8", "--stall-rank", "1", "--stall-at", "startup",
+                    timeout=240)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-4000:]
+    assert "[rank 0] rank 1 stalled" in text, text[-4000:]
+    assert not any(p.is_running() for p in out.descendants)

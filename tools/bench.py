@@ -49,6 +49,7 @@ bounds the whole multi-process run.
 
     python tools/bench.py [--prefix-len 1024 --suffix-len 64 --group-size 8 --num-groups 2 ...]
     python tools/bench.py --pp 2 --json out.json
+    python tools/bench.py --adapter generic   # through the framework adapter (benchlib/adapter_bench.py)
 
 Exit status: 2 bad arguments, 1 a rank failed, 3 the untimed check saw a NaN or inf loss or
 gradient difference (on the dense or the reuse side; printed), else 0.
@@ -69,6 +70,7 @@ from benchlib.config import BenchConfig, build_parser, config_from_args  # noqa:
 from benchlib.measure import config_batch, selected_backend  # noqa: E402
 from benchlib.report import check_failures, format_table, run_bench  # noqa: E402
 from benchlib.workload import make_batch  # noqa: E402
+from outputs import check_output, write_text_atomic  # noqa: E402
 
 __all__ = ["BenchConfig", "make_batch", "run_bench", "format_table", "parse_args", "main"]
 
@@ -81,8 +83,11 @@ def parse_args(argv=None) -> tuple[BenchConfig, Path | None]:
 def main(argv=None) -> int:
     try:
         config, out = parse_args(argv)
+        check_output(out, "--json")  # before the run, not after it
         config.model_dims()
         config.placement(config_batch(config))  # e.g. fewer trajectories than DP ranks
+        if config.cp > 1:
+            config.cp_dense_placement(config_batch(config))
         # a backend that cannot run here, with the reason (models sit where build_model puts them)
         selected_backend(config, "cuda" if torch.cuda.is_available() else "cpu")
         if config.world_size > 1:  # NCCL on CUDA needs a GPU per rank (gloo on CPU)
@@ -95,6 +100,18 @@ def main(argv=None) -> int:
     from megatron_patches.launch import LaunchError
 
     raw_times: Dict[str, List[float]] = {}
+    if config.adapter is not None:  # the step through a framework adapter (docs/FRAMEWORKS.md)
+        from benchlib.adapter_bench import format_adapter, run_adapter_bench
+        try:
+            result = run_adapter_bench(config, raw_times)
+        except (ValueError, ImportError) as exc:
+            print(f"bench.py: error: {exc}", file=sys.stderr)
+            return 2
+        print(format_adapter(result))
+        if out is not None:
+            import json
+            out.write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     try:
         result = run_bench(config, raw_times)
     except LaunchError as exc:  # every rank's traceback and output tail
@@ -104,7 +121,7 @@ def main(argv=None) -> int:
     if out is not None:
         import json
 
-        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_text_atomic(out, json.dumps(result, indent=2) + "\n")
     failures = check_failures(result)
     for failure in failures:
         print(f"bench.py: error: numerical check failed: {failure}", file=sys.stderr)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from typing import Callable, Dict, List, Optional
@@ -37,7 +38,10 @@ from typing import Callable, Dict, List, Optional
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from argtypes import (fraction, int_at_most, non_negative_float, positive_float,  # noqa: E402
+                      positive_int)
 from layouts import layer_params  # noqa: E402
+from outputs import check_output, write_text_atomic  # noqa: E402
 from megatron_patches.model_configs import MODELS, PAPER_MODELS, ModelSpec  # noqa: E402
 from prefix_schedule.planning.flops import ModelDims  # noqa: E402
 from prefix_schedule.planning.memory_model import (ActivationModel, MemoryOptions,  # noqa: E402
@@ -45,14 +49,16 @@ from prefix_schedule.planning.memory_model import (ActivationModel, MemoryOption
 from prefix_schedule.planning.planner import (PrefixWork, Segment, StepPlan,  # noqa: E402
                                               SuffixMicrobatch)
 
-__all__ = ["Layout", "activation_models", "capacity", "dims_of", "longest", "main",
-           "static_bytes"]
+__all__ = ["Layout", "MAX_GROUP_SIZE", "activation_models", "capacity", "dims_of", "longest",
+           "main", "static_bytes"]
 
 GIB = 1024 ** 3
 CHOICES = {"tiny": "llama3-8b-tiny", **{name: name for name in PAPER_MODELS}}
 REUSE_OPTIONS = (MemoryOptions(), MemoryOptions(offload=True), MemoryOptions(recompute="full"))
 MIN_CHUNK = 16
 MAX_CHUNKS = 64  # prefix chunks tried: halves of the prefix down to 1/64 of it, >= 16 tokens
+MAX_GROUP_SIZE = 1024
+"""Largest group modelled (GRPO uses 2-128): the work grows with it (10**7 took 271 s)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,11 +158,11 @@ def _cp_cache_extra(model, local: int, whole: int) -> float:
     return model.stage_layers * (model.kv_copy() * whole + model.gkv() * (whole - local))
 
 
-def longest(fits: Callable[[int], bool], limit: int = 1 << 24) -> int:
-    """Largest T in [4, limit] with fits(T) (0 if none), assuming fits is monotone."""
-    if not fits(4):
+def longest(fits: Callable[[int], bool], limit: int = 1 << 24, low: int = 4) -> int:
+    """Largest T in [low, limit] with fits(T) (0 if none), assuming fits is monotone."""
+    if not fits(low):
         return 0
-    lo, hi = 4, 8
+    lo, hi = low, 2 * low
     while hi < limit and fits(hi):
         lo, hi = hi, hi * 2
     hi = min(hi, limit + 1)
@@ -166,12 +172,33 @@ def longest(fits: Callable[[int], bool], limit: int = 1 << 24) -> int:
     return lo
 
 
+def _shortest_reuse(share: float, cp: int) -> int:
+    """The shortest trajectory whose prefix leaves every CP rank a cached token (P >= 2)."""
+    T = 4
+    while _split(T, share, cp)[0] < 2:
+        T += 1
+    return T
+
+
+def _check_sizes(memory_gib: float, group_size: int, prefix_share: float,
+                 reserve_gib: float) -> None:
+    if not 0 < prefix_share < 1:
+        raise ValueError(f"prefix_share={prefix_share}; give a fraction in (0, 1)")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or \
+            not 1 <= group_size <= MAX_GROUP_SIZE:
+        raise ValueError(f"group_size={group_size!r}; give an int in [1, {MAX_GROUP_SIZE:,}] (the "
+                         "model builds a plan with one segment per trajectory, many times over)")
+    if not (math.isfinite(memory_gib) and memory_gib > 0):
+        raise ValueError(f"memory_gib={memory_gib}; give the GPU's memory as a number > 0")
+    if not (math.isfinite(reserve_gib) and reserve_gib >= 0):
+        raise ValueError(f"reserve_gib={reserve_gib}; give a number >= 0")
+
+
 def capacity(spec: ModelSpec, *, memory_gib: float, group_size: int, prefix_share: float,
              layout: Layout = Layout(), pack: str = "group", act_bytes: int = 2,
              reserve_gib: float = 4.0) -> dict:
     """Longest trajectory per path and option, and the capacity ratio (module docstring)."""
-    if not 0 < prefix_share < 1:
-        raise ValueError(f"prefix_share={prefix_share}; give a fraction in (0, 1)")
+    _check_sizes(memory_gib, group_size, prefix_share, reserve_gib)
     static = static_bytes(spec, layout)
     free = memory_gib * GIB - reserve_gib * GIB - sum(static.values())
     result = {"model": spec.name, "memory_gib": memory_gib, "group_size": group_size,
@@ -187,7 +214,8 @@ def capacity(spec: ModelSpec, *, memory_gib: float, group_size: int, prefix_shar
         result["dense"][recompute] = longest(
             lambda T: dense_peak(models, T, G, pack, recompute, cp) <= free)
     for option in REUSE_OPTIONS:
-        T = longest(lambda T: reuse_peak(models, T, G, pack, option, prefix_share, cp)[0] <= free)
+        T = longest(lambda T: reuse_peak(models, T, G, pack, option, prefix_share, cp)[0] <= free,
+                    low=_shortest_reuse(prefix_share, cp))
         chunk = reuse_peak(models, T, G, pack, option, prefix_share, cp)[1] if T else None
         result["reuse"][option.describe()] = {"trajectory": T, "prefix_chunk_tokens": chunk}
     dense = max(result["dense"].values())
@@ -268,18 +296,24 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, choices=sorted(CHOICES))
-    p.add_argument("--memory-gib", type=float, default=80.0)
-    p.add_argument("--group-size", type=int, nargs="+", default=[2])
-    p.add_argument("--prefix-share", type=float, nargs="+", default=[0.5, 0.75, 0.9])
+    p.add_argument("--memory-gib", type=positive_float, default=80.0)
+    p.add_argument("--group-size", type=int_at_most(MAX_GROUP_SIZE, "the work grows with it"),
+                   nargs="+", default=[2])
+    p.add_argument("--prefix-share", type=fraction, nargs="+", default=[0.5, 0.75, 0.9])
     for name, default in (("tp", 1), ("pp", 1), ("dp", 8), ("cp", 1), ("ep", 1)):
-        p.add_argument(f"--{name}", type=int, default=default)
+        p.add_argument(f"--{name}", type=positive_int, default=default)
     p.add_argument("--pack", choices=("group", "trajectory"), default="group")
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--reserve-gib", type=float, default=4.0)
+    p.add_argument("--reserve-gib", type=non_negative_float, default=4.0)
     p.add_argument("--frontier", metavar="PNG", help="plot capacity_ratio over --prefix-share x "
                    "--group-size instead of printing")
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    try:
+        check_output(args.json, "--json")
+        check_output(args.frontier, "--frontier")
+    except ValueError as exc:
+        p.error(str(exc))
     spec = MODELS[CHOICES[args.model]]
     layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep)
     bad = [f"--{k}={v}" for k, v in dataclasses.asdict(layout).items() if v < 1]
@@ -305,8 +339,7 @@ def main(argv=None) -> int:
     if args.json:
         import json
 
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+        write_text_atomic(args.json, json.dumps(rows, indent=2))
     return 0
 
 

@@ -24,6 +24,9 @@
    bandwidth, per-op cost; bf16): `predict_device` in the JSON, a device file for
    `tools/predict.py --device-file gpu_check.json` (measured costs replace the roofline's
    assumed efficiencies; docs/PREDICT.md).
+6. Gated DeltaNet (tools/gpu_check_gdn.py): fla's varlen rule with per-sequence initial states
+   against the torch rule (outputs, final states, dq/dk/dv/dg/dbeta/dh0), and a bf16 dense vs
+   reuse step of a GDN model against an fp32 reference.
 The JSON's `claims` says what the run proved, what failed and what did not run (and why).
 
     python tools/gpu_check.py --json gpu_check.json
@@ -267,7 +270,8 @@ def claims(report, checked_backends, dry_run) -> list[dict]:
                     status="proved" if timing and all(t["ok"] for t in timing)
                     else "failed" if timing else "not run"))
     for key, label in (("e2e", "end-to-end step"), ("moe_e2e", "MoE end-to-end step"),
-                       ("predict_device", "predictor microbenchmark")):
+                       ("predict_device", "predictor microbenchmark"),
+                       ("gdn_e2e", "Gated DeltaNet kernel and end-to-end step")):
         e2e = report.get(key)
         if e2e is None or "skipped" in (e2e or {}):
             out.append(dict(claim=label, status=f"not run: {(e2e or {}).get('skipped')}"))
@@ -319,6 +323,21 @@ def _predict_device(args, cuda, started, report) -> dict:
         return dict(ok=True, claim=claim, device=result["device"], raw=result["raw"])
     except Exception:  # noqa: BLE001 -- the other results still count
         return dict(ok=False, claim=claim, error=traceback.format_exc())
+
+
+def _gdn_e2e(args, device, cuda, started, report) -> dict:
+    """Phase 6 (tools/gpu_check_gdn.py): Gated DeltaNet on fla's kernels."""
+    if args.skip_e2e:
+        return {"skipped": "--skip-e2e"}
+    if time.monotonic() - started > args.budget_s:
+        return {"skipped": f"time budget of {args.budget_s:.0f} s used up"}
+    _save(args.json, report)
+    try:
+        import gpu_check_gdn
+
+        return gpu_check_gdn.run(device, dry_run=not cuda)
+    except Exception:  # noqa: BLE001 -- the other results still count
+        return dict(ok=False, claim="Gated DeltaNet end-to-end step", error=traceback.format_exc())
 
 
 def _save(path, report) -> None:
@@ -375,13 +394,14 @@ def main(argv=None) -> int:
             report["e2e"] = dict(ok=False, claim="end-to-end step", error=traceback.format_exc())
     report["moe_e2e"] = _moe_e2e(args, device, cuda, started, report)
     report["predict_device"] = _predict_device(args, cuda, started, report)
+    report["gdn_e2e"] = _gdn_e2e(args, device, cuda, started, report)
     report["env"] = {k: os.environ.get(k) for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN",
                                                      "NVTE_UNFUSED_ATTN")}  # as the run left them
     report["claims"] = claims(report, names, dry_run=not cuda)
     failures = sum(not r.get("ok", True) for r in report["correctness"] + report["timing"]
                    + report["cp_correctness"])
     failures += sum(int(bool(report[k]) and report[k].get("ok") is False)
-                    for k in ("e2e", "moe_e2e", "predict_device"))
+                    for k in ("e2e", "moe_e2e", "predict_device", "gdn_e2e"))
     failures += int(report["te_cp_filter"].get("ok") is False)
     report["failures"], report["elapsed_s"] = failures, time.monotonic() - started
     report["not_run"] = not_run(report)

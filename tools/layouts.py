@@ -33,6 +33,9 @@ from typing import List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from argtypes import non_negative_int, positive_float, positive_int  # noqa: E402
 from megatron_patches.model_configs import PAPER_MODELS, ModelSpec  # noqa: E402
 
 GIB = 1024 ** 3
@@ -119,16 +122,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("models", nargs="*", metavar="MODEL",
                    help=f"any of {', '.join(PAPER_MODELS)} (default: all)")
-    p.add_argument("--gpus", type=int, nargs="+", default=[8, 16, 64])
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="H100: 80, H200: 141")
-    p.add_argument("--seq-len", type=int, default=12288, help="tokens per microbatch row")
-    p.add_argument("--prefix-len", type=int, default=10240, help="shared prompt length")
-    p.add_argument("--microbatches", type=int, default=16, help="microbatches per step per DP rank")
+    p.add_argument("--gpus", type=positive_int, nargs="+", default=[8, 16, 64])
+    p.add_argument("--gpu-memory-gib", type=positive_float, default=80.0, help="H100: 80, H200: 141")
+    p.add_argument("--seq-len", type=positive_int, default=12288, help="tokens per microbatch row")
+    p.add_argument("--prefix-len", type=non_negative_int, default=10240, help="shared prompt length")
+    p.add_argument("--microbatches", type=positive_int, default=16,
+                   help="microbatches per step per DP rank")
     p.add_argument("--all", action="store_true", help="every candidate, fitting or not")
     args = p.parse_args(argv)
     unknown = sorted(set(args.models) - set(PAPER_MODELS))
     if unknown:
         p.error(f"unknown models {unknown}; choose from {list(PAPER_MODELS)}")
+    if args.prefix_len >= args.seq_len:
+        p.error(f"--prefix-len {args.prefix_len} must be shorter than --seq-len {args.seq_len} "
+                "(a row is the prompt and at least one response token)")
     kw = dict(seq_len=args.seq_len, prefix_len=args.prefix_len, microbatches=args.microbatches)
     for name in args.models or list(PAPER_MODELS):
         spec = PAPER_MODELS[name]

@@ -80,6 +80,10 @@ SIGNATURE_TARGETS = (
     f"{_HYBRID}hybrid_layer_allocation:parse_hybrid_pattern",
     f"{_HYBRID}hybrid_layer_allocation:select_pipeline_segment",
     "megatron.core.ssm.mlp_layer:MLPLayer.__init__",
+    # mamba-state-hook / mamba_hooks.py / mamba_cpu.py: the Mamba mixer and what it calls
+    "megatron.core.ssm.mamba_mixer:MambaMixer.__init__",
+    "megatron.core.ssm.mamba_mixer:MambaMixer._ssm_training",
+    "megatron.core.ssm.mamba_layer:MambaLayer.__init__",
     "megatron.core.transformer.transformer_layer:TransformerLayer.__init__",
     # executor, training, rl: parallel state they read
     f"{_PS}get_pipeline_model_parallel_world_size",
@@ -91,6 +95,12 @@ SIGNATURE_TARGETS = (
     f"{_PS}get_tensor_model_parallel_world_size",
     f"{_PS}get_tensor_model_parallel_group",
     "megatron.core.tensor_parallel:model_parallel_cuda_manual_seed",
+    # gdn.py / gdn_hooks.py / gdn_cpu.py: the GDN layer, its kernels' Python contract, its specs
+    "megatron.core.ssm.gated_delta_net.gdn:GatedDeltaNet.forward",
+    "megatron.core.ssm.gated_delta_net.common:_GDNBase.__init__",
+    "megatron.core.ssm.gated_delta_net.gdn:torch_chunk_gated_delta_rule",
+    "megatron.core.models.gpt.experimental_attention_variant_module_specs:"
+    "get_linear_attention_pattern",
     # what cpu_support replaces on CPU
     "megatron.core.transformer.utils:get_default_causal_mask",
     "megatron.core.tensor_parallel.random:_get_cuda_rng_state",
@@ -103,6 +113,8 @@ DATACLASS_TARGETS = (
     "megatron.core.transformer.transformer_config:TransformerConfig",
     f"{_HYBRID}hybrid_block:HybridStackSubmodules",
     "megatron.core.transformer.transformer_layer:TransformerLayerSubmodules",
+    "megatron.core.ssm.mamba_layer:MambaLayerSubmodules",
+    "megatron.core.ssm.mamba_mixer:MambaMixerSubmodules",
 )
 """Dataclasses whose field names (in order) are snapshot."""
 CONSTANT_TARGETS = (f"{_HYBRID}hybrid_layer_allocation:Symbols",)
@@ -126,6 +138,21 @@ def _stub_triton_kernels() -> None:
     sys.modules[_PAGED_STASH] = stub
 
 
+def _needs_triton(target: str):
+    """NEEDS_TRITON when the target's module cannot be imported without triton (Megatron-LM
+    main's Mamba mixer imports Triton kernel modules at import time), else None."""
+    try:
+        importlib.import_module(target.partition(":")[0])
+    except ModuleNotFoundError as error:
+        if error.name == "triton" and importlib.util.find_spec("triton") is None:
+            return NEEDS_TRITON
+        raise
+    return None
+
+
+NEEDS_TRITON = "<not importable without triton>"
+
+
 def _resolve(target: str):
     module_name, _, qualname = target.partition(":")
     obj = importlib.import_module(module_name)
@@ -147,11 +174,11 @@ def collect() -> dict:
     """Live signatures and dataclass fields of the installed megatron-core (imports it)."""
     _stub_triton_kernels()
     signatures = {
-        name: str(inspect.signature(_resolve(name)))
+        name: _needs_triton(name) or str(inspect.signature(_resolve(name)))
         for name in SIGNATURE_TARGETS + tuple(_p2p_methods())
     }
     fields = {
-        name: [field.name for field in dataclasses.fields(_resolve(name))]
+        name: _needs_triton(name) or [field.name for field in dataclasses.fields(_resolve(name))]
         for name in DATACLASS_TARGETS
     }
     constants = {

@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout first
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from argtypes import int_list, non_negative_int, point_list, positive_int  # noqa: E402
 from prefix_schedule.planning.policy import DEFAULT_MIN_GAIN, ReusePolicy  # noqa: E402
 from benchlib.progress import Progress  # noqa: E402
 from sweep_measure import ModelSpec, Models, measure_point  # noqa: E402
@@ -69,13 +70,13 @@ def grid(total: int, group_sizes) -> list[tuple[int, int, int]]:
 def _args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--paper", action="store_true", help="the published grid (needs a GPU)")
-    p.add_argument("--total", type=int, default=1536)
-    p.add_argument("--group-sizes", default="2,4,8,16")
-    p.add_argument("--points", default=None, help="only these, e.g. 256:1280:16,1280:256:2")
-    p.add_argument("--num-groups", type=int, default=1)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--total", type=positive_int, default=1536)
+    p.add_argument("--group-sizes", type=int_list, default="2,4,8,16")
+    p.add_argument("--points", type=point_list, default=None, help="only these, e.g. 256:1280:16,1280:256:2")
+    p.add_argument("--num-groups", type=positive_int, default=1)
+    p.add_argument("--reps", type=positive_int, default=3)
+    p.add_argument("--warmup", type=non_negative_int, default=1)
+    p.add_argument("--threads", type=positive_int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-policy", action="store_true", help="bench packing, never dense")
     p.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN)
@@ -100,9 +101,9 @@ def _spec(args) -> ModelSpec:
 
 def _points(args) -> list[tuple[int, int, int]]:
     if args.points:
-        return [tuple(int(x) for x in p.split(":")) for p in args.points.split(",")]
+        return list(args.points)  # argtypes.point_list checked them
     total = PAPER["total"] if args.paper else args.total
-    sizes = PAPER["group_sizes"] if args.paper else tuple(int(g) for g in args.group_sizes.split(","))
+    sizes = PAPER["group_sizes"] if args.paper else args.group_sizes
     return grid(total, sizes)
 
 

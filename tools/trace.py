@@ -27,6 +27,10 @@ from prefix_schedule.traces.generic import import_generic  # noqa: E402
 from prefix_schedule.traces.megatron_rl import import_megatron_rollouts  # noqa: E402
 from prefix_schedule.traces.synth import KINDS, SynthConfig, synth_steps  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from argtypes import int_list  # noqa: E402
+from outputs import check_output, write_text_atomic  # noqa: E402
+
 __all__ = ["main", "synth", "format_stats"]
 
 
@@ -74,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--groups-per-step", type=int, default=4)
-    s.add_argument("--group-sizes", default="8,16,32,64", help="comma list to draw from")
+    s.add_argument("--group-sizes", type=int_list, default="8,16,32,64",
+                   help="comma list to draw from")
     s.add_argument("--max-seq-len", type=int, default=4096, help="longest prompt + response")
     s.add_argument("--vocab-size", type=int, default=32000)
     for name, helptext in (("validate", "check every field; exit 1 on the first bad one"),
@@ -99,9 +104,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_outputs(args) -> None:
+    """Every output path before any work: its directory exists and it is not an input."""
+    inputs = {"import-generic": lambda: [args.input], "import-megatron": lambda: args.inputs,
+              "stats": lambda: [args.trace]}.get(args.command, list)()
+    if args.command == "stats":
+        check_output(args.json, "--json", inputs=inputs)
+    elif args.command != "validate":
+        check_output(args.out, "--out", inputs=inputs)
+
+
 def _run(args) -> int:
+    _check_outputs(args)
     if args.command == "synth":
-        sizes = tuple(int(x) for x in args.group_sizes.split(","))
+        sizes = args.group_sizes
         config = SynthConfig(kind=args.kind, steps=args.steps, seed=args.seed,
                              groups_per_step=args.groups_per_step, group_sizes=sizes,
                              max_seq_len=args.max_seq_len, vocab_size=args.vocab_size)
@@ -114,7 +130,7 @@ def _run(args) -> int:
         else:
             print(format_stats(args.trace, summary))
             if args.json:
-                args.json.write_text(json.dumps(summary, indent=2) + "\n")
+                write_text_atomic(args.json, json.dumps(summary, indent=2) + "\n")
     elif args.command == "import-generic":
         steps = import_generic(args.input, args.out, vocab_size=args.vocab_size)
         print(f"wrote {args.out}: {steps} steps")

@@ -9,12 +9,20 @@
 # The agents meet through torchrun's c10d rendezvous at RDZV_ENDPOINT (host:port of any one
 # node; it hosts the store); node ranks are assigned at the rendezvous. Everything after the
 # script name goes to examples/megatron_lm/train_grpo.py (Megatron-LM's arguments + ours).
+# PYTHON: the interpreter to run torchrun with (default: the `python` on PATH; give the venv's).
+#
+# On one machine without GPUs (CPU, gloo; add --clip-grad 0): one "node" of 2 processes
+#   NNODES=1 NPROC_PER_NODE=2 RDZV_ENDPOINT=127.0.0.1:29500 MEGATRON_LM=$PWD/Megatron-LM \
+#     examples/megatron_lm/torchrun_multinode.sh ... --clip-grad 0
+# or two "nodes" on localhost: the same command with NNODES=2 NPROC_PER_NODE=1, run in two shells
+# (both with the same RDZV_ENDPOINT and RDZV_ID).
 set -euo pipefail
 
 : "${NNODES:?set NNODES (number of nodes)}"
 : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port (any one node)}"
 NPROC_PER_NODE=${NPROC_PER_NODE:-8}
-RDZV_ID=${RDZV_ID:-prefix-reuse-${SLURM_JOB_ID:-$USER}}
+# the run's id: the same on every node (containers and SLURM batch steps may not set $USER)
+RDZV_ID=${RDZV_ID:-prefix-reuse-${SLURM_JOB_ID:-${USER:-uid$(id -u)}}}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
 

@@ -59,10 +59,31 @@ def add_prefix_reuse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     group.add_argument("--export-hf", default=None, metavar="DIR",
                        help="after training, write the weights as a Hugging Face checkpoint "
                             "(needs --hf-checkpoint for the config and the dtype)")
+    group.add_argument("--allow-nothing-to-train", action="store_true",
+                       help="exit 0 when --load's checkpoint is already at --train-iters (e.g. "
+                            "to only --export-hf it); without it such a run is an error")
+    group.add_argument("--prefix-reuse-megatron-verbose", action="store_true",
+                       help="print all of Megatron's output: its argument dump, INFO logging "
+                            "and the warnings known to be harmless here (see "
+                            "megatron_patches/megatron_lm/quiet.py)")
     group.add_argument("--prefix-reuse-dump-params", default=None, metavar="DIR",
                        help="testing aid: after every step, each rank saves its parameters "
                             "and the step's gradients (grad.*) (safetensors) under DIR/iter_N/")
+    _escape_help_percent(parser)
     return parser
+
+
+def _escape_help_percent(parser: argparse.ArgumentParser) -> None:
+    """`--help` formats each help string with `%`; a Megatron help string with a bare `%` (both
+    supported trees have one) makes it raise ValueError. Escape the help strings that do not
+    format, so `--help` prints every flag, ours included."""
+    for action in parser._actions:
+        if not action.help or "%" not in action.help:
+            continue
+        try:
+            action.help % {**vars(action), "prog": parser.prog}
+        except (ValueError, TypeError, KeyError):
+            action.help = action.help.replace("%", "%%")
 
 
 def check_prefix_reuse_args(args) -> None:
@@ -90,6 +111,10 @@ def check_prefix_reuse_args(args) -> None:
         raise ValueError("--export-hf needs --hf-checkpoint (its config names the layout)")
     if args.train_iters is None:
         raise ValueError("give --train-iters (RL steps; sample-based schedules are not used here)")
+    if args.rl_trace:
+        from megatron_patches.megatron_lm.data import resolve_trace_reader
+
+        resolve_trace_reader(args.rl_trace, args.rl_trace_format)
 
 
 def _check_moe_parallel_args(args) -> None:

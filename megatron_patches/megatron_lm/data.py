@@ -5,10 +5,11 @@ A source is anything with `step(iteration) -> GroupBatch` (`StepSource`): random
 have read next. Every rank asks for the same step and gets the same batch; the trainer then gives
 each data-parallel rank its groups (`place_groups`).
 
-Readers are registered by name (`register_trace_reader`) with the file extensions they claim;
-`--rl-trace-format module:callable` loads one from any module without registering it. A reader
-factory is called as `factory(path, args)` (args: Megatron's parsed arguments) and returns a
-`StepSource`. The replay tools' trace format registers its reader here when it is importable.
+Readers are registered by name (`register_trace_reader`) with the file extensions they claim
+and, optionally, a content test; `--rl-trace-format module:callable` loads one from any module
+without registering it. A reader factory is called as `factory(path, args)` (args: Megatron's
+parsed arguments) and returns a `StepSource`. The project's own trace format (`tools/trace.py`,
+prefix_schedule/traces) registers itself here (trace_source.py), by extension and by content.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from prefix_schedule import Group, GroupBatch, Trajectory
 from prefix_schedule.losses import grpo_advantages
 
 __all__ = ["StepSource", "SyntheticSteps", "register_trace_reader", "trace_readers",
-           "open_step_source", "check_moe_tensor_parallel_rows"]
+           "resolve_trace_reader", "open_step_source", "check_moe_tensor_parallel_rows"]
 
 
 class StepSource(Protocol):
@@ -92,21 +93,23 @@ def _logprobs_like(tokens: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 ReaderFactory = Callable[[str, object], StepSource]
-_READERS: Dict[str, Tuple[ReaderFactory, Tuple[str, ...]]] = {}
-_BUILTIN_READER_MODULES: Sequence[str] = ("prefix_schedule.traces",)
-"""Modules that register trace readers on import, tried when `--rl-trace` is given."""
+_READERS: Dict[str, Tuple[ReaderFactory, Tuple[str, ...], Optional[Callable[[str], bool]]]] = {}
+_BUILTIN_READER_MODULES: Sequence[str] = ("megatron_patches.megatron_lm.trace_source",)
+"""Modules that register trace readers on import, tried when `--rl-trace` is given (the
+project's own format, prefix_schedule/traces: `tools/trace.py` writes it)."""
 
 
-def register_trace_reader(name: str, factory: ReaderFactory,
-                          extensions: Sequence[str] = ()) -> None:
-    """Make `--rl-trace-format NAME` (and files ending in one of `extensions`) use `factory`."""
-    _READERS[name] = (factory, tuple(extensions))
+def register_trace_reader(name: str, factory: ReaderFactory, extensions: Sequence[str] = (),
+                          sniff: Optional[Callable[[str], bool]] = None) -> None:
+    """Make `--rl-trace-format NAME` use `factory`, and files ending in one of `extensions` or
+    for which `sniff(path)` is True (their content is this reader's format) too."""
+    _READERS[name] = (factory, tuple(extensions), sniff)
 
 
 def trace_readers() -> Dict[str, Tuple[str, ...]]:
     """name -> extensions of every registered reader (after importing the built-in ones)."""
     _import_builtin_readers()
-    return {name: extensions for name, (_, extensions) in _READERS.items()}
+    return {name: extensions for name, (_, extensions, _) in _READERS.items()}
 
 
 def _import_builtin_readers() -> None:
@@ -118,22 +121,45 @@ def _import_builtin_readers() -> None:
                 raise
 
 
-def _resolve_reader(path: str, fmt: Optional[str]) -> ReaderFactory:
-    if fmt and ":" in fmt:
-        module, _, attr = fmt.partition(":")
-        return getattr(importlib.import_module(module), attr)
+def _import_reader(fmt: str) -> ReaderFactory:
+    module, _, attr = fmt.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as error:  # ValueError: ":make"
+        raise ValueError(f"--rl-trace-format {fmt}: cannot load the reader "
+                         f"({type(error).__name__}: {error}); give module:callable of an "
+                         "importable module (on PYTHONPATH) "
+                         f"or a registered reader ({sorted(_READERS) or 'none'})") from None
+    if not callable(factory):
+        raise ValueError(f"--rl-trace-format {fmt}: {attr} is not callable; give a factory "
+                         "(path, args) -> source")
+    return factory
+
+
+def resolve_trace_reader(path: str, fmt: Optional[str]) -> ReaderFactory:
+    """The reader of `path`: `fmt` (a registered name or module:callable), else the one reader
+    that recognises the file's content, else the one whose extension it has; ValueError if the
+    file is missing or no single reader fits."""
+    if not os.path.exists(path):
+        raise ValueError(f"--rl-trace {path}: no such file or directory")
     _import_builtin_readers()
+    if fmt and ":" in fmt:
+        return _import_reader(fmt)
     if fmt:
         if fmt not in _READERS:
             raise ValueError(f"--rl-trace-format {fmt!r} is not a registered trace reader "
                              f"({sorted(_READERS) or 'none registered'}); give one of them or "
                              "module:callable")
         return _READERS[fmt][0]
-    matches = [factory for factory, exts in _READERS.values() if path.endswith(tuple(exts))]
+    matches = [factory for factory, _, sniff in _READERS.values() if sniff and sniff(path)]
+    if not matches:
+        matches = [factory for factory, exts, _ in _READERS.values()
+                   if exts and path.endswith(exts)]
     if len(matches) != 1:
         raise ValueError(f"--rl-trace {path}: {'no' if not matches else 'more than one'} trace "
-                         f"reader claims this file name; name one with --rl-trace-format "
-                         f"(registered: {sorted(_READERS) or 'none'}; or module:callable)")
+                         f"reader claims this file (by content or name); name one with "
+                         f"--rl-trace-format (registered: {sorted(_READERS) or 'none'}; or "
+                         "module:callable)")
     return matches[0]
 
 
@@ -141,9 +167,7 @@ def open_step_source(args) -> StepSource:
     """The trainer's source: `--rl-trace` through its reader, else `SyntheticSteps` from
     Megatron's --grpo-prompts-per-step / --grpo-group-size / --seed / --seq-length."""
     if args.rl_trace:
-        if not os.path.exists(args.rl_trace):
-            raise ValueError(f"--rl-trace {args.rl_trace}: no such file or directory")
-        return _resolve_reader(args.rl_trace, args.rl_trace_format)(args.rl_trace, args)
+        return resolve_trace_reader(args.rl_trace, args.rl_trace_format)(args.rl_trace, args)
     prefix_len = args.rl_synthetic_prefix_len or max(1, args.seq_length * 3 // 4)
     response = args.rl_synthetic_max_response_len or args.seq_length - prefix_len
     if prefix_len + response > args.seq_length or response < 1:

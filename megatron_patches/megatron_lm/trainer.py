@@ -11,6 +11,7 @@ tensorboard) and the timers.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Dict, List, Optional
 
 import torch
@@ -31,7 +32,7 @@ from prefix_schedule import GroupBatch, PolicyLossConfig, ReuseStep, plan_microb
 from prefix_schedule.planning.placement import place_groups
 
 __all__ = ["loss_config_from_args", "forward_step_from_args", "configure_step_functions",
-           "train", "train_step"]
+           "train", "train_step", "nothing_to_train"]
 
 
 def loss_config_from_args(args) -> PolicyLossConfig:
@@ -234,6 +235,7 @@ def train(model, optimizer, scheduler, source: StepSource, checkpointing_context
     configure_step_functions(args, model, optimizer)
     forward_step_func = forward_step_from_args(args)
     total_loss_dict: dict = {}
+    negative_log: Dict[str, List[float]] = {}
     iteration = start = args.iteration
     saved = False
     mode = "prefix reuse" if args.prefix_reuse else "dense (stock Megatron schedule)"
@@ -254,6 +256,7 @@ def train(model, optimizer, scheduler, source: StepSource, checkpointing_context
         training_log(loss_dict, total_loss_dict, _learning_rate(optimizer), iteration,
                      optimizer.get_loss_scale().item(), False, skipped, grad_norm, None,
                      num_zeros, None)
+        _log_negative_values(args, negative_log, loss_dict, skipped, iteration)
         saved = bool(args.save and args.save_interval and iteration % args.save_interval == 0)
         if saved:
             _save(args, iteration, model, optimizer, scheduler, checkpointing_context)
@@ -263,6 +266,43 @@ def train(model, optimizer, scheduler, source: StepSource, checkpointing_context
     if args.save and iteration > start and not saved:
         _save(args, iteration, model, optimizer, scheduler, checkpointing_context)
     return iteration
+
+
+def nothing_to_train(args) -> bool:
+    """True (and says so on rank 0, on stderr) when the run starts at or past --train-iters:
+    a --load checkpoint of a finished run, e.g. a second run into the same --save/--load."""
+    if args.iteration < args.train_iters:
+        return False
+    if torch.distributed.get_rank() == 0:
+        where = f"the checkpoint in --load {args.load}" if args.load else "the run"
+        verdict = ("--allow-nothing-to-train given: exiting 0" if args.allow_nothing_to_train
+                   else "error")
+        print(f"\n!!! NOTHING TO TRAIN ({verdict}): {where} is at iteration {args.iteration} "
+              f"and --train-iters is {args.train_iters}, so no step runs.\n!!! Give this run its "
+              "own --save/--load directory (a new name), or pass --allow-nothing-to-train to "
+              "accept a run that trains nothing (e.g. to only --export-hf).\n",
+              file=sys.stderr, flush=True)
+    return True
+
+
+def _log_negative_values(args, interval: Dict[str, List[float]], loss_dict, skipped: int,
+                         iteration: int) -> None:
+    """Megatron's `training_log` prints a loss only when its mean over the log interval is
+    >= 0; GRPO's policy loss (and its parts) are often negative. Print those means (the same
+    steps Megatron averages: the interval's non-skipped ones) on the rank that logs."""
+    from megatron.training.utils import print_rank_last
+
+    if not skipped:
+        for key, value in loss_dict.items():
+            interval.setdefault(key, []).append(float(value))
+    if not args.log_interval or iteration % args.log_interval:
+        return
+    means = {k: sum(v) / len(v) for k, v in interval.items() if v}
+    interval.clear()
+    negative = " | ".join(f"{k}: {v:.6E}" for k, v in means.items() if v < 0)
+    if negative:
+        print_rank_last(f" iteration {iteration:8d}/{args.train_iters:8d} | {negative} | "
+                        "(negative: not on Megatron's line above)")
 
 
 def forward_step_from_args(args):

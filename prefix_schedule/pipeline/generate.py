@@ -17,7 +17,10 @@ from prefix_schedule.pipeline.ir import (Action, ActionKind, Schedule, check_cou
 from prefix_schedule.pipeline.orders import BaseOrder, interleaved_order, one_f_one_b_order
 from prefix_schedule.pipeline.units import StepShape
 
-__all__ = ["build_schedule"]
+__all__ = ["build_schedule", "MAX_VIRTUAL_STAGES"]
+
+MAX_VIRTUAL_STAGES = 1024
+"""Most virtual stages (PP x V) a schedule is built for; real pipelines use tens."""
 
 _PF, _SF = ActionKind.PREFIX_FORWARD, ActionKind.SUFFIX_FORWARD
 _SB, _PB = ActionKind.SUFFIX_BACKWARD, ActionKind.PREFIX_BACKWARD
@@ -54,6 +57,10 @@ def build_schedule(*, num_stages: int, microbatch_groups: Sequence[Sequence[int]
     stage in order, its PB in reverse, like a microbatch."""
     check_count("num_stages", num_stages, 1)
     check_count("num_model_chunks", num_model_chunks, 1)
+    if num_stages > MAX_VIRTUAL_STAGES:  # the play is O(stages x actions): minutes at 10**6
+        raise ValueError(f"num_stages={num_stages} virtual stages (pipeline size x "
+                         f"num_model_chunks) is beyond the limit of {MAX_VIRTUAL_STAGES}; "
+                         "give the real pipeline size (Megatron's pipeline_model_parallel_size)")
     if num_stages % num_model_chunks:
         raise ValueError(f"num_stages={num_stages} counts the virtual stages (pipeline size x "
                          f"num_model_chunks) and must be a multiple of num_model_chunks="

@@ -28,8 +28,22 @@ def _as_tokens(value: Any, *, name: str) -> torch.Tensor:
     return tokens.to(torch.int64).clone()
 
 
+def _float_tensor(value: Any, *, name: str) -> torch.Tensor:
+    """`value` as float64, or a ValueError naming what was given (None, a string, a dict...)."""
+    if value is None or isinstance(value, (str, bytes, dict)):
+        got = "None" if value is None else f"a {type(value).__name__} ({str(value)[:30]!r})"
+        raise ValueError(f"{name} is {got}; give a number or a sequence of numbers, one per "
+                         "suffix token")
+    try:
+        return torch.as_tensor(value, dtype=torch.float64)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise ValueError(f"{name}: {type(value).__name__} {str(value)[:40]!r} is not numbers "
+                         f"({exc}); give a number or a sequence of numbers, one per suffix "
+                         "token") from None
+
+
 def _as_floats(value: Any, *, name: str, length: int, allow_scalar: bool = False) -> torch.Tensor:
-    tensor = torch.as_tensor(value, dtype=torch.float64) if not torch.is_tensor(value) else value.detach().cpu()
+    tensor = value.detach().cpu() if torch.is_tensor(value) else _float_tensor(value, name=name)
     if allow_scalar and tensor.dim() == 0:
         tensor = tensor.reshape(1).expand(length)
     tensor = _as_1d(tensor, name=name)

@@ -20,9 +20,16 @@ import zlib
 from prefix_schedule.planning.data import (MAX_ABS_ADVANTAGE, GroupBatch, Group, Trajectory,
                                            _as_floats, _as_tokens, _check_range)
 
-__all__ = ["check_batch_arrays", "check_plan_covers", "batch_digest"]
+__all__ = ["check_batch_arrays", "check_plan_covers", "batch_digest", "validate_batch"]
 
 _EDITED = "(edited after the Trajectory was built?); fix the array or build the batch again"
+
+
+def validate_batch(batch: GroupBatch, *, max_seq_len: int, vocab_size=None) -> None:
+    """Every array re-checked (`check_batch_arrays`), then the batch against the model
+    (`GroupBatch.validate`: lengths, token ids, log-prob presence); ValueError if wrong."""
+    check_batch_arrays(batch)
+    batch.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
 
 
 def check_batch_arrays(batch: GroupBatch) -> None:

@@ -325,11 +325,9 @@ class GroupBatch:
         return self.groups[0].trajectories[0].ref_logprobs is not None
 
     def validate(self, *, max_seq_len: int, vocab_size: int | None = None) -> None:
-        """Check lengths, token ids and log-prob presence against the model, and every array
-        again ([Note: checks at step build] in batch_checks.py); ValueError if wrong."""
-        from prefix_schedule.planning.batch_checks import check_batch_arrays  # imports this module
-
-        check_batch_arrays(self)
+        """Check lengths, token ids and log-prob presence against the model; ValueError if wrong.
+        `batch_checks.validate_batch` also re-checks every array first ([Note: checks at step
+        build] in batch_checks.py): the planner, the policy and the executor call that."""
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 2:
             raise ValueError(f"max_seq_len={max_seq_len!r}; give the model's maximum length as an int >= 2")
         if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):

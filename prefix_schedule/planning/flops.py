@@ -16,6 +16,13 @@ d = kv_channels (default h / a), V = vocab_size:
   Only unmasked pairs count: a causal row of s tokens has s*(s+1)/2 pairs (the diagonal
   included); a suffix row of n tokens over c cached prefix keys has n*c + n*(n+1)/2.
 
+- Gated DeltaNet layers (`linear_attention_freq` set: layer i is softmax attention when
+  (i+1) % freq == 0, GDN otherwise, Megatron's get_linear_attention_pattern), with HK/HV key/value
+  heads of widths dk/dv and conv window W: in_proj 2*h*(2*HK*dk + 2*HV*dv + 2*HV), out_proj
+  2*HV*dv*h, the depthwise conv 2*W*(2*HK*dk + HV*dv), and the delta rule 6*HV*dk*dv per token
+  (read S with k, update S, read it with q). No pairs: a suffix costs the same whatever the cached
+  length (it starts from the cached state).
+
 Backward = 2 x forward, so every piece of work costs 3 x its forward FLOPs.
 Ignored: norms, softmax, activation functions, RoPE, embeddings lookups, the loss, optimizer.
 
@@ -27,7 +34,8 @@ runs once over its ancestors' keys (pairs n*c + n*(n+1)/2 as for a suffix row).
 
 Reuse: each cached prefix (P-1 tokens) runs forward and backward only through what the K/V of
 every layer need (DESIGN.md "[Note: prefix forward stops at the last cached K/V]"): layers 1..L-1
-fully and the last layer's QKV projection; no last-layer attention or MLP, no output layer.
+fully and the last layer's QKV projection (a GDN last layer: its in_proj, conv and rule, whose
+final state is what is cached); no last-layer attention or MLP, no output layer.
 With MoE the prefix forward stops after the last layer's router instead (its statistics count,
 DESIGN.md "MoE"): its attention, output projection and router are counted too (no experts).
 Every suffix row runs through the whole model, its attention also reading the group's cached keys;
@@ -76,8 +84,26 @@ class ModelDims:
     """MoE: inner width of one routed expert (None: ffn_hidden_size)."""
     moe_shared_ffn_hidden_size: int = 0
     """MoE: inner width of the shared expert (0: none)."""
+    linear_attention_freq: int | None = None
+    """Gated DeltaNet hybrids (Qwen3-Next / Qwen3.5: 4): every freq-th layer is softmax attention,
+    the others GDN; None: every layer is attention."""
+    linear_num_key_heads: int = 16
+    """GDN key heads HK (Qwen3-Next: 16)."""
+    linear_num_value_heads: int = 32
+    """GDN value heads HV (Qwen3-Next: 32)."""
+    linear_key_head_dim: int = 128
+    """GDN key head width dk."""
+    linear_value_head_dim: int = 128
+    """GDN value head width dv."""
+    linear_conv_kernel_dim: int = 4
+    """GDN short conv window W."""
 
     def __post_init__(self) -> None:
+        if self.linear_attention_freq is not None and (
+                isinstance(self.linear_attention_freq, bool)
+                or not isinstance(self.linear_attention_freq, int) or self.linear_attention_freq < 1):
+            raise ValueError(f"ModelDims.linear_attention_freq={self.linear_attention_freq!r}; give "
+                             "an int >= 1 (every freq-th layer is softmax attention) or None")
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "vocab_size"):
             value = getattr(self, name)
@@ -133,23 +159,50 @@ def _attention_pairs(length: int, cached: int) -> int:
     return length * cached + length * (length + 1) // 2
 
 
+def _is_gdn(dims: ModelDims, layer: int) -> bool:
+    """Whether 0-based layer `layer` is a Gated DeltaNet layer."""
+    freq = dims.linear_attention_freq
+    return freq is not None and (layer + 1) % freq != 0
+
+
+def _gdn_mixer(dims: ModelDims) -> tuple:
+    """Per-token forward FLOPs of a GDN layer's (in_proj + conv + rule, out_proj)."""
+    qk = dims.linear_num_key_heads * dims.linear_key_head_dim
+    v = dims.linear_num_value_heads * dims.linear_value_head_dim
+    in_proj = 2 * dims.hidden_size * (2 * qk + 2 * v + 2 * dims.linear_num_value_heads)
+    conv = 2 * dims.linear_conv_kernel_dim * (2 * qk + v)
+    rule = 6 * dims.linear_num_value_heads * dims.linear_key_head_dim * dims.linear_value_head_dim
+    return in_proj + conv + rule, 2 * v * dims.hidden_size
+
+
+def _layer_forward(dims: ModelDims, layer: int, length: int, cached: int) -> int:
+    if _is_gdn(dims, layer):
+        return length * (sum(_gdn_mixer(dims)) + _layer_mlp(dims))
+    return length * _layer_linear(dims) + 4 * dims.num_attention_heads * dims.kv_channels * \
+        _attention_pairs(length, cached)
+
+
 def _row_forward(dims: ModelDims, length: int, cached: int) -> int:
     """Forward FLOPs of a row of `length` tokens over `cached` cached keys, whole model."""
-    per_layer = length * _layer_linear(dims) + 4 * dims.num_attention_heads * dims.kv_channels * \
-        _attention_pairs(length, cached)
-    return dims.num_layers * per_layer + length * 2 * dims.hidden_size * dims.vocab_size
+    return sum(_layer_forward(dims, i, length, cached) for i in range(dims.num_layers)) + \
+        length * 2 * dims.hidden_size * dims.vocab_size
 
 
 def _prefix_forward(dims: ModelDims, length: int, cached: int = 0) -> int:
     """Forward FLOPs of a cached prefix (a tree node: over its `cached` ancestor keys): layers
-    1..L-1 in full, then the last layer's QKV (MoE: up to its router)."""
+    1..L-1 in full, then the last layer's QKV or GDN state (MoE: up to its router)."""
+    last_layer = dims.num_layers - 1
+    full = sum(_layer_forward(dims, i, length, cached) for i in range(last_layer))
+    if _is_gdn(dims, last_layer):
+        mixer, out_proj = _gdn_mixer(dims)
+        last = length * (mixer + (out_proj + _router(dims) if dims.num_experts else 0))
+        return full + last
     attention = 4 * dims.num_attention_heads * dims.kv_channels * _attention_pairs(length, cached)
-    per_layer = length * _layer_linear(dims) + attention
     last = length * _qkv(dims)
     if dims.num_experts:
         ad = dims.num_attention_heads * dims.kv_channels
         last += attention + length * (2 * ad * dims.hidden_size + _router(dims))
-    return (dims.num_layers - 1) * per_layer + last
+    return full + last
 
 
 def dense_flops(dims: ModelDims, seq_lens: Iterable[int]) -> float:

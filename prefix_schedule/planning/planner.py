@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from prefix_schedule.planning.batch_checks import validate_batch
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.pipeline.units import chunk_spans
 from prefix_schedule.planning.budget import check_budget, check_dense_groups
@@ -48,9 +49,6 @@ __all__ = [
     "PrefixChunk",
     "StepPlan",
     "plan_microbatches",
-    "build_suffix_inputs",  # from planning/inputs.py (see the end of this module)
-    "build_prefix_inputs",
-    "build_dense_inputs",
 ]
 
 
@@ -367,7 +365,7 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
     _check_int(row_multiple, "row_multiple", 1)
     if prefix_chunk_tokens is not None:
         _check_int(prefix_chunk_tokens, "prefix_chunk_tokens", 1)
-    batch.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
+    validate_batch(batch, max_seq_len=max_seq_len, vocab_size=vocab_size)
     check_budget(batch, token_budget, row_multiple)
     capacity = token_budget - token_budget % row_multiple  # the longest row that pads within budget
     dense = check_dense_groups(batch, dense_groups, capacity, row_multiple)

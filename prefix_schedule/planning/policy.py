@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Optional
 
+from prefix_schedule.planning.batch_checks import validate_batch
 from prefix_schedule.planning.data import Group, GroupBatch
 from prefix_schedule.planning.flops import ModelDims, dense_flops, reuse_flops
 from prefix_schedule.planning.planner import StepPlan, plan_microbatches
@@ -138,7 +139,7 @@ def plan_with_policy(batch: GroupBatch, *, policy: ReusePolicy, max_seq_len: int
                      row_multiple: int = 1, prefix_chunk_tokens: Optional[int] = None,
                      vocab_size: Optional[int] = None) -> PolicyPlan:
     """Plan `batch` as the module docstring says; ValueError on bad input (as plan_microbatches)."""
-    batch.validate(max_seq_len=max_seq_len, vocab_size=vocab_size)
+    validate_batch(batch, max_seq_len=max_seq_len, vocab_size=vocab_size)
     longest_dense = max(g.context_len(i) - 1 + t.num_tokens for g in batch.groups
                         for i, t in enumerate(g.trajectories))
     longest_suffix = max(t.num_tokens for g in batch.groups for t in g.trajectories)

@@ -22,6 +22,8 @@ c's backward feeds the buffers of the earlier chunks, which therefore run backwa
 Prefix trees ([Note: prefix trees] in planning/tree.py): `set_tree` gives a group's chunk
 parents; a read names the chain it attends to (`chunks=`), and a chunk's backward waits for its
 children instead of chunk c+1.
+Recurrent layers (GDN, Mamba) store named state tensors instead: `store_state` / `read_state`,
+[Note: recurrent prefix state] in state_cache.py; Phase C drains both kinds in one call.
 """
 
 from __future__ import annotations
@@ -32,12 +34,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from prefix_schedule.runtime.router_stats import PrefixRouterRead, RouterStats, read_stats
+from prefix_schedule.runtime.state_cache import CacheProtocolError, StateCacheMixin, StateEntry
 
 __all__ = ["PrefixKVCache", "CacheProtocolError"]
-
-
-class CacheProtocolError(RuntimeError):
-    """A cache entry was used out of order (read after free, stored twice, ...)."""
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,6 +71,18 @@ class _Entry:
             if self.grad_v is None:
                 self.grad_v = torch.zeros(v_leaf.shape, dtype=torch.float32, device=gv.device)
             self.grad_v.add_(gv)
+
+    def backward_pairs(self) -> List[tuple]:
+        return [(self.k_graph, self.grad_k), (self.v_graph, self.grad_v)]
+
+    def graphs(self) -> Iterator[torch.Tensor]:
+        yield self.k_graph
+        yield self.v_graph
+
+    def owned(self) -> Iterator[torch.Tensor]:
+        for t in (*self.leaves(), self.grad_k, self.grad_v):
+            if t is not None:
+                yield t
 
 
 class _AccumulateInto(torch.autograd.Function):
@@ -112,8 +123,9 @@ class _InjectGrads(torch.autograd.Function):
         return grad_out, grads[0], grads[1], None, None
 
 
-class PrefixKVCache:
-    """Per-step cache of prefix K/V for every (group, chunk, layer) on this rank."""
+class PrefixKVCache(StateCacheMixin):
+    """Per-step cache of prefix K/V for every (group, chunk, layer) on this rank (and the
+    recurrent layers' states: StateCacheMixin)."""
 
     def __init__(self) -> None:
         self._entries: Dict[Tuple[int, int], Dict[int, _Entry]] = {}  # (group, chunk) -> layers
@@ -238,6 +250,9 @@ class PrefixKVCache:
         parts = []
         for chunk in chunks:
             entry = self._entry(group, chunk, layer)
+            if isinstance(entry, StateEntry):
+                raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: holds "
+                                         "recurrent state, not K/V")
             entry.num_reads += 1
             parts.append(_AccumulateInto.apply(*entry.leaves(), entry))
         if len(parts) == 1:  # unchunked: no copy
@@ -283,9 +298,8 @@ class PrefixKVCache:
         if to_local is not None:  # [Note: CP prefix cache]: one collective, every CP rank
             pairs = self._local_grads([self._entries[m] for m in members], to_local)
         else:
-            pairs = [(graph, grad) for m in members for entry in self._entries[m].values()
-                     for graph, grad in ((entry.k_graph, entry.grad_k),
-                                         (entry.v_graph, entry.grad_v))]
+            pairs = [pair for m in members for entry in self._entries[m].values()
+                     for pair in entry.backward_pairs()]
         for graph, grad in pairs:
             if grad is not None and graph.requires_grad:
                 tensors.append(graph)
@@ -309,6 +323,9 @@ class PrefixKVCache:
         graphs, grads, shapes = [], [], []
         for layers in members:
             for entry in layers.values():
+                if isinstance(entry, StateEntry):
+                    raise CacheProtocolError("a recurrent layer's prefix state under context "
+                                             "parallelism is not supported")
                 k_leaf, v_leaf = entry.leaves()
                 graphs += [entry.k_graph, entry.v_graph]
                 grads += [entry.grad_k, entry.grad_v]
@@ -342,9 +359,7 @@ class PrefixKVCache:
         """The live K/V copies and fp32 gradient buffers (not the prefix graphs they came from)."""
         for layers in self._entries.values():
             for e in layers.values():
-                for t in (*e.leaves(), e.grad_k, e.grad_v):
-                    if t is not None:
-                        yield t
+                yield from e.owned()
 
     def nbytes(self) -> int:
         """Bytes held by live K/V copies and gradient buffers (excluding the prefix graphs)."""
@@ -362,8 +377,8 @@ class PrefixKVCache:
 
     def _free_chunk(self, group: int, chunk: int) -> None:
         for entry in self._entries[(group, chunk)].values():
-            self._forget_storage(entry.k_graph)
-            self._forget_storage(entry.v_graph)
+            for graph in entry.graphs():
+                self._forget_storage(graph)
         del self._entries[(group, chunk)]
         self._router.pop((group, chunk), None)
         self._to_local.pop((group, chunk), None)

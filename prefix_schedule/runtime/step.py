@@ -31,6 +31,7 @@ from prefix_schedule.planning.inputs import (build_prefix_inputs, build_prefix_l
 from prefix_schedule.planning.planner import PrefixChunk, StepPlan
 from prefix_schedule.pipeline.lowering import lower
 from prefix_schedule.pipeline import Action, ActionKind, Schedule, build_schedule
+from prefix_schedule.pipeline.support import check_count
 
 __all__ = ["ReuseStep"]
 
@@ -87,6 +88,8 @@ class ReuseStep:
                              "groups with one shared prompt each, or run with CP=1")
         self._unit_loss = {u: build_prefix_loss(batch, c) for u, c in self._units.items()}
         """Loss entries of prefix-tree units ([Note: loss inside shared nodes] in tree.py)."""
+        for name, value in (("num_stages", num_stages), ("num_model_chunks", num_model_chunks)):
+            check_count(name, value, 1)  # before the product: blame the argument given
         self._rows: Dict[int, Tuple[int, ...]] = self._pack_rows(num_stages * num_model_chunks)
         """Step unit (the PF/PB index) -> the plan units its row runs: one, or several whole
         prefixes packed into one CP row ([Note: packed CP prefix rows] in runtime/cp.py)."""

@@ -93,6 +93,12 @@ def _int_list(value: Any, *, where: str, vocab_size: Optional[int]) -> torch.Ten
     if any(isinstance(v, bool) or not isinstance(v, int) for v in value):
         bad = next(i for i, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, int))
         raise ValueError(f"{where}[{bad}] is {value[bad]!r}; token ids must be integers")
+    low, high_id = min(value), max(value)
+    if low < 0 or high_id >= 2 ** 63:  # torch.tensor would wrap or overflow
+        i = value.index(low if low < 0 else high_id)
+        raise ValueError(f"{where}[{i}] is token {str(value[i])[:30]}, outside "
+                         f"{f'[0, {vocab_size})' if vocab_size is not None else '[0, 2**63)'}; "
+                         "token ids are vocabulary indices")
     tokens = torch.tensor(value, dtype=torch.int64)
     high = vocab_size if vocab_size is not None else None
     bad = (tokens < 0) if high is None else (tokens < 0) | (tokens >= high)
@@ -114,13 +120,22 @@ def _float_list(value: Any, *, where: str, length: int) -> torch.Tensor:
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in value):
         bad = next(i for i, v in enumerate(value) if isinstance(v, bool) or not isinstance(v, (int, float)))
         raise ValueError(f"{where}[{bad}] is {value[bad]!r}; expected a number")
-    values = torch.tensor(value, dtype=torch.float64)
+    values = torch.tensor([_finite_float(v) for v in value], dtype=torch.float64)
     bad = ~torch.isfinite(values)
     if bad.any():
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"{where}[{i}] is {value[i]}; every entry must be finite (put any finite "
                          "value, e.g. 0, at positions the loss mask excludes)")
     return values
+
+
+def _finite_float(value: float) -> float:
+    """A JSON number as a float; an integer beyond float64 (JSON allows 10**400) becomes inf,
+    which the callers then refuse with the field named."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
 def _describe(value: Any) -> str:
@@ -135,6 +150,7 @@ def _advantages(value: Any, *, where: str, length: int) -> torch.Tensor:
     if isinstance(value, list):
         values = _float_list(value, where=where, length=length)
     else:
+        value = _finite_float(value)
         if not math.isfinite(value):
             raise ValueError(f"{where} is {value}; advantages must be finite (a NaN usually means "
                              "a group whose rewards all failed: drop it or give it advantage 0)")

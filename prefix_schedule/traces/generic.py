@@ -22,7 +22,8 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 from prefix_schedule.traces.format import TraceHeader
-from prefix_schedule.traces.io import PathLike, TraceWriter, open_text, parse_line
+from prefix_schedule.traces.io import PathLike, TraceWriter
+from prefix_schedule.traces.lines import iter_lines, parse_line
 
 __all__ = ["import_generic", "GENERIC_FIELDS"]
 
@@ -31,13 +32,12 @@ GENERIC_FIELDS = {"step", "group", "prompt", "response", "advantage", "loss_mask
 
 
 def _lines(path: PathLike) -> Iterator[tuple[int, dict]]:
-    with open_text(path) as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                where = f"{path}:{number}"
-                row = parse_line(line, where=where)
-                _check_row(row, where)
-                yield number, row
+    for number, line in iter_lines(path):
+        if line.strip():
+            where = f"{path}:{number}"
+            row = parse_line(line, where=where)
+            _check_row(row, where)
+            yield number, row
 
 
 def _check_row(row: Any, where: str) -> None:
@@ -54,6 +54,11 @@ def _check_row(row: Any, where: str) -> None:
         raise ValueError(f"{where}: both loss_mask and response_mask given; give one")
     if not isinstance(row["prompt"], list):
         raise ValueError(f"{where}: prompt must be a list of token ids")
+    for name in ("step", "group"):  # ids: compared and used as keys
+        value = row.get(name, "")
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ValueError(f"{where}: {name} is {type(value).__name__} {str(value)[:30]!r}; "
+                             f"give the {name} id as an int or a string")
 
 
 def _steps(path: PathLike) -> Iterator[tuple[Any, list[tuple[int, dict]]]]:
@@ -77,7 +82,7 @@ def _steps(path: PathLike) -> Iterator[tuple[Any, list[tuple[int, dict]]]]:
 def _group_records(path: PathLike, step: int, rows: list[tuple[int, dict]]) -> list[dict]:
     groups: dict = {}
     for number, row in rows:
-        key = ("id", _hashable(row["group"])) if "group" in row else ("prompt", tuple(row["prompt"]))
+        key = ("id", row["group"]) if "group" in row else ("prompt", tuple(row["prompt"]))
         record = groups.get(key)
         if record is None:
             record = groups[key] = {"step": step, "prompt": row["prompt"], "responses": [],
@@ -91,10 +96,6 @@ def _group_records(path: PathLike, step: int, rows: list[tuple[int, dict]]) -> l
                              "a group's trajectories share one prompt")
         _append(record, row, number)
     return list(groups.values())
-
-
-def _hashable(value: Any) -> Any:
-    return tuple(value) if isinstance(value, list) else value
 
 
 def _append(record: dict, row: dict, number: int) -> None:
@@ -134,4 +135,7 @@ def import_generic(path: PathLike, out: PathLike, *, vocab_size: Optional[int] =
                 group = group_from_record(record, where=where, vocab_size=vocab_size)
                 writer.write_group(group, step=step, rewards=record.get("rewards"))
             steps += 1
+        if not steps:
+            raise ValueError(f"{path}: no trajectories (the file is empty or blank); give one "
+                             "JSON line per trajectory (the generic layout above)")
     return steps

@@ -11,14 +11,16 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import math
+import os
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from prefix_schedule.planning.data import Group, GroupBatch
 from prefix_schedule.traces.format import TraceHeader, group_from_record, record_from_group
+from prefix_schedule.traces.lines import iter_lines, parse_line
 
 __all__ = ["read_header", "read_steps", "iter_groups", "TraceGroup", "TraceWriter", "open_text"]
 
@@ -35,23 +37,9 @@ def open_text(path: PathLike, mode: str = "r"):
     return open(path, mode, encoding="utf-8")
 
 
-def _not_finite(text: str) -> float:
-    # Python's json accepts NaN / Infinity; keep them so the field checks can name them.
-    return {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}[text]
-
-
-def parse_line(line: str, *, where: str) -> Any:
-    try:
-        return json.loads(line, parse_constant=_not_finite)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); every line "
-                         "of a trace is one JSON object") from None
-
-
 def read_header(path: PathLike) -> TraceHeader:
     """The trace's header (its first line)."""
-    with open_text(path) as f:
-        first = f.readline()
+    first = next((text for _, text in iter_lines(path)), "")
     if not first.strip():
         raise ValueError(f"{path}: empty file; a trace starts with its header line")
     try:
@@ -78,26 +66,24 @@ def iter_groups(path: PathLike, *, vocab_size: Optional[int] = None) -> Iterator
     header = read_header(path)
     vocab = vocab_size if vocab_size is not None else header.vocab_size
     expected_step, index = 0, 0
-    with open_text(path) as f:
-        f.readline()
-        for number, line in enumerate(f, start=2):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            record = parse_line(line, where=where)
-            step = record.get("step") if isinstance(record, dict) else None
-            if isinstance(step, int) and not isinstance(step, bool):
-                if step == expected_step + 1 and index > 0:
-                    expected_step, index = step, 0
-                if step != expected_step:
-                    raise ValueError(f"{where}: step {step} after step {expected_step}; steps start "
-                                     "at 0, increase by one, and a step's groups are consecutive "
-                                     "lines")
-                where = f"{where} (step {step}, group {index})"
-            group = group_from_record(record, where=where, vocab_size=vocab)
-            yield TraceGroup(step=step, index=index, line=number, group=group,
-                             rewards=record.get("rewards"), uid=record.get("uid"))
-            index += 1
+    for number, line in iter_lines(path):
+        if number == 1 or not line.strip():
+            continue
+        where = f"{path}:{number}"
+        record = parse_line(line, where=where)
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, int) and not isinstance(step, bool):
+            if step == expected_step + 1 and index > 0:
+                expected_step, index = step, 0
+            if step != expected_step:
+                raise ValueError(f"{where}: step {step} after step {expected_step}; steps start "
+                                 "at 0, increase by one, and a step's groups are consecutive "
+                                 "lines")
+            where = f"{where} (step {step}, group {index})"
+        group = group_from_record(record, where=where, vocab_size=vocab)
+        yield TraceGroup(step=step, index=index, line=number, group=group,
+                         rewards=record.get("rewards"), uid=record.get("uid"))
+        index += 1
 
 
 def read_steps(path: PathLike, *, start: int = 0, stop: Optional[int] = None,
@@ -129,12 +115,24 @@ def _batch(groups: list[Group], step: int, path: PathLike) -> GroupBatch:
 
 
 class TraceWriter:
-    """Write a trace line by line (a context manager). Groups must come step by step."""
+    """Write a trace line by line (a context manager). Groups must come step by step.
+
+    The lines go to a temporary file beside `path`, renamed to `path` when the writer closes
+    without an error: a reader never sees half a trace, a failed import leaves no output (and
+    whatever was at `path` before), and an input named as the output is read whole first."""
 
     def __init__(self, path: PathLike, header: TraceHeader) -> None:
         self.path = Path(path)
         self.header = header
-        self._file = open_text(self.path, "w")
+        if not self.path.parent.is_dir():
+            raise ValueError(f"{self.path}: the directory {self.path.parent} does not exist; "
+                             "create it or write the trace elsewhere")
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.",
+                                   suffix=".tmp")
+        os.close(fd)
+        self._tmp = Path(tmp)
+        raw = gzip.open(self._tmp, "wb") if self.path.suffix == ".gz" else open(self._tmp, "wb")
+        self._file = io.TextIOWrapper(raw, encoding="utf-8")
         self._file.write(json.dumps(header.to_json(), separators=(",", ":")) + "\n")
         self._step = 0
         self.num_groups = 0
@@ -153,10 +151,25 @@ class TraceWriter:
             self.write_group(group, step=step)
 
     def close(self) -> None:
+        """Finish the trace: it appears at `path` now, whole."""
+        if self._file.closed:
+            return
         self._file.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self._tmp, 0o666 & ~umask)
+        os.replace(self._tmp, self.path)
+
+    def discard(self) -> None:
+        """Drop what was written; `path` is left as it was."""
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> "TraceWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()

@@ -198,14 +198,22 @@ def import_megatron_rollouts(paths: list[PathLike], out: PathLike, *, vocab_size
                 writer.write_group(group, step=step, rewards=record["rewards"])
                 summary["groups"] += 1
             summary["steps"] += 1
+        if not summary["groups"]:
+            raise ValueError(f"{', '.join(summary['files'])}: no group with a real rollout (all "
+                             f"{summary['dropped_groups']} are placeholders); nothing to import")
     return summary
 
 
 def _load(path: Path) -> list:
     try:
-        groups = json.loads(path.read_text())
+        groups = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: byte {exc.start} is not UTF-8; a rollout dump is UTF-8 JSON "
+                         "(is it the right file?)") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to parse (is it a rollout dump?)") from None
     if not isinstance(groups, list):
         raise ValueError(f"{path}: expected a JSON list of groups (Megatron-LM's rollout dump)")
     return [g["rollouts"] if isinstance(g, dict) and "rollouts" in g else g for g in groups]

@@ -78,7 +78,9 @@ def _lengths(config: SynthConfig, rng: np.random.Generator, size: int) -> tuple[
     spread = spread / spread.mean()  # mean response = (1 - share) * total exactly
     prompt, responses = share * total, (1 - share) * total * spread
     fit = min(1.0, config.max_seq_len / (prompt + responses.max()))
-    return max(2, int(round(prompt * fit))), [max(1, int(round(n * fit))) for n in responses]
+    # rounding (and the floors of 2 and 1 tokens) can add a token: clip to max_seq_len
+    p = min(max(2, int(round(prompt * fit))), config.max_seq_len - 1)
+    return p, [min(max(1, int(round(n * fit))), config.max_seq_len - p) for n in responses]
 
 
 def _trajectory(config: SynthConfig, rng: np.random.Generator, n: int, advantage: float) -> Trajectory:

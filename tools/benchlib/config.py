@@ -118,12 +118,20 @@ class BenchConfig:
     (benchlib/capacity.py): reuse via plan_microbatches(memory_budget_bytes=...) (packing,
     prefix chunks, offload), dense the most rows per microbatch that fit; the JSON's
     memory_budget reports both and the speedup at equal memory."""
+    adapter: Optional[str] = None
+    """Run the step through a framework adapter: generic or verl (benchlib/adapter_bench.py;
+    one process): the framework's dense step vs the adapter, and the adapter's own overhead."""
+    overhead_groups: int = 512
+    """--adapter: groups of the adapter-overhead measurement (detection + planning, no model)."""
+    overhead_group_size: int = 16
+    """--adapter: trajectories per group of the adapter-overhead measurement."""
 
     def __post_init__(self) -> None:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
                         hidden_size=1, ffn_hidden_size=1, num_attention_heads=1,
                         num_query_groups=1, vocab_size=2, steps=1, warmup=0, threads=1, seed=0,
-                        pp=1, tp=1, dp=1, vpp=1, cp=1, timeout=1, moe_router_topk=1, ep=1)
+                        pp=1, tp=1, dp=1, vpp=1, cp=1, timeout=1, moe_router_topk=1, ep=1,
+                        overhead_groups=1, overhead_group_size=1)
         for name, minimum in minimums.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -301,6 +309,19 @@ class BenchConfig:
         return place_groups(batch, dp_size=self.dp, dims=self.model_dims(),
                             token_budget=self.token_budget,
                             max_seq_len=self.max_seq_len)
+
+
+    def cp_dense_placement(self, batch: GroupBatch) -> Placement:
+        """With --cp N the dense path runs the batch as CP=1 x DP=N on the same processes
+        (benchlib/cp.py): its shares, or a ValueError naming --cp."""
+        rows = sum(len(g.trajectories) for g in batch.groups)
+        if rows < self.cp:
+            raise ValueError(f"--cp={self.cp}: the dense path runs the batch as CP=1 x DP="
+                             f"{self.cp} on the same processes and needs a trajectory per "
+                             f"process, the batch has {rows}; raise --group-size x --num-groups "
+                             f"to at least {self.cp} or lower --cp")
+        return place_groups(batch, dp_size=self.cp, token_budget=self.token_budget,
+                            max_seq_len=self.prefix_len + self.suffix_len)
 
 
 def _field_docs() -> Dict[str, str]:

@@ -110,7 +110,6 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
     from megatron_patches.training import (max_relative_diff, param_grads, prepare_for_training,
                                            zero_grads)
     from megatron_patches.training import dense_step as stock_dense_step
-    from prefix_schedule.planning.placement import place_groups
     from prefix_schedule.runtime.cp import CPGroup
 
     megatron_patches.install()
@@ -135,8 +134,7 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
     reference = param_grads(stock)
     fused = build_model(model_shape(config), fused_attention=True, seed=config.seed)
     fused = prepare_for_training(fused, ddp=True)
-    share = place_groups(batch, dp_size=config.cp, token_budget=config.token_budget,
-                         max_seq_len=config.prefix_len + config.suffix_len)
+    share = config.cp_dense_placement(batch)
     mine = share.ranks[ps.get_data_parallel_rank()].batch
     # the CP overhead at equal work: the same reuse on the dense path's shares, no CP
     reuse_dp = prepare_for_training(build_model(model_shape(config), seed=config.seed), ddp=True)

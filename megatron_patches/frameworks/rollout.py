@@ -1,0 +1,184 @@
+"""What RL frameworks hand Megatron, framework-neutral: one entry per sampled sequence.
+
+`RolloutBatch` holds per-sequence token ids and per-token RL arrays, all aligned with the tokens
+(entry j is about PREDICTING tokens[j]; entry 0 predicts nothing and must be masked out), plus a
+group id per sequence (verl's `uid`, slime's `group_index`, Megatron-LM RL's group). The
+constructors `from_padded` (rows [B, L] with an attention mask, left or right padding) and
+`from_packed` (THD: one 1-D row and `cu_seqlens`) read the two layouts frameworks use.
+`TokenBatch` is what the framework's loss function sees for one Megatron microbatch.
+No Megatron import here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+__all__ = ["RolloutBatch", "TokenBatch"]
+
+_PER_TOKEN = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs")
+
+
+def _float_rows(values, lengths: Sequence[int], name: str, scalar_ok: bool = False) -> List[torch.Tensor]:
+    if values is None:
+        return None
+    values = list(values)
+    if len(values) != len(lengths):
+        raise ValueError(f"{name} has {len(values)} entries for {len(lengths)} sequences; "
+                         "give one per sequence")
+    rows = []
+    for i, (value, n) in enumerate(zip(values, lengths)):
+        row = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
+        if scalar_ok and row.dim() == 0:
+            row = row.expand(n).clone()
+        if row.dim() != 1 or row.numel() != n:
+            raise ValueError(f"{name}[{i}] has shape {tuple(row.shape)} for a sequence of {n} "
+                             f"tokens; give one value per token{' (or a float)' if scalar_ok else ''}")
+        if not torch.isfinite(row).all():
+            raise ValueError(f"{name}[{i}] holds NaN or inf; put a finite value (e.g. 0) where "
+                             "the loss mask is 0")
+        rows.append(row)
+    return rows
+
+
+@dataclass(kw_only=True)
+class RolloutBatch:
+    """One training step's sequences on this data-parallel rank, in the framework's order."""
+
+    tokens: List[torch.Tensor]
+    """Per sequence, its token ids (prompt + response, every turn), unpadded, int64 [n_i]."""
+    loss_mask: List[torch.Tensor]
+    """Per sequence, 0/1 per token: entry j says whether predicting tokens[j] counts (entry 0: 0)."""
+    group_ids: Sequence[Any]
+    """Per sequence, its group (the samples of one prompt). Groups are where prefixes are
+    looked for; a group whose members share too little runs dense."""
+    advantages: Optional[List[Any]] = None
+    """Per sequence, a float or one float per token (None: zeros, e.g. a log-prob pass)."""
+    old_logprobs: Optional[List[torch.Tensor]] = None
+    """Per sequence, behaviour-policy log-probs per token, or None."""
+    ref_logprobs: Optional[List[torch.Tensor]] = None
+    """Per sequence, reference-policy log-probs per token, or None."""
+    fields: Dict[str, List[torch.Tensor]] = field(default_factory=dict)
+    """Further per-token arrays the framework's loss reads (e.g. verl's rollout_is_weights)."""
+
+    def __post_init__(self) -> None:
+        self.tokens = [torch.as_tensor(t).detach().cpu().reshape(-1).to(torch.int64)
+                       for t in self.tokens]
+        if not self.tokens:
+            raise ValueError("RolloutBatch has no sequences; give at least one")
+        lengths = self.lengths
+        for i, n in enumerate(lengths):
+            if n < 2:
+                raise ValueError(f"sequence {i} has {n} token(s); a sequence needs >= 2")
+        self.group_ids = list(self.group_ids)
+        if len(self.group_ids) != len(lengths):
+            raise ValueError(f"group_ids has {len(self.group_ids)} entries for {len(lengths)} "
+                             "sequences; give one group id per sequence")
+        self.loss_mask = _float_rows(self.loss_mask, lengths, "loss_mask")
+        for i, mask in enumerate(self.loss_mask):
+            if not ((mask == 0) | (mask == 1)).all() or mask[0] != 0:
+                raise ValueError(f"loss_mask[{i}] must hold only 0/1 and 0 at entry 0 (nothing "
+                                 "predicts the first token); shift a response mask by one if it "
+                                 "is aligned with the predicting position")
+        advantages = self.advantages if self.advantages is not None else [0.0] * len(lengths)
+        self.advantages = _float_rows(advantages, lengths, "advantages", scalar_ok=True)
+        self.old_logprobs = _float_rows(self.old_logprobs, lengths, "old_logprobs")
+        self.ref_logprobs = _float_rows(self.ref_logprobs, lengths, "ref_logprobs")
+        self.fields = {name: _float_rows(v, lengths, f"fields[{name!r}]")
+                       for name, v in self.fields.items()}
+        clash = set(self.fields) & set(_PER_TOKEN + ("logprobs", "entropy"))
+        if clash:
+            raise ValueError(f"fields {sorted(clash)} clash with TokenBatch's own names; rename them")
+
+    @property
+    def lengths(self) -> List[int]:
+        return [t.numel() for t in self.tokens]
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(sum(m.sum() for m in self.loss_mask))
+
+    def flat(self, name: str) -> Optional[torch.Tensor]:
+        """The per-token array `name` of all sequences, concatenated (None if absent)."""
+        rows = self.fields[name] if name in self.fields else getattr(self, name)
+        return None if rows is None else torch.cat(rows)
+
+    @classmethod
+    def from_padded(cls, *, input_ids, attention_mask, loss_mask, group_ids, **per_token):
+        """Rows [B, L] (left or right padding, or both) with attention_mask 1 at real tokens;
+        loss_mask / advantages / old_logprobs / ref_logprobs / fields entries are [B, L] aligned
+        with input_ids (advantages may be [B]). Keeps each row's real tokens."""
+        keep = torch.as_tensor(attention_mask).bool()
+        if keep.shape != torch.as_tensor(input_ids).shape:
+            raise ValueError(f"attention_mask {tuple(keep.shape)} and input_ids "
+                             f"{tuple(torch.as_tensor(input_ids).shape)} differ in shape")
+
+        def rows(values):
+            values = torch.as_tensor(values)
+            if values.dim() == 1:
+                return list(values)
+            return [values[b][keep[b]] for b in range(keep.shape[0])]
+        extra = {k: (None if v is None else rows(v)) for k, v in per_token.items() if k != "fields"}
+        fields = {k: rows(v) for k, v in (per_token.get("fields") or {}).items()}
+        return cls(tokens=rows(input_ids), loss_mask=rows(loss_mask), group_ids=group_ids,
+                   fields=fields, **extra)
+
+    @classmethod
+    def from_packed(cls, *, tokens, cu_seqlens, loss_mask, group_ids, **per_token):
+        """THD: all sequences in one 1-D row, sequence i at cu_seqlens[i]:cu_seqlens[i+1];
+        per-token arrays are 1-D the same way (advantages may be one per sequence)."""
+        cu = [int(c) for c in torch.as_tensor(cu_seqlens).reshape(-1)]
+        if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
+            raise ValueError(f"cu_seqlens={cu[:8]}...: give increasing offsets starting at 0")
+
+        def rows(values):
+            values = torch.as_tensor(values).reshape(-1)
+            if values.numel() == len(cu) - 1:
+                return list(values)
+            if values.numel() < cu[-1]:
+                raise ValueError(f"a packed array has {values.numel()} entries, cu_seqlens ends at {cu[-1]}")
+            return [values[a:b] for a, b in zip(cu, cu[1:])]
+        extra = {k: (None if v is None else rows(v)) for k, v in per_token.items() if k != "fields"}
+        fields = {k: rows(v) for k, v in (per_token.get("fields") or {}).items()}
+        return cls(tokens=rows(tokens), loss_mask=rows(loss_mask), group_ids=group_ids,
+                   fields=fields, **extra)
+
+
+@dataclass(kw_only=True)
+class TokenBatch:
+    """The tokens of ONE Megatron microbatch as the framework's loss function sees them: flat
+    [n] tensors over the positions this microbatch predicts (any order), on the model's device."""
+
+    logprobs: torch.Tensor
+    """log p(token) under the model being trained (carries the gradient)."""
+    entropy: Optional[torch.Tensor]
+    """Entropy of the predictive distribution (with gradient), when asked for."""
+    sequence_index: torch.Tensor
+    """The RolloutBatch index of each position's sequence."""
+    position: torch.Tensor
+    """The index j of the predicted token in its sequence."""
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: Optional[torch.Tensor]
+    ref_logprobs: Optional[torch.Tensor]
+    fields: Dict[str, torch.Tensor]
+    num_microbatches: int
+    """The number of microbatches Megatron divides a 2-tuple loss by IN THIS STEP: a framework
+    that multiplies its loss by its microbatch count must use this one (reuse changes it)."""
+    rollout: RolloutBatch
+    """The whole batch (per-sequence facts such as a sequence's loss-token count)."""
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        return self.loss_mask.sum()
+
+    def sequence_loss_tokens(self) -> torch.Tensor:
+        """Per position, the loss-token count of its whole sequence (per-sample means)."""
+        counts = torch.tensor([float(m.sum()) for m in self.rollout.loss_mask],
+                              device=self.loss_mask.device)
+        return counts[self.sequence_index]

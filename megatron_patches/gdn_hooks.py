@@ -1,0 +1,185 @@
+"""The Gated DeltaNet state hook: Megatron's `GatedDeltaNet.forward` asks it for its short causal
+conv and its gated delta rule (the gdn-state-hook source patch).
+
+Inert without a reuse context (returns None: the stock calls run). In a reuse step the row is cut
+into segments, each run from its own initial state ([Note: recurrent prefix state] in
+prefix_schedule/runtime/state_cache.py):
+* a prefix row: its real tokens from zeros (chunk 0) or the state after its earlier chunks, then
+  the row's padding from zeros; the state at the end of the real tokens -- the conv's last
+  kernel_size - 1 raw inputs ("conv") and the rule's final state ("rule") -- goes to the cache;
+* a suffix row: every packed sequence from its own group's cached state (zeros for a sequence
+  run whole or the padding), so one row may hold several groups.
+The conv runs in torch per segment (its tail prepended; the same depthwise causal conv as the
+stock one); the rule is the layer's own kernel (`self.gated_delta_rule`), called per segment with
+`initial_state` / `output_final_state`, whose backward returns the initial state's gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from prefix_schedule.runtime.context import (
+    PrefixForwardContext,
+    PrefixForwardDone,
+    current_context,
+)
+
+__all__ = ["gdn_state_hook", "CONV_STATE", "RULE_STATE"]
+
+CONV_STATE = "conv"
+"""Cache name of a GDN layer's conv tail: [B=1, kernel_size - 1, conv channels] raw inputs."""
+RULE_STATE = "rule"
+"""Cache name of a GDN layer's recurrent state: [1, HV, K, V] (the rule's dtype, fp32)."""
+
+_RULE_ARGS = ("q", "k", "v", "g", "beta")
+
+
+def gdn_state_hook(module, site: str):
+    """`_gdn_state_hook(self, site)` in Megatron's GDN forward: a replacement for the conv
+    (`site == "conv"`) or the delta rule (`"rule"`) in a reuse step, else None (stock)."""
+    context = current_context()
+    if context is None:
+        return None
+    if context.cp is not None:
+        raise ValueError("Gated DeltaNet layers with context parallelism are not supported in "
+                         "prefix reuse steps; train with context_parallel_size=1")
+    segments = _segments(context, module.layer_number)
+    if site == "conv":
+        return functools.partial(_conv, module, context, segments)
+    if site == "rule":
+        return functools.partial(_rule, module, context, segments)
+    raise AssertionError(f"unknown GDN hook site {site!r}")
+
+
+class _Segment:
+    """Rows [start, end) of the row, the state they start from (None: zeros), and whether the
+    state at their end is a prefix state to cache."""
+
+    def __init__(self, start: int, end: int, read: Optional[dict], store: bool):
+        self.start, self.end, self.read, self.store = start, end, read, store
+
+
+def _segments(context, layer: int) -> List[_Segment]:
+    if isinstance(context, PrefixForwardContext):
+        if context.packed:
+            raise ValueError("packed prefix rows with Gated DeltaNet layers are not supported")
+        read = None
+        if context.chunk > 0:
+            read = dict(group=context.group, before_chunk=context.chunk, chunks=context.reads)
+        return [_Segment(0, None, read, store=True)]  # end: the row's real tokens (see _bounds)
+    cu = context.meta.cu_seqlens
+    groups = context.sequence_groups
+    reads = context.slot_reads
+    out = []
+    for i, (a, b) in enumerate(zip(cu, cu[1:])):
+        group = groups[i] if i < len(groups) else None
+        read = None
+        if group is not None:
+            read = dict(group=group)
+            if reads is not None and reads[context.meta.seq_slot[i]] is not None:
+                chunks, length = reads[context.meta.seq_slot[i]]
+                read.update(chunks=chunks, length=length)
+        out.append(_Segment(a, b, read, store=False))
+    return out
+
+
+def _bounds(context, segments, length: int) -> List[Tuple[_Segment, int, int]]:
+    """(segment, start, end) over a row of `length` tokens; a prefix row's padding (never
+    cached) is its own segment from zeros."""
+    if isinstance(context, PrefixForwardContext):
+        real = length - context.padding
+        out = [(segments[0], 0, real)]
+        if context.padding:
+            out.append((_Segment(real, length, None, store=False), real, length))
+        return out
+    if segments[-1].end != length:
+        raise AssertionError(f"suffix row of {length} tokens, packed layout ends at "
+                             f"{segments[-1].end}")
+    return [(s, s.start, s.end) for s in segments]
+
+
+def _read(context, layer: int, read: Optional[dict], name: str) -> Optional[torch.Tensor]:
+    if read is None:
+        return None
+    return context.cache.read_state(read["group"], layer, name,
+                                    before_chunk=read.get("before_chunk"),
+                                    chunks=read.get("chunks"), length=read.get("length"))
+
+
+def _conv(module, context, segments, qkv, weight, bias):
+    """The GDN short causal conv + activation over qkv [1, T, D], per segment."""
+    if qkv.shape[0] != 1:
+        raise AssertionError("reuse rows are packed into batch size 1")
+    layer, width = module.layer_number, weight.shape[-1]
+    outs = []
+    for segment, a, b in _bounds(context, segments, qkv.shape[1]):
+        x = qkv[:, a:b]
+        tail = _read(context, layer, segment.read, CONV_STATE)
+        if tail is None:
+            tail = x.new_zeros((1, width - 1, x.shape[-1]))
+        window = torch.cat([tail.to(x.dtype), x], dim=1)  # [1, W-1+T, D]
+        y = F.conv1d(window.transpose(1, 2), weight, bias, groups=x.shape[-1])
+        outs.append(module.act_fn(y).transpose(1, 2))
+        if segment.store and not context.recomputing:
+            context.cache.store_state(context.group, layer, CONV_STATE,
+                                      window[:, window.shape[1] - (width - 1):],
+                                      chunk=context.chunk, num_tokens=b - a)
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+
+def _rule(module, context, segments, *args, initial_state=None, output_final_state=False,
+          cu_seqlens=None, **kwargs):
+    """The layer's gated delta rule over the row's segments, each from its own state."""
+    if initial_state is not None or cu_seqlens is not None:
+        raise AssertionError("the stock GDN call passes no state and no cu_seqlens here")
+    inputs = dict(zip(_RULE_ARGS, args))
+    for name in _RULE_ARGS:
+        if name in kwargs:
+            inputs[name] = kwargs.pop(name)
+    layer = module.layer_number
+    bounds = _bounds(context, segments, inputs["q"].shape[1])
+    states = [_read(context, layer, segment.read, RULE_STATE) for segment, _, _ in bounds]
+    if _is_torch_rule(module.gated_delta_rule):  # deterministic mode: no cu_seqlens
+        outs, finals = [], []
+        for (_, a, b), state in zip(bounds, states):
+            out, final = module.gated_delta_rule(
+                **{n: t[:, a:b] for n, t in inputs.items()}, initial_state=state,
+                output_final_state=True, **kwargs)
+            outs.append(out)
+            finals.append(final)
+        out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+        final = torch.cat(finals)
+    else:  # fla's varlen contract: one call, one initial state per packed sequence
+        out, final = module.gated_delta_rule(
+            **inputs, initial_state=_initial_states(states, inputs),
+            output_final_state=True, cu_seqlens=_cu_seqlens(bounds, inputs["q"].device),
+            **kwargs)
+    for n, (segment, a, b) in enumerate(bounds):
+        if segment.store and not context.recomputing:
+            context.cache.store_state(context.group, layer, RULE_STATE, final[n:n + 1],
+                                      chunk=context.chunk, num_tokens=b - a)
+    if (isinstance(context, PrefixForwardContext) and not context.recomputing
+            and context.stop_after_layer == layer and not context.stop_in_router):
+        raise PrefixForwardDone()
+    return out, None
+
+
+def _is_torch_rule(rule) -> bool:
+    from megatron.core.ssm.gated_delta_net.gdn import torch_chunk_gated_delta_rule
+
+    return rule is torch_chunk_gated_delta_rule
+
+
+def _initial_states(states, inputs) -> torch.Tensor:
+    """[N, HV, K, V] fp32: each segment's cached state, zeros where it starts fresh."""
+    q, v = inputs["q"], inputs["v"]
+    zeros = q.new_zeros((1, v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+    return torch.cat([zeros if s is None else s.to(torch.float32) for s in states])
+
+
+def _cu_seqlens(bounds, device) -> torch.Tensor:
+    return torch.tensor([0] + [b for _, _, b in bounds], dtype=torch.long, device=device)

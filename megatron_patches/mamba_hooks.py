@@ -1,0 +1,106 @@
+"""The Mamba-2 state hook: Megatron's `MambaMixer._ssm_training` asks it for the fused
+conv + scan it would call (`mamba_split_conv1d_scan_combined`; the mamba-state-hook patch).
+
+Inert without a reuse context (returns None: the stock call runs). In a reuse step the row is cut
+into segments exactly as for Gated DeltaNet (megatron_patches/gdn_hooks.py; [Note: recurrent
+prefix state] in prefix_schedule/runtime/state_cache.py), each run from its own state:
+* "conv": the causal conv's last kernel_size - 1 raw xBC inputs (channels x, B, C), as
+  `[1, W-1, conv channels]`. The conv runs on [tail; segment] and drops its first W-1 outputs,
+  so the library's own `causal_conv1d_fn` serves (no initial-state layout constraint) and the
+  tail's gradient comes from its dx.
+* "ssm": the SSD state `[1, heads, head_dim, d_state]` (fp32 in the kernels), passed as
+  `initial_states` to the library's `mamba_chunk_scan_combined` with `return_final_states`
+  (mamba-ssm 2.3.x returns dinitial_states and takes dfinal_states: ssd_combined.py).
+The segment then computes what the fused op computes with Megatron's arguments (no
+rmsnorm_weight, no outproj_weight): y = scan(x) + D x, times silu(z); Megatron's own code goes on
+with its grouped norm and out-projection.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from prefix_schedule.runtime.context import (
+    PrefixForwardContext,
+    PrefixForwardDone,
+    current_context,
+)
+
+from megatron_patches.gdn_hooks import _bounds, _read, _segments
+
+__all__ = ["mamba_state_hook", "CONV_STATE", "SSM_STATE"]
+
+CONV_STATE = "conv"
+"""Cache name of a Mamba layer's conv tail: [1, kernel_size - 1, conv channels] raw inputs."""
+SSM_STATE = "ssm"
+"""Cache name of a Mamba layer's SSD state: [1, heads, head_dim, d_state]."""
+
+
+def mamba_state_hook(module):
+    """`_mamba_state_hook(self)` in Megatron's `MambaMixer._ssm_training`: a stand-in for
+    `mamba_split_conv1d_scan_combined` in a reuse step, else None (stock)."""
+    context = current_context()
+    if context is None:
+        return None
+    if context.cp is not None:
+        raise ValueError("Mamba layers with context parallelism are not supported in prefix "
+                         "reuse steps; train with context_parallel_size=1")
+    return functools.partial(_split_conv_scan, module, context,
+                             _segments(context, module.layer_number))
+
+
+def _split_conv_scan(module, context, segments, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A,
+                     D=None, chunk_size=None, activation="silu", headdim=None, ngroups=1,
+                     norm_before_gate=False, seq_idx=None, rmsnorm_weight=None,
+                     outproj_weight=None, **kernel_kwargs):
+    from megatron.core.ssm import mamba_mixer
+
+    if mamba_mixer.causal_conv1d_fn is None or mamba_mixer.mamba_chunk_scan_combined is None:
+        raise ValueError("prefix reuse of Mamba layers runs their conv and scan through "
+                         "causal-conv1d's causal_conv1d_fn and mamba-ssm's "
+                         "mamba_chunk_scan_combined: install causal-conv1d (>= 1.4) and mamba-ssm "
+                         "(2.3.x), or on CPU call megatron_patches.enable_cpu_support() first")
+    if rmsnorm_weight is not None or outproj_weight is not None or seq_idx is not None:
+        raise AssertionError("Megatron's _ssm_training passes no norm, out-projection or seq_idx "
+                             "here (reuse rows carry their own sequence layout)")
+    if zxbcdt.shape[0] != 1:
+        raise AssertionError("reuse rows are packed into batch size 1")
+    heads = D.shape[0]
+    headdim = D.shape[1] if D.dim() == 2 else headdim
+    dim = heads * headdim
+    dstate = (zxbcdt.shape[-1] - 2 * dim - heads) // ngroups // 2
+    z, xbc, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, heads], dim=-1)
+    layer, width = module.layer_number, conv1d_weight.shape[-1]
+    outs = []
+    for segment, a, b in _bounds(context, segments, zxbcdt.shape[1]):
+        seg = xbc[:, a:b]
+        tail = _read(context, layer, segment.read, CONV_STATE)
+        if tail is None:
+            tail = seg.new_zeros((1, width - 1, seg.shape[-1]))
+        window = torch.cat([tail.to(seg.dtype), seg], dim=1)  # [1, W-1+L, channels]
+        conv = mamba_mixer.causal_conv1d_fn(window.transpose(1, 2), conv1d_weight, conv1d_bias,
+                                            activation=activation)
+        conv = conv[..., width - 1:].transpose(1, 2)  # [1, L, channels]
+        x, bmat, cmat = torch.split(conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+        length = b - a
+        state = _read(context, layer, segment.read, SSM_STATE)
+        result = mamba_mixer.mamba_chunk_scan_combined(
+            x.reshape(1, length, heads, headdim), dt[:, a:b], A,
+            bmat.reshape(1, length, ngroups, dstate), cmat.reshape(1, length, ngroups, dstate),
+            chunk_size, D=D, z=z[:, a:b].reshape(1, length, heads, headdim), dt_bias=dt_bias,
+            dt_softplus=True, initial_states=state, return_final_states=segment.store,
+            **kernel_kwargs)
+        y, final = result if segment.store else (result, None)
+        outs.append(y.reshape(1, length, dim))
+        if segment.store and not context.recomputing:
+            context.cache.store_state(context.group, layer, CONV_STATE,
+                                      window[:, window.shape[1] - (width - 1):],
+                                      chunk=context.chunk, num_tokens=length)
+            context.cache.store_state(context.group, layer, SSM_STATE, final,
+                                      chunk=context.chunk, num_tokens=length)
+    if (isinstance(context, PrefixForwardContext) and not context.recomputing
+            and context.stop_after_layer == layer and not context.stop_in_router):
+        raise PrefixForwardDone()
+    return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]

@@ -1,0 +1,185 @@
+"""The adapter fed data shaped exactly as slime, NeMo-RL, AReaL and ROLL hand Megatron (field
+names, padding / THD layout, alignment, their normaliser and microbatch factor), reuse == the
+framework's own dense step over its own microbatches (stock Megatron, fp32 1e-5). The dense
+reference runs each microbatch as right-padded rows where the framework packs THD: with causal
+attention and no cross-sequence attention both are the same computation. docs/FRAMEWORKS.md
+names the file and function of each framework where the adapter goes."""
+import pytest
+import torch
+
+from framework_data import (SMALL, assert_grads_equal, grpo_sequences, rollout_arrays,
+                            reported_sum, run_both)
+
+pytestmark = pytest.mark.megatron
+TREES = dict(min_shared_len=8, node_overhead_tokens=0, min_gain=1.0)
+
+
+def _model(per_token=False):
+    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.training import scale_grads_by_token_count
+    model = build_model(TinyLlamaConfig(**SMALL))
+    model.config.finalize_model_grads_func = scale_grads_by_token_count
+    model.config.calculate_per_token_loss = per_token
+    return model
+
+
+def _ppo(b, clip=0.2):
+    ratio = torch.exp(b.logprobs - b.old_logprobs)
+    pg = -torch.minimum(ratio * b.advantages, ratio.clamp(1 - clip, 1 + clip) * b.advantages)
+    kl = torch.exp(b.ref_logprobs - b.logprobs) - (b.ref_logprobs - b.logprobs) - 1
+    return pg + 0.05 * kl
+
+
+def _check(model, rollout, loss_fn, micro_batches):
+    from megatron_patches.frameworks import AdapterConfig
+    dense, dg, reuse, rg = run_both(model, rollout, loss_fn, micro_batches=micro_batches,
+                                    config=AdapterConfig(**TREES))
+    assert dense.num_microbatches != reuse.num_microbatches
+    assert_grads_equal(dg, rg)
+    d, r = reported_sum(dense), reported_sum(reuse)
+    assert abs(d - r) <= 1e-5 * abs(d), (d, r)
+
+
+def _sequences(seed):
+    seqs, gen = grpo_sequences(seed)
+    masks, adv, old, ref = rollout_arrays(seqs, gen)
+    return seqs, masks, adv, old, ref
+
+
+def test_slime_shape(megatron_env):
+    """slime (slime/backends/megatron_utils/model.py::train_one_step, loss.py::loss_function):
+    per sample `tokens`, `total_lengths`, `response_lengths`, and per RESPONSE token
+    `loss_masks`, `advantages`, `log_probs`, `ref_log_probs`; `Sample.group_index`. Without
+    --calculate-per-token-loss: the sum of per-sample means x num_microbatches /
+    step_global_batch_size x dp_cp, returned as (loss, 1, {"keys", "values"})."""
+    from megatron_patches.frameworks import RolloutBatch
+    seqs, masks, adv, old, ref = _sequences(11)
+    data = {"tokens": [s[0] for s in seqs], "total_lengths": [s[0].numel() for s in seqs],
+            "response_lengths": [s[0].numel() - s[1] for s in seqs],
+            "loss_masks": [m[s[1]:] for m, s in zip(masks, seqs)],
+            "advantages": [torch.full((s[0].numel() - s[1],), a) for a, s in zip(adv, seqs)],
+            "log_probs": [o[s[1]:] for o, s in zip(old, seqs)],
+            "ref_log_probs": [r[s[1]:] for r, s in zip(ref, seqs)]}
+    group_index = [s[2] for s in seqs]
+
+    def full(per_response, total, response):  # response-aligned -> token-aligned
+        return torch.cat([torch.zeros(total - response), per_response])
+    lens = list(zip(data["total_lengths"], data["response_lengths"]))
+    rollout = RolloutBatch(
+        tokens=data["tokens"], group_ids=group_index,
+        loss_mask=[full(m, t, r) for m, (t, r) in zip(data["loss_masks"], lens)],
+        advantages=[full(a, t, r) for a, (t, r) in zip(data["advantages"], lens)],
+        old_logprobs=[full(o, t, r) for o, (t, r) in zip(data["log_probs"], lens)],
+        ref_logprobs=[full(o, t, r) for o, (t, r) in zip(data["ref_log_probs"], lens)])
+    global_batch_size, dp_cp = len(seqs), 1
+
+    def slime_loss(b):
+        sample_mean = (_ppo(b) * b.loss_mask / b.sequence_loss_tokens().clamp(min=1)).sum()
+        loss = sample_mean * b.num_microbatches / global_batch_size * dp_cp
+        return loss, torch.tensor(1), {"loss": (sample_mean / global_batch_size).detach()}
+    _check(_model(), rollout, slime_loss, [[0, 1, 2], [3, 4, 5, 6], [7, 8], [9, 10, 11, 12]])
+
+
+def test_nemo_rl_shape(megatron_env):
+    """NeMo-RL (nemo_rl/models/megatron/train.py::megatron_forward_backward, LossPostProcessor):
+    BatchedDataDict `input_ids` [B, S] right-padded, `input_lengths`, `token_mask` and
+    `sample_mask`, `advantages` / `prev_logprobs` / `reference_policy_logprobs` [B, S] aligned
+    with input_ids; loss normalised by global_valid_toks, then x num_microbatches / cp_size."""
+    from megatron_patches.frameworks import RolloutBatch
+    seqs, masks, adv, old, ref = _sequences(12)
+    B, S = len(seqs), max(s[0].numel() for s in seqs)
+    data = {k: torch.zeros(B, S) for k in ("token_mask", "advantages", "prev_logprobs",
+                                           "reference_policy_logprobs")}
+    data["input_ids"] = torch.zeros(B, S, dtype=torch.int64)
+    data["input_lengths"] = torch.tensor([s[0].numel() for s in seqs])
+    data["sample_mask"] = torch.ones(B)
+    data["sample_mask"][3] = 0.0  # a filtered sample: its tokens carry no loss
+    for b, (s, m, a, o, r) in enumerate(zip(seqs, masks, adv, old, ref)):
+        n = s[0].numel()
+        data["input_ids"][b, :n] = s[0]
+        data["token_mask"][b, :n], data["advantages"][b, :n] = m, a
+        data["prev_logprobs"][b, :n], data["reference_policy_logprobs"][b, :n] = o, r
+    num_generations_per_prompt_ids = [s[2] for s in seqs]  # consecutive samples of one prompt
+    attention = torch.arange(S)[None] < data["input_lengths"][:, None]
+    rollout = RolloutBatch.from_padded(
+        input_ids=data["input_ids"], attention_mask=attention,
+        loss_mask=data["token_mask"] * data["sample_mask"][:, None],
+        group_ids=num_generations_per_prompt_ids, advantages=data["advantages"],
+        old_logprobs=data["prev_logprobs"], ref_logprobs=data["reference_policy_logprobs"])
+    global_valid_toks, cp_size = rollout.num_loss_tokens, 1
+
+    def nemo_loss(b):
+        loss = (_ppo(b) * b.loss_mask).sum() / global_valid_toks
+        return loss * b.num_microbatches / cp_size, {"loss": loss.detach()}
+    _check(_model(), rollout, nemo_loss, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12]])
+
+
+def test_areal_shape(megatron_env):
+    """AReaL (areal/engine/megatron_engine.py::MegatronEngine.train_batch /
+    forward_backward_batch): packed 1-D `input_ids` with `cu_seqlens`; `loss_mask`,
+    `advantages`, `logprobs` rolled by -1 (aligned with the predicting position, as
+    areal/trainer/ppo/actor.py does); loss_fn is a microbatch mean, scaled by
+    local_weight / total_weight x dp x len(mb_list)."""
+    from megatron_patches.frameworks import RolloutBatch
+    seqs, masks, adv, old, ref = _sequences(13)
+    cu = torch.tensor([0] + [s[0].numel() for s in seqs]).cumsum(0)
+
+    def packed_rolled(per_seq):
+        return torch.cat([torch.roll(torch.as_tensor(x, dtype=torch.float32), -1) for x in per_seq])
+    data = {"input_ids": torch.cat([s[0] for s in seqs]), "cu_seqlens": cu,
+            "loss_mask": packed_rolled(masks),
+            "advantages": packed_rolled([m * a for m, a in zip(masks, adv)]),
+            "logprobs": packed_rolled(old), "ref_logp": packed_rolled(ref)}
+
+    def unroll(packed):  # back to token alignment, sequence by sequence
+        return torch.cat([torch.roll(packed[a:b], 1) for a, b in zip(cu[:-1], cu[1:])])
+    rollout = RolloutBatch.from_packed(
+        tokens=data["input_ids"], cu_seqlens=cu, loss_mask=unroll(data["loss_mask"]),
+        group_ids=[s[2] for s in seqs], advantages=unroll(data["advantages"]),
+        old_logprobs=unroll(data["logprobs"]), ref_logprobs=unroll(data["ref_logp"]))
+    total_weight, dp = rollout.num_loss_tokens, 1
+
+    def areal_loss(b):
+        local_weight = b.loss_mask.sum()
+        mean = (_ppo(b) * b.loss_mask).sum() / local_weight.clamp(min=1)
+        loss = mean * (local_weight / total_weight * dp * b.num_microbatches)
+        return loss, {"loss": (mean * local_weight / total_weight).detach()}
+    _check(_model(), rollout, areal_loss, [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9, 10, 11, 12]])
+
+
+def test_roll_shape(megatron_env):
+    """ROLL (roll/distributed/strategy/megatron_strategy.py::MegatronTrainStrategy.train_step,
+    roll/pipeline/rlvr/actor_worker.py::loss_func): DataProto `input_ids` [B, L] (prompts
+    left-padded, responses right-padded), `attention_mask`, `response_mask` [B, L] (the loss
+    reads response_mask[:, 1:]), `advantages` / `old_log_probs` / `ref_log_probs` [B, L-1]
+    aligned with the log-probs of input_ids[:, 1:]; token-mean over batch_num_tokens, times
+    loss_scale = num_microbatches x dp."""
+    from megatron_patches.frameworks import RolloutBatch
+    seqs, masks, adv, old, ref = _sequences(14)
+    prompt_max = max(s[1] for s in seqs)
+    resp_max = max(s[0].numel() - s[1] for s in seqs)
+    B, L = len(seqs), prompt_max + resp_max
+    ids, attn, resp = (torch.zeros(B, L, dtype=torch.int64), torch.zeros(B, L), torch.zeros(B, L))
+    advantages, old_lp, ref_lp = (torch.zeros(B, L - 1) for _ in range(3))
+    for b, (s, m, a, o, r) in enumerate(zip(seqs, masks, adv, old, ref)):
+        tok, p = s[0], s[1]
+        n = tok.numel()
+        start = prompt_max - p  # left padding of the prompt
+        ids[b, start:start + n], attn[b, start:start + n] = tok, 1
+        resp[b, start:start + n] = m
+        advantages[b, start:start + n - 1] = a * m[1:]
+        old_lp[b, start:start + n - 1], ref_lp[b, start:start + n - 1] = o[1:], r[1:]
+
+    def token_aligned(x):  # [B, L-1] about input_ids[:, 1:] -> [B, L]
+        return torch.cat([torch.zeros(B, 1), x], dim=1)
+    rollout = RolloutBatch.from_padded(
+        input_ids=ids, attention_mask=attn, loss_mask=resp, group_ids=[s[2] for s in seqs],
+        advantages=token_aligned(advantages), old_logprobs=token_aligned(old_lp),
+        ref_logprobs=token_aligned(ref_lp))
+    batch_num_tokens, dp = int(resp[:, 1:].sum()), 1
+
+    def roll_loss(b):
+        loss = (_ppo(b) * b.loss_mask).sum() / batch_num_tokens
+        return loss * (b.num_microbatches * dp), {"loss": loss.detach()}
+    chunks = [list(c) for c in torch.arange(B).chunk(4)]
+    _check(_model(), rollout, roll_loss, [[int(i) for i in c] for c in chunks])

@@ -1,0 +1,148 @@
+"""Outside reference for the Gated DeltaNet path: transformers' Qwen3NextForCausalLM with the
+weights of our Megatron GDN GPTModel (dense, no reuse) gives the same logits, loss and every
+gradient on full sequences. With tests/test_gdn.py (reuse == stock dense) this ties the reuse
+path to the published model's definition, not to our reading of Megatron.
+
+Both models run in float64, but both up-cast inside to fp32 (the chunked delta rule, the norms,
+the gates: ../shared/notes/hybrid.md), so agreement is at fp32 level (~1e-6 relative); a wrong
+layout (in_proj interleave, [query; gate] rows, (1 + w) norms, GQA head mapping, partial RoPE)
+is off by O(1). Layout facts: HF's in_proj_qkvz rows are, per key head, [q, k, v group, z group]
+and in_proj_ba [b group, a group]; Megatron's in_proj is [q | k | v | z | beta | alpha];
+HF's q_proj rows are [query_h; gate_h] per head, Megatron's linear_qkv per query group
+[q heads; gate heads; k; v]; HF's Qwen3NextRMSNorm computes (1 + w), the GDN output norm w.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from test_gdn import SHAPE, weak_decay  # noqa: E402
+
+pytestmark = pytest.mark.megatron
+
+HEADS = dict(hk=2, hv=4, dk=16, dv=16)  # megatron_patches.gdn.GDN_TINY_SHAPE
+PATTERN = (1, 0, 1, 0)  # GDN, attention, GDN, attention
+
+
+def _megatron_model():
+    from megatron_patches.gdn import build_gdn_model
+    from megatron_patches.models import TinyLlamaConfig
+
+    cfg = TinyLlamaConfig(**{**SHAPE, "num_layers": len(PATTERN)}, params_dtype=torch.float64,
+                          qk_layernorm=True, layernorm_epsilon=1e-6)
+    model = build_gdn_model(cfg, linear_attention_freq=list(PATTERN),
+                            attention_output_gate=True, rotary_percent=0.5)
+    weak_decay(model)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # norms away from 1: a missed (1 + w) shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return model
+
+
+def _hf_model():
+    c = SHAPE
+    config = transformers.Qwen3NextConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
+        intermediate_size=c["ffn_hidden_size"], num_hidden_layers=len(PATTERN),
+        num_attention_heads=c["num_attention_heads"], num_key_value_heads=c["num_query_groups"],
+        head_dim=c["hidden_size"] // c["num_attention_heads"], rms_norm_eps=1e-6,
+        linear_conv_kernel_dim=4, linear_key_head_dim=HEADS["dk"],
+        linear_value_head_dim=HEADS["dv"], linear_num_key_heads=HEADS["hk"],
+        linear_num_value_heads=HEADS["hv"], num_experts=0, tie_word_embeddings=False,
+        layer_types=["linear_attention" if x else "full_attention" for x in PATTERN],
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                         "partial_rotary_factor": 0.5},
+        partial_rotary_factor=0.5, max_position_embeddings=512)
+    config._attn_implementation = "eager"
+    return transformers.Qwen3NextForCausalLM(config).to(torch.float64)
+
+
+def _gdn_to_hf(t: dict, pre: str) -> dict:
+    """A Megatron GDN layer's in_proj -> HF in_proj_qkvz / in_proj_ba (rows per key head)."""
+    hk, hv, dk, dv = HEADS["hk"], HEADS["hv"], HEADS["dk"], HEADS["dv"]
+    r = hv // hk
+    q, k, v, z, b, a = t["in_proj"].split([hk * dk, hk * dk, hv * dv, hv * dv, hv, hv])
+    qkvz = torch.cat([q.reshape(hk, dk, -1), k.reshape(hk, dk, -1),
+                      v.reshape(hk, r * dv, -1), z.reshape(hk, r * dv, -1)], dim=1)
+    ba = torch.cat([b.reshape(hk, r, -1), a.reshape(hk, r, -1)], dim=1)
+    return {pre + "in_proj_qkvz.weight": qkvz.reshape(-1, qkvz.shape[-1]),
+            pre + "in_proj_ba.weight": ba.reshape(-1, ba.shape[-1]),
+            pre + "conv1d.weight": t["conv1d"], pre + "A_log": t["A_log"],
+            pre + "dt_bias": t["dt_bias"], pre + "norm.weight": t["out_norm"],
+            pre + "out_proj.weight": t["out_proj"]}
+
+
+def _attention_to_hf(t: dict, pre: str, offset: float) -> dict:
+    """Megatron's gated linear_qkv (per group [q; gate; k; v]) -> HF q_proj ([q_h; gate_h])."""
+    groups, heads = SHAPE["num_query_groups"], SHAPE["num_attention_heads"]
+    d, per = SHAPE["hidden_size"] // heads, heads // groups
+    grouped = t["qkv"].reshape(groups, (2 * per + 2) * d, -1)
+    q, gate, k, v = grouped.split([per * d, per * d, d, d], dim=1)
+    q_proj = torch.cat([q.reshape(heads, d, -1), gate.reshape(heads, d, -1)], dim=1)
+    return {pre + "q_proj.weight": q_proj.reshape(-1, q_proj.shape[-1]),
+            pre + "k_proj.weight": k.reshape(groups * d, -1),
+            pre + "v_proj.weight": v.reshape(groups * d, -1),
+            pre + "o_proj.weight": t["proj"],
+            pre + "q_norm.weight": t["q_norm"] - offset,
+            pre + "k_norm.weight": t["k_norm"] - offset}
+
+
+def to_hf(m: dict, offset: float) -> dict:
+    """Megatron tensors by name (weights: offset=1 turns w into HF's (1 + w) parameter; their
+    gradients: offset=0) -> HF tensors by name. A pure re-layout (rows permuted)."""
+    out = {"model.embed_tokens.weight": m["embedding.word_embeddings.weight"],
+           "model.norm.weight": m["decoder.final_layernorm.weight"] - offset,
+           "lm_head.weight": m["output_layer.weight"]}
+    for i, linear in enumerate(PATTERN):
+        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
+        fc1 = m[src + "mlp.linear_fc1.weight"]
+        out.update({dst + "input_layernorm.weight": m[src + "input_layernorm.weight"] - offset,
+                    dst + "post_attention_layernorm.weight":
+                        m[src + "pre_mlp_layernorm.weight"] - offset,
+                    dst + "mlp.gate_proj.weight": fc1[:fc1.shape[0] // 2],
+                    dst + "mlp.up_proj.weight": fc1[fc1.shape[0] // 2:],
+                    dst + "mlp.down_proj.weight": m[src + "mlp.linear_fc2.weight"]})
+        a = src + "self_attention."
+        if linear:
+            names = dict(in_proj="in_proj.weight", conv1d="conv1d.weight", A_log="A_log",
+                         dt_bias="dt_bias", out_norm="out_norm.weight", out_proj="out_proj.weight")
+            out.update(_gdn_to_hf({k: m[a + v] for k, v in names.items()}, dst + "linear_attn."))
+        else:
+            names = dict(qkv="linear_qkv.weight", proj="linear_proj.weight",
+                         q_norm="q_layernorm.weight", k_norm="k_layernorm.weight")
+            out.update(_attention_to_hf({k: m[a + v] for k, v in names.items()},
+                                        dst + "self_attn.", offset))
+    return out
+
+
+def _loss(logits, tokens):
+    return torch.nn.functional.cross_entropy(logits[:-1], tokens[1:])
+
+
+def test_qwen3_next_reference_loss_logits_and_every_gradient(megatron_env):
+    megatron, hf = _megatron_model(), _hf_model()
+    weights = to_hf({n: p.detach() for n, p in megatron.named_parameters()}, offset=1.0)
+    assert set(weights) == set(dict(hf.named_parameters())), set(weights) ^ set(
+        dict(hf.named_parameters()))
+    hf.load_state_dict(weights, strict=False)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (90,),
+                           generator=torch.Generator().manual_seed(0))  # two 64-token chunks
+    ours = megatron(tokens[None], torch.arange(90)[None], None)[0]
+    theirs = hf(input_ids=tokens[None]).logits[0]
+    scale = theirs.abs().max()
+    assert (ours - theirs).abs().max() <= 1e-5 * scale
+    loss_ours, loss_theirs = _loss(ours, tokens), _loss(theirs, tokens)
+    assert abs(loss_ours.item() - loss_theirs.item()) <= 1e-6 * abs(loss_theirs.item())
+    loss_ours.backward()
+    loss_theirs.backward()
+    grads = to_hf({n: p.grad for n, p in megatron.named_parameters()}, offset=0.0)
+    worst = {}
+    for name, p in hf.named_parameters():
+        ref = p.grad
+        assert ref is not None and torch.isfinite(ref).all() and torch.isfinite(grads[name]).all()
+        assert ref.abs().max() > 0, f"{name}: no gradient"
+        worst[name] = ((grads[name] - ref).abs().max() / ref.abs().max()).item()
+    assert max(worst.values()) <= 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:5]
