@@ -178,7 +178,7 @@ def train_step(config, models, optimizers, batch):
 
 def weight_diff(a, b) -> float:
     """max over parameters of max|a-b| / max|a| (the gradient metric, applied to weights)."""
-    from megatron_patches.training import max_relative_diff
+    from megatron_patches.training import max_relative_diff  # inf on NaN/inf either side
 
     weights = [{n: p.detach().float() for n, p in m.named_parameters()} for m in (a, b)]
     return max_relative_diff(*weights)
@@ -215,20 +215,22 @@ def _print_header(config: DemoConfig, stock_dense: bool) -> None:
 def run(config: DemoConfig, *, stock_dense: bool = False) -> bool:
     """Train both runs, print the table; True when dense and reuse agree within TOLERANCE."""
     models, optimizers, prompts, gen = _setup(config, stock_dense)
+    from megatron_patches.training import worst_of
+
     _print_header(config, stock_dense)
     worst, seconds = 0.0, {"dense_s": [], "reuse_s": []}
     for step in range(config.steps):
         batch, mean_reward = sample_step(config, prompts, gen)
         row = train_step(config, models, optimizers, batch)
         loss_diff = abs(row["loss_dense"] - row["loss_reuse"]) / max(abs(row["loss_dense"]), 1e-3)
-        worst = max(worst, row["grad_diff"], loss_diff)
+        worst = worst_of(worst, row["grad_diff"], loss_diff)  # a NaN loss reads as inf
         if step > 0 or config.steps == 1:  # step 0 also pays one-time warm-up costs
             for name in seconds:
                 seconds[name].append(row[name])
         print(f"{step:>4} {mean_reward:>7.3f} {row['loss_dense']:>12.6f} {row['loss_reuse']:>12.6f} "
               f"{row['grad_diff']:>10.2e} {row['dense_s']:>8.2f} {row['reuse_s']:>8.2f}")
     weights = weight_diff(*models)
-    worst = max(worst, weights)
+    worst = worst_of(worst, weights)
     print(f"max relative weight difference after {config.steps} AdamW steps: {weights:.2e}")
     # The fastest step of each run is the one least disturbed by other work on the machine.
     print(f"speedup of reuse over {'stock unfused' if stock_dense else 'fused-attention'} dense: "

@@ -110,8 +110,6 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _refuse("experimental_attention_variant", "attention variant", "experimental attention "
               "variants other than 'gated_delta_net' are not hooked by prefix reuse", "dsa",
               allowed=lambda v: v in (None, "gated_delta_net")),
-    _refuse("is_hybrid_model", "Mamba", "hybrid (Mamba) models hold recurrent state, not a "
-              "K/V cache: not supported", True),
     _refuse("use_mamba_mem_eff_path", "Mamba inference path", "use_mamba_mem_eff_path=False "
               "trains Mamba layers through their inference (prefill) path, which prefix reuse "
               "does not hook; keep the default True", False, allowed=lambda v: v),
@@ -184,6 +182,10 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _group("irrelevant", "initialisation", "perform_initialization use_cpu_initialization "
              "init_method output_layer_init_method init_method_std embedding_init_method "
              "embedding_init_method_std init_model_with_meta_device"),
+    _group("irrelevant", "set by Megatron-LM for every --hybrid-layer-pattern model; read only "
+             "by the output-layer init scaling (transformer_config.py). A HybridModel's layers "
+             "are checked per pattern symbol before compute (layers.check_layers_supported)",
+             "is_hybrid_model"),
     _group("irrelevant", "loss fusion of GPTModel(labels=...): the RL forward step computes "
              "its own log-probs", "cross_entropy_loss_fusion cross_entropy_fusion_impl"),
     _group("irrelevant", "pipeline p2p / memory knobs of the stock schedules (the reuse "

@@ -120,11 +120,15 @@ def pattern_num_layers(pattern: str) -> int:
 
 
 def build_hybrid_model(cfg: TinyLlamaConfig, pattern: str, *, seed: Optional[int] = 1234,
-                       num_moe_experts: Optional[int] = None, **config_overrides) -> HybridModel:
+                       num_moe_experts: Optional[int] = None, config=None,
+                       **config_overrides) -> HybridModel:
     """This pipeline stage's part of a tiny Llama-style HybridModel (RoPE, SwiGLU, RMSNorm, GQA).
 
     `cfg.num_layers` is ignored: the pattern says how many layers there are. With pipeline
     parallelism the config allows variable row lengths (stock dense 1F1B is the reference).
+    `config`: a ready TransformerConfig to build with instead (e.g. Megatron-LM's
+    `core_transformer_config_from_args`, which sets `is_hybrid_model=True` for a
+    `--hybrid-layer-pattern`); `cfg` then gives the vocabulary and maximum length only.
     """
     overrides = {"num_layers": pattern_num_layers(pattern)}
     if num_moe_experts:
@@ -135,7 +139,13 @@ def build_hybrid_model(cfg: TinyLlamaConfig, pattern: str, *, seed: Optional[int
     if seed is not None:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    config = make_transformer_config(cfg, **{**overrides, **config_overrides})
+    if config is None:
+        config = make_transformer_config(cfg, **{**overrides, **config_overrides})
+    elif config_overrides or num_moe_experts:
+        raise ValueError("build_hybrid_model(config=...) builds with that config as given; "
+                         "put num_moe_experts and other settings in it")
+    else:
+        num_moe_experts = config.num_moe_experts
     model = HybridModel(
         config=config,
         hybrid_stack_spec=local_hybrid_stack_spec(num_moe_experts=num_moe_experts,

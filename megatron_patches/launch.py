@@ -7,7 +7,9 @@ For tools (tools/bench.py --pp/--tp/--dp); tests use tests/dist_harness.py, whic
 way and adds test-only checks. Each rank is a fresh process started by a multiprocessing
 "forkserver" that imports `preload` once (so N ranks do not each re-import Megatron). Before `fn`
 runs, a rank has RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT set,
-`threads_per_rank` intra-op threads, and the default process group initialised (gloo).
+`threads_per_rank` intra-op threads, and the default process group initialised: gloo, or with
+`backend="nccl"` (or `"auto"` on a machine with CUDA) NCCL with one GPU per rank
+(`torch.cuda.set_device(LOCAL_RANK)`; `rank_backend`).
 `fn` must be importable by name: a module-level function (of the main script too).
 
 Two timeouts end a stalled job. `timeout_s` bounds the whole run (start-up included): at that
@@ -40,13 +42,13 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from megatron_patches.failures import (COLLECTIVE_TIMEOUT_ENV, RankEnd, classify,
                                        collective_timeout_s, one_line)
 from megatron_patches.failures import headline as failure_headline
 
-__all__ = ["launch", "LaunchError", "DEFAULT_PRELOAD"]
+__all__ = ["launch", "LaunchError", "DEFAULT_PRELOAD", "rank_backend"]
 
 DEFAULT_PRELOAD = ("torch", "megatron_patches.models")
 """Modules the forkserver imports once; rank processes fork from it with them loaded."""
@@ -65,9 +67,26 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, timeouts, threads) -> None:
-    """One rank: output to its log, env, gloo, run `fn`, pickle ("ok", value, time) or
-    (failure class, traceback, time, one-line detail); then wait until every rank is done."""
+def rank_backend(backend: str, local_rank: int, cuda_devices: int) -> Tuple[str, Optional[int]]:
+    """(process-group backend, CUDA device of this rank or None) for `backend` "gloo", "nccl"
+    or "auto" (NCCL when this machine has CUDA devices, else gloo), on a machine with
+    `cuda_devices` GPUs. NCCL gets one device per local rank; ValueError when there is none."""
+    if backend not in ("gloo", "nccl", "auto"):
+        raise ValueError(f"backend={backend!r}; give 'gloo', 'nccl' or 'auto'")
+    if backend == "gloo" or (backend == "auto" and cuda_devices == 0):
+        return "gloo", None
+    if local_rank >= cuda_devices:
+        raise ValueError(f"NCCL needs one CUDA device per rank: local rank {local_rank} of a "
+                         f"machine with {cuda_devices} device(s); start at most {cuda_devices} "
+                         "ranks per machine, or use backend='gloo' (CPU)")
+    return "nccl", local_rank
+
+
+def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, timeouts, threads,
+               backend="gloo") -> None:
+    """One rank: output to its log, env, gloo or NCCL (`rank_backend`), run `fn`, pickle ("ok",
+    value, time) or (failure class, traceback, time, one-line detail); then wait until every
+    rank is done."""
     log = os.open(os.path.join(workdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
     os.dup2(log, 2)
@@ -82,13 +101,17 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, timeouts, thre
         import torch
 
         torch.set_num_threads(threads)
+        backend, device = rank_backend(backend, rank, torch.cuda.device_count()
+                                       if backend != "gloo" else 0)
+        if device is not None:
+            torch.cuda.set_device(device)
         # The store waits for every rank (start-up may be slow); once all are there, the
         # collective timeout applies to the default group, its rendezvous included.
         store = torch.distributed.TCPStore(
             "127.0.0.1", port, world_size, is_master=rank == 0, wait_for_workers=True,
             timeout=datetime.timedelta(seconds=run_timeout_s + 60))
         torch.distributed.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size,
+            backend, store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_s))
         outcome = ("ok", fn(*args, **kwargs), time.time())
         status = 0
@@ -230,8 +253,10 @@ def _check_args(fn, world_size, timeout_s, collective_s, threads_per_rank) -> No
 def launch(fn: Callable, *, world_size: int, args: Sequence[Any] = (),
            kwargs: Optional[Dict[str, Any]] = None, timeout_s: float = 900.0,
            collective_timeout_s: Optional[float] = None, threads_per_rank: int = 1,
-           preload: Sequence[str] = DEFAULT_PRELOAD) -> List[Any]:
-    """Run `fn(*args, **kwargs)` on `world_size` gloo ranks; return each rank's value, in order.
+           preload: Sequence[str] = DEFAULT_PRELOAD, backend: str = "gloo") -> List[Any]:
+    """Run `fn(*args, **kwargs)` on `world_size` ranks; return each rank's value, in order.
+    `backend`: "gloo", "nccl" or "auto" (`rank_backend`: NCCL with one GPU per rank when CUDA
+    is available).
 
     ValueError for bad arguments (before anything starts); LaunchError when a rank fails, dies,
     stalls or the run exceeds `timeout_s` seconds; `collective_timeout_s`: see the module
@@ -240,6 +265,10 @@ def launch(fn: Callable, *, world_size: int, args: Sequence[Any] = (),
     if collective_timeout_s is None:
         collective_timeout_s = collective_timeout_s_default(timeout_s)
     _check_args(fn, world_size, timeout_s, collective_timeout_s, threads_per_rank)
+    if backend != "gloo":  # every rank needs its GPU: refuse before anything starts
+        import torch
+
+        rank_backend(backend, world_size - 1, torch.cuda.device_count())
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(preload))  # no effect once the server runs
     port = _free_port()
@@ -247,7 +276,8 @@ def launch(fn: Callable, *, world_size: int, args: Sequence[Any] = (),
     with tempfile.TemporaryDirectory(prefix="launch_") as workdir:
         procs = [context.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
                                  args=(fn, rank, world_size, port, workdir, tuple(args),
-                                       dict(kwargs or {}), timeouts, threads_per_rank))
+                                       dict(kwargs or {}), timeouts, threads_per_rank,
+                                       backend))
                  for rank in range(world_size)]
         for proc in procs:
             proc.start()

@@ -34,7 +34,8 @@ __all__ = ["StepResult", "dense_items", "dense_packed_items", "row_multiple_for"
            "reuse_step", "context_parallel_group", "agree_on_dense_step",
            "scale_grads_by_token_count",
            "prepare_for_training", "zero_grads",
-           "param_grads", "max_relative_diff", "max_elementwise_error"]
+           "param_grads", "max_relative_diff", "max_elementwise_error", "missing_grads",
+           "worst_of"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -318,3 +319,21 @@ def max_elementwise_error(reference: Dict[str, torch.Tensor], other: Dict[str, t
         denom = torch.clamp(a.abs(), min=floor * scale)
         worst = max(worst, ((a - b).abs() / denom).max().item())
     return worst
+
+
+def missing_grads(**sides: Dict[str, torch.Tensor]) -> List[str]:
+    """`"side: name"` of every gradient that is all zero or holds a NaN/inf entry, on any of
+    the named `sides` (e.g. `missing_grads(dense=..., reuse=...)`): a parameter the step never
+    reached, or a broken step ([Note: non-finite comparisons]). Empty list: all present."""
+    return [f"{side}: {name}" for side, grads in sides.items() for name, g in grads.items()
+            if not (bool(torch.count_nonzero(g)) and _all_finite(g))]
+
+
+def worst_of(*values: Optional[float]) -> float:
+    """The largest of `values` (None skipped), `inf` if any is NaN or inf: Python's
+    `max(0.0, nan)` is 0.0, so a fold over metrics must never meet a NaN
+    ([Note: non-finite comparisons])."""
+    present = [float(v) for v in values if v is not None]
+    if not all(math.isfinite(v) for v in present):
+        return math.inf
+    return max(present, default=0.0)

@@ -57,10 +57,11 @@ def grads_of(model):
 
 
 def assert_grads_equal(reference, other, tol=TOL):
-    from megatron_patches.training import max_relative_diff
+    from megatron_patches.training import max_relative_diff, missing_grads
     for name, g in list(reference.items()) + list(other.items()):
         assert torch.isfinite(g).all(), f"{name}: NaN or inf in a gradient"
-    assert all(g.abs().max() > 0 for g in reference.values()), "a parameter got no gradient"
+    missing = missing_grads(reference=reference, other=other)
+    assert not missing, f"no (or a non-finite) gradient: {missing[:5]}"
     diff = max_relative_diff(reference, other)
     assert diff <= tol, f"max relative gradient difference {diff:.3e}"
     return diff

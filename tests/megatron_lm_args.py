@@ -18,7 +18,7 @@ import dataclasses
 import os
 import sys
 import typing
-from typing import List
+from typing import List, Sequence
 
 import torch
 
@@ -69,8 +69,9 @@ def _import_megatron_training():
 
 
 def command_line(*, tp: int, pp: int, dp: int, sequence_parallel: bool, model: dict,
-                 seq_length: int) -> List[str]:
-    """Flags of a production run of the tiny model (fp32, so gradients compare at 1e-5)."""
+                 seq_length: int, extra: Sequence[str] = ()) -> List[str]:
+    """Flags of a production run of the tiny model (fp32, so gradients compare at 1e-5);
+    `extra` flags go last (e.g. `--hybrid-layer-pattern`: a HybridModel)."""
     argv = [
         "--num-layers", model["num_layers"], "--hidden-size", model["hidden_size"],
         "--ffn-hidden-size", model["ffn_hidden_size"],
@@ -97,7 +98,7 @@ def command_line(*, tp: int, pp: int, dp: int, sequence_parallel: bool, model: d
     ]
     if sequence_parallel:
         argv.append("--sequence-parallel")
-    return [str(a) for a in argv]
+    return [str(a) for a in [*argv, *extra]]
 
 
 def production_settings(**kwargs) -> ProductionSettings:
@@ -130,7 +131,10 @@ def production_settings(**kwargs) -> ProductionSettings:
 
 
 def _mirrored(*, tp: int, pp: int, dp: int, sequence_parallel: bool, model: dict,
-              seq_length: int) -> ProductionSettings:
+              seq_length: int, extra: Sequence[str] = ()) -> ProductionSettings:
+    if extra:
+        raise ValueError(f"extra flags {list(extra)} need Megatron-LM's parser "
+                         "(megatron.training is not installed)")
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 

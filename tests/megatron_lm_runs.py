@@ -14,13 +14,18 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence
 
 from megatron_trees import REPO, patched_tree
 from reaped import run_reaped
 
 __all__ = ["entry_tree", "model_args", "small_args", "torchrun", "iterations", "rank_params",
-           "child_env"]
+           "child_env", "COMPARE_ARGS", "assert_dumps_equal"]
+
+COMPARE_ARGS = ["--adam-eps", "1", "--lr", "0.1", "--min-lr", "0.1"]
+"""After small_args, for runs whose weights are compared: Adam with eps=1, far above |g|, so each
+update is near-linear in the gradient (a gradient entry at float-noise level cannot get an O(lr)
+update of noise sign: tests/megatron_lm_args.py)."""
 
 ENTRY = REPO / "examples" / "megatron_lm" / "train_grpo.py"
 _TREES: Dict[str, Path] = {}
@@ -82,3 +87,27 @@ def rank_params(directory: Path, iteration: int) -> Dict[str, Dict]:
     from safetensors.torch import load_file
 
     return {p.name: load_file(p) for p in sorted((directory / f"iter_{iteration}").glob("*.safetensors"))}
+
+
+def assert_dumps_equal(dense_dir: Path, reuse_dir: Path, iters: int, tol: float = 1e-5,
+                       may_be_zero: Callable[[str], bool] = lambda name: False) -> None:
+    """The --prefix-reuse-dump-params dumps of a dense and a reuse run: at every iteration 1..iters
+    and on every rank, every gradient (DDP's reduced main_grad, `grad.*`) and every weight within
+    `tol` per tensor (`max_relative_diff`: max|d - r| / max|d|, inf on a NaN or inf either side),
+    every parameter with a gradient, none all-zero or non-finite on either side (except the names
+    `may_be_zero` allows, e.g. an expert that got no token)."""
+    from megatron_patches.training import max_relative_diff, missing_grads
+
+    for i in range(1, iters + 1):
+        dense, reuse = rank_params(dense_dir, i), rank_params(reuse_dir, i)
+        assert dense.keys() == reuse.keys() and dense, (i, sorted(dense), sorted(reuse))
+        for rank, tensors in dense.items():
+            grads = {n: t for n, t in tensors.items() if n.startswith("grad.")}
+            assert grads and len(grads) == len(tensors) // 2, (i, rank)  # every parameter
+            missing = [m for m in missing_grads(dense=grads, reuse={
+                n: reuse[rank][n] for n in grads}) if not may_be_zero(m.split(": ", 1)[1])]
+            assert not missing, (i, rank, missing[:5])
+            per = {n: max_relative_diff({n: t}, {n: reuse[rank][n]}) for n, t in tensors.items()}
+            worst = sorted(per, key=per.get, reverse=True)[:3]
+            assert max_relative_diff(tensors, reuse[rank]) <= tol, (
+                i, rank, [(n, per[n]) for n in worst])

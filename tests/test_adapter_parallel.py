@@ -15,8 +15,8 @@ def dp_adapter_rank() -> dict:
     from megatron_patches.frameworks import (AdapterConfig, PrefixReuseAdapter, RolloutBatch,
                                              dense_forward_backward)
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
-    from megatron_patches.training import (max_relative_diff, param_grads, prepare_for_training,
-                                           zero_grads)
+    from megatron_patches.training import (max_relative_diff, missing_grads, param_grads,
+                                           prepare_for_training, zero_grads)
     from framework_data import SMALL, grpo_sequences, rollout_arrays
 
     megatron_patches.install()
@@ -52,7 +52,7 @@ def dp_adapter_rank() -> dict:
     reuse_grads = param_grads(model)
     finite = all(torch.isfinite(g).all() for g in list(dense_grads.values()) + list(reuse_grads.values()))
     return {"diff": max_relative_diff(dense_grads, reuse_grads), "finite": bool(finite),
-            "nonzero": all(g.abs().max() > 0 for g in dense_grads.values()),
+            "nonzero": not missing_grads(dense=dense_grads, reuse=reuse_grads),
             "microbatches": (dense.num_microbatches, reuse.num_microbatches)}
 
 
@@ -71,8 +71,8 @@ def tp_adapter_rank() -> dict:
     from megatron_patches.frameworks import (AdapterConfig, PrefixReuseAdapter, RolloutBatch,
                                              dense_forward_backward)
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
-    from megatron_patches.training import (max_relative_diff, param_grads, prepare_for_training,
-                                           zero_grads)
+    from megatron_patches.training import (max_relative_diff, missing_grads, param_grads,
+                                           prepare_for_training, zero_grads)
     from framework_data import SMALL, grpo_sequences, rollout_arrays
 
     megatron_patches.install()
@@ -103,7 +103,7 @@ def tp_adapter_rank() -> dict:
     finite = all(torch.isfinite(g).all() for g in list(dense_grads.values()) + list(reuse_grads.values()))
     entropy = max(float((a - b).abs().max()) for a, b in zip(dense.entropy, reuse.entropy))
     return {"diff": max_relative_diff(dense_grads, reuse_grads), "finite": bool(finite),
-            "nonzero": all(g.abs().max() > 0 for g in dense_grads.values()), "entropy": entropy}
+            "nonzero": not missing_grads(dense=dense_grads, reuse=reuse_grads), "entropy": entropy}
 
 
 def test_tp2_adapter_equals_framework_dense():

@@ -59,6 +59,7 @@ def assert_rel_close(actual, expected, tol, what="", floor=1e-3):
     query with a single key) is held to tol * floor absolutely, not to 0."""
     assert actual.shape == expected.shape, what
     assert torch.isfinite(actual).all(), f"{what}: non-finite values"
+    assert torch.isfinite(expected).all(), f"{what}: non-finite values in the reference"
     if expected.numel() == 0:
         return
     err = (actual.to(torch.float64) - expected.to(torch.float64)).abs().max().item()

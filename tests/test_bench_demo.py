@@ -157,7 +157,8 @@ def test_bench_json_fields_are_consistent(runs):
         "reuse_suffix_phase_peak_bytes"] / memory["dense_peak_saved_bytes"])
     assert math.isclose(memory["step_peak_reduction"], 1 - memory[
         "reuse_peak_saved_bytes"] / memory["dense_peak_saved_bytes"])
-    assert "device MiB (accounting model; recompute none, offload True): dense peak" in stdout
+    assert ("device MiB (saved-tensor accounting, not an allocator; recompute none, offload "
+            "True): dense peak") in stdout
     batched = result["dense_batched"]  # --dense-micro-batch-size 2: two 71-token rows per microbatch
     assert (batched["micro_batch_size"], batched["tokens_per_microbatch"]) == (2, 2 * 71)
     assert batched["seconds"] > 0 and batched["max_grad_rel_diff_vs_stock_dense"] <= 1e-5

@@ -76,13 +76,12 @@ def run_both(model, batch, token_budget, max_seq_len=512, loss=LOSS, **plan_kwar
 
 
 def assert_equal_step(dense, dense_grads, reuse, reuse_grads):
-    from megatron_patches.training import max_relative_diff
+    from megatron_patches.training import max_relative_diff, missing_grads
 
     assert dense.num_tokens == reuse.num_tokens
     assert abs(dense.loss - reuse.loss) <= TOL * max(abs(dense.loss), 1e-3), (dense.loss, reuse.loss)
-    for side, grads in (("dense", dense_grads), ("reuse", reuse_grads)):
-        missing = [n for n, g in grads.items() if not g.abs().max() > 0]  # NaN fails too
-        assert not missing, f"{side}: parameters got no (or a non-finite) gradient: {missing[:5]}"
+    missing = missing_grads(dense=dense_grads, reuse=reuse_grads)
+    assert not missing, f"parameters got no (or a non-finite) gradient: {missing[:5]}"
     diff = max_relative_diff(dense_grads, reuse_grads)
     assert diff <= TOL, f"max relative gradient difference {diff:.3e}"
 
@@ -179,20 +178,21 @@ def test_weights_match_after_optimizer_steps(megatron_env, models, optimizer):
         grad_diff = max_relative_diff(_grads(dense_model), _grads(reuse_model))
         grad_spread = max_relative_diff(_grads(dense_model), _grads(control))
         grad_bar = TOL if optimizer == "sgd" or step == 0 else max(TOL, 3 * grad_spread)
-        assert grad_diff <= grad_bar, (step, grad_diff, grad_spread)
+        assert grad_spread < 1 and grad_diff <= grad_bar, (step, grad_diff, grad_spread)  # inf too
         for opt in opts:
             opt.step()
         reuse_diff = max_relative_diff(weights(dense_model), weights(reuse_model))
         spread = max_relative_diff(weights(dense_model), weights(control))
         bar = TOL if optimizer == "sgd" else max(TOL, 3 * spread)
-        assert reuse_diff <= bar, (step, reuse_diff, spread)
+        assert spread < 1 and reuse_diff <= bar, (step, reuse_diff, spread)  # inf spread: no bar
         moved = max((weights(dense_model)[n] - p).abs().max().item()
                     for n, p in base.named_parameters())
         assert moved > 0, "the optimizer step changed nothing"
 
 
-def test_bf16_reuse_is_as_close_to_fp32_as_bf16_dense(megatron_env, models):
-    """bf16: reuse's distance from the fp32 dense reference <= bf16 dense's distance x 1.5."""
+def test_bf16_reuse_is_within_1_5x_of_bf16_dense_distance_to_fp32(megatron_env, models):
+    """bf16: reuse's distance from the fp32 dense reference <= bf16 dense's distance x 1.5
+    (here 1.1x: reuse rounds differently -- fp32 gK/gV, one prefix pass -- not always less)."""
     from megatron_patches.models import build_model
     from megatron_patches.training import dense_step, max_relative_diff, reuse_step
 
@@ -218,5 +218,6 @@ def test_bf16_reuse_is_as_close_to_fp32_as_bf16_dense(megatron_env, models):
     reuse16 = _grads(model16)
     dense_err = max_relative_diff(reference, dense16)
     reuse_err = max_relative_diff(reference, reuse16)
+    print(f"bf16 vs fp32 reference: dense {dense_err:.3e}, reuse {reuse_err:.3e}")
     assert 0 < dense_err < 0.2, dense_err
     assert reuse_err <= 1.5 * dense_err, (reuse_err, dense_err)

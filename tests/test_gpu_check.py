@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU, F64 = torch.device("cpu"), torch.float64
 TOP = {"schema", "mode", "device", "capability", "libraries", "sizes", "availability", "correctness",
        "cp_correctness", "te_cp_filter", "timing", "e2e", "moe_e2e", "predict_device", "gdn_e2e",
-       "env", "claims", "failures", "elapsed_s"}
+       "env", "claims", "failures", "elapsed_s", "not_run"}
 E2E = {"claim", "ok", "settings", "model", "workload", "grad_rel_err_vs_fp32",
        "grad_rel_diff_reuse_vs_dense", "losses", "phases"}
 PHASES = ["reference_fp32_dense", "dense_bf16", "reuse_bf16", "reuse_bf16_offload_prefix_activations"]
@@ -39,16 +39,18 @@ def gpu_check(monkeypatch):
 def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
     out = tmp_path / "dry.json"
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run",
-                           "--repeats", "2", "--warmup", "1", "--json", str(out)],
+                           "--repeats", "2", "--warmup", "1", "--json", str(out),
+                           "--allow-partial"],  # TE's CP filter check cannot run on CPU
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 requested phase(s) did not run" in proc.stdout and "--allow-partial" in proc.stdout
     report = json.loads(out.read_text())
     assert set(report) == TOP and report["mode"] == "dry-run" and report["failures"] == 0
     rows = report["correctness"]
     assert {(r["backend"], r["mode"], r["dtype"]) for r in rows} == {
         (b, m, d) for b in ("torch", "math") for m in ("two_part", "copy") for d in ("float32", "bfloat16")}
-    assert all(r["ok"] and max(r[g] for g in ("out", "dq", "dk", "dv", "dprefix_k", "dprefix_v"))
-               <= r["tol"] for r in rows)
+    assert all(r["ok"] and all(r[g] <= r["tol"] for g in ("out", "dq", "dk", "dv", "dprefix_k",
+                                                         "dprefix_v")) for r in rows)
     assert {(t["backend"], t["mode"]) for t in report["timing"]} == {
         (b, m) for b in ("torch", "math") for m in ("two_part", "copy")}
     assert all(t["ms"] > 0 and t["peak_extra_mib"] is None for t in report["timing"])  # CPU: no allocator
@@ -75,7 +77,36 @@ def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
     assert all(r["ok"] and r["dprefix_k"] <= r["tol"] for r in cp_rows)
     statuses = [c["status"] for c in report["claims"]]
     assert statuses == ["proved"] * 3 + ["not run: no CUDA device (dry run)"] + ["proved"] * 5  # e2e, MoE, predictor, GDN
+    assert report["not_run"] == [report["claims"][3]["claim"]]
     assert "[proved]" in proc.stdout and "0 failure(s)" in proc.stdout
+
+
+def test_a_phase_that_did_not_run_fails_the_run_unless_allow_partial(tmp_path):
+    """Dry run, attention only, time budget 0: timings and TE's CP filter check (and what else
+    the budget cuts) do not run, so the run exits 4 (not 0); --skip-e2e phases were not
+    requested and do not count."""
+    out = tmp_path / "partial.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu_check.py"), "--dry-run",
+                           "--skip-e2e", "--budget-s", "0", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 4, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    unrun = report["not_run"]
+    assert report["failures"] == 0 and len(unrun) >= 2, unrun  # and what else the budget cut
+    assert any("time" in claim for claim in unrun) and report["claims"][3]["claim"] in unrun
+    assert f"{len(unrun)} requested phase(s) did not run" in proc.stderr
+    assert "--allow-partial" in proc.stderr
+
+
+def test_exit_status_counts_failures_then_unrun_phases(gpu_check):
+    assert gpu_check.exit_status({"failures": 0, "not_run": []}, allow_partial=False) == 0
+    assert gpu_check.exit_status({"failures": 0, "not_run": ["x"]}, allow_partial=False) == 4
+    assert gpu_check.exit_status({"failures": 0, "not_run": ["x"]}, allow_partial=True) == 0
+    assert gpu_check.exit_status({"failures": 2, "not_run": ["x"]}, allow_partial=True) == 1
+    report = {"claims": [{"claim": "a", "status": "proved"},
+                         {"claim": "b", "status": "not run: --skip-e2e"},
+                         {"claim": "c", "status": "not run: time budget of 1 s used up"}]}
+    assert gpu_check.not_run(report) == ["c"]
 
 
 def test_without_cuda_and_without_dry_run_it_refuses(gpu_check, capsys):

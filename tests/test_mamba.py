@@ -102,7 +102,7 @@ def _parallel_rank(pattern, pp, tp):
     import megatron_patches
     from megatron.core import parallel_state
     from megatron_patches.models import initialize_distributed
-    from megatron_patches.training import max_relative_diff, param_grads
+    from megatron_patches.training import max_relative_diff, missing_grads, param_grads
 
     megatron_patches.install()
     initialize_distributed(seed=1234, pp=pp, tp=tp)
@@ -113,8 +113,7 @@ def _parallel_rank(pattern, pp, tp):
                 layers="".join(model.decoder.layer_type_list),
                 losses=(dense.loss, reuse.loss), tokens=(dense.num_tokens, reuse.num_tokens),
                 grad_diff=max_relative_diff(dense_grads, reuse_grads),
-                nonzero=[n for n, g in {**dense_grads, **reuse_grads}.items()
-                         if not g.abs().max() > 0])
+                nonzero=missing_grads(dense=dense_grads, reuse=reuse_grads))
 
 
 @pytest.mark.parametrize("pattern,pp,tp,stages", [

@@ -5,9 +5,14 @@ Megatron-LM core_r0.19.0 checkout (CPU, gloo), as a user runs it:
   tensorboard, checkpoint saved at iteration 2, a resumed run (--load, --ckpt-step 2) reaches
   bitwise the same weights and loss at iteration 3, the HF export loads in transformers.
 * Two torchrun agents (--nnodes 2, c10d rendezvous on 127.0.0.1, examples/megatron_lm/
-  torchrun_multinode.sh) run PP=2: prefix reuse == stock dense (loss, grad norm) step by step.
+  torchrun_multinode.sh) run PP=2: prefix reuse == stock dense step by step.
 * (slow) TP=2 x PP=2 on 4 processes: reuse == dense, and save/resume bitwise.
 * (slow, versions) Megatron-LM main (0.20.0): PP=2 reuse == dense, checkpoint saved.
+
+"reuse == dense": the policy loss of every iteration within 1e-5 relative, and every rank's
+gradients (DDP's reduced main_grad) and weights after every step, dumped by
+--prefix-reuse-dump-params, within 1e-5 per tensor, none missing, zero or non-finite
+(megatron_lm_runs.assert_dumps_equal); Adam with eps=1 (COMPARE_ARGS) so weights compare.
 """
 
 import concurrent.futures
@@ -18,8 +23,8 @@ import sys
 import pytest
 import torch
 
-from megatron_lm_runs import (REPO, child_env, entry_tree, iterations, model_args,
-                              rank_params, small_args, torchrun)
+from megatron_lm_runs import (COMPARE_ARGS, REPO, assert_dumps_equal, child_env, entry_tree,
+                              iterations, model_args, rank_params, small_args, torchrun)
 from reaped import run_reaped
 
 pytestmark = pytest.mark.megatron
@@ -109,28 +114,33 @@ def _two_agents(tree, args, tmp_path):
     return iterations("\n".join(outputs))
 
 
+def _assert_losses_equal(dense, reuse, iters):
+    assert sorted(dense) == sorted(reuse) == list(range(1, iters + 1))
+    for i in dense:
+        assert abs(dense[i][0] - reuse[i][0]) <= 1e-5 * abs(dense[i][0]), (i, dense[i], reuse[i])
+
+
 def test_two_nodes_pp2_reuse_equals_dense(tree, tmp_path):
-    common = [*model_args("llama3.1-8b-tiny"), *small_args(2),
+    common = [*model_args("llama3.1-8b-tiny"), *small_args(2), *COMPARE_ARGS,
               "--pipeline-model-parallel-size", "2"]
-    dense = _two_agents(tree, common, tmp_path)
-    reuse = _two_agents(tree, [*common, "--prefix-reuse", "--prefix-chunk-tokens", "16"], tmp_path)
-    assert sorted(dense) == sorted(reuse) == [1, 2]
-    for i in (1, 2):
-        (dl, dn), (rl, rn) = dense[i], reuse[i]
-        assert abs(dl - rl) <= 1e-5 * abs(dl), (i, dl, rl)
-        assert abs(dn - rn) <= 1e-4 * dn, (i, dn, rn)
+    dense = _two_agents(tree, [*common, "--prefix-reuse-dump-params", str(tmp_path / "d")],
+                        tmp_path)
+    reuse = _two_agents(tree, [*common, "--prefix-reuse", "--prefix-chunk-tokens", "16",
+                               "--prefix-reuse-dump-params", str(tmp_path / "r")], tmp_path)
+    _assert_losses_equal(dense, reuse, 2)
+    assert_dumps_equal(tmp_path / "d", tmp_path / "r", 2)
 
 
 @pytest.mark.slow
 def test_tp2_pp2_four_processes_reuse_equals_dense_and_resumes(tree, tmp_path):
-    common = [*model_args(QWEN), *small_args(3), "--tensor-model-parallel-size", "2",
-              "--pipeline-model-parallel-size", "2"]
-    dense = _ok(torchrun(tree, 4, common))
+    common = [*model_args(QWEN), *small_args(3), *COMPARE_ARGS, "--tensor-model-parallel-size",
+              "2", "--pipeline-model-parallel-size", "2"]
+    dense = _ok(torchrun(tree, 4, [*common, "--prefix-reuse-dump-params", str(tmp_path / "d")]))
     reuse = _ok(torchrun(tree, 4, [*common, "--prefix-reuse", "--save", str(tmp_path / "ckpt"),
                                    "--save-interval", "2",
                                    "--prefix-reuse-dump-params", str(tmp_path / "a")]))
-    for i in (1, 2, 3):
-        assert abs(dense[i][0] - reuse[i][0]) <= 1e-5 * abs(dense[i][0]), i
+    _assert_losses_equal(dense, reuse, 3)
+    assert_dumps_equal(tmp_path / "d", tmp_path / "a", 3)
     resumed = _ok(torchrun(tree, 4, [*common, "--prefix-reuse", "--load", str(tmp_path / "ckpt"),
                                      "--ckpt-step", "2",
                                      "--prefix-reuse-dump-params", str(tmp_path / "b")]))
@@ -143,25 +153,26 @@ def test_tp2_pp2_four_processes_reuse_equals_dense_and_resumes(tree, tmp_path):
 def test_megatron_lm_main_pp2_reuse_equals_dense(tmp_path_factory, tmp_path):
     """The same entry point on Megatron-LM main (0.20.0): PP=2, reuse == dense, checkpoint saved."""
     main_tree = entry_tree("0.20.0", tmp_path_factory)
-    common = [*model_args("llama3.1-8b-tiny"), *small_args(2), "--pipeline-model-parallel-size", "2"]
-    dense = _ok(torchrun(main_tree, 2, common))
+    common = [*model_args("llama3.1-8b-tiny"), *small_args(2), *COMPARE_ARGS,
+              "--pipeline-model-parallel-size", "2"]
+    dense = _ok(torchrun(main_tree, 2, [*common, "--prefix-reuse-dump-params",
+                                        str(tmp_path / "d")]))
     reuse = _ok(torchrun(main_tree, 2, [*common, "--prefix-reuse", "--save", str(tmp_path / "c"),
-                                        "--save-interval", "2"]))
-    for i in (1, 2):
-        assert abs(dense[i][0] - reuse[i][0]) <= 1e-5 * abs(dense[i][0]), i
+                                        "--save-interval", "2", "--prefix-reuse-dump-params",
+                                        str(tmp_path / "r")]))
+    _assert_losses_equal(dense, reuse, 2)
+    assert_dumps_equal(tmp_path / "d", tmp_path / "r", 2)
     assert (tmp_path / "c" / "iter_0000002").is_dir()
 
 
-def test_pp2_virtual_stages_reuse_equals_dense(tree):
+def test_pp2_virtual_stages_reuse_equals_dense(tree, tmp_path):
     """PP=2 x 2 virtual stages (one layer per model chunk) through the entry point: Megatron's
-    interleaved dense schedule vs the reuse executor's interleaved plan, loss and grad norm per
-    step; deallocate_pipeline_outputs as Megatron-LM sets it (True)."""
-    common = [*model_args("llama3.1-8b-tiny"), *small_args(2), "--pipeline-model-parallel-size",
-              "2", "--num-layers-per-virtual-pipeline-stage", "1"]
-    dense = _ok(torchrun(tree, 2, common))
-    reuse = _ok(torchrun(tree, 2, [*common, "--prefix-reuse", "--prefix-chunk-tokens", "16"]))
-    assert sorted(dense) == sorted(reuse) == [1, 2]
-    for i in (1, 2):
-        (dl, dn), (rl, rn) = dense[i], reuse[i]
-        assert abs(dl - rl) <= 1e-5 * abs(dl), (i, dl, rl)
-        assert abs(dn - rn) <= 1e-4 * dn, (i, dn, rn)
+    interleaved dense schedule vs the reuse executor's interleaved plan, loss, gradients and
+    weights per step (every chunk's); deallocate_pipeline_outputs as Megatron-LM sets it (True)."""
+    common = [*model_args("llama3.1-8b-tiny"), *small_args(2), *COMPARE_ARGS,
+              "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    dense = _ok(torchrun(tree, 2, [*common, "--prefix-reuse-dump-params", str(tmp_path / "d")]))
+    reuse = _ok(torchrun(tree, 2, [*common, "--prefix-reuse", "--prefix-chunk-tokens", "16",
+                                   "--prefix-reuse-dump-params", str(tmp_path / "r")]))
+    _assert_losses_equal(dense, reuse, 2)
+    assert_dumps_equal(tmp_path / "d", tmp_path / "r", 2)

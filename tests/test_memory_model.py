@@ -1,7 +1,7 @@
 """The predicted device bytes (planning/memory_model.py), the budget planner (memory_plan.py) and
-tools/capacity.py: predictions against the bytes the accounting model measures on the tiny
-Llama3-8B twin, a planner-chosen configuration under a tight budget against stock dense
-(fp32, 1e-5), and the planner's choices and refusals."""
+tools/capacity.py: predictions against the bytes the saved-tensor accounting (tools/memory_probe.py,
+not an allocator) counts on the tiny Llama3-8B twin, a planner-chosen configuration under a
+tight budget against stock dense (fp32, 1e-5), and the planner's choices and refusals."""
 
 import pytest
 import torch

@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from megatron_patches.training import max_elementwise_error, max_relative_diff
+from megatron_patches.training import (max_elementwise_error, max_relative_diff, missing_grads,
+                                       worst_of)
 
 METRICS = [max_relative_diff, max_elementwise_error]
 
@@ -63,3 +64,54 @@ def test_missing_extra_or_misshaped_tensors_are_refused(metric):
 def test_zero_reference_tensor_uses_absolute_difference(metric):
     a = {"z": torch.zeros(3)}
     assert metric(a, {"z": torch.tensor([0.0, 0.25, 0.0])}) == 0.25
+
+
+@pytest.mark.parametrize("bad", [0.0, math.nan, math.inf])
+@pytest.mark.parametrize("side", ["dense", "reuse"])
+def test_missing_grads_sees_zero_or_non_finite_on_either_side(side, bad):
+    good = {"w": torch.tensor([1.0, -2.0]), "b": torch.tensor([0.5])}
+    sides = {"dense": dict(good), "reuse": dict(good)}
+    assert missing_grads(**sides) == []
+    sides[side]["b"] = torch.tensor([bad]) if bad else torch.zeros(1)
+    assert missing_grads(**sides) == [f"{side}: b"]
+
+
+def test_worst_of_keeps_nan_and_inf():
+    assert max(0.0, math.nan) == 0.0  # the fold this helper exists for
+    assert worst_of(1e-7, None, 3e-6) == 3e-6
+    assert worst_of() == 0.0
+    for bad in (math.nan, math.inf, -math.inf):
+        assert worst_of(0.0, bad, 1e-7) == math.inf
+        assert worst_of(bad) == math.inf
+
+
+def _dump(directory, iteration, tensors):
+    from safetensors.torch import save_file
+
+    (directory / f"iter_{iteration}").mkdir(parents=True)
+    save_file(tensors, str(directory / f"iter_{iteration}" / "rank_0.safetensors"))
+
+
+@pytest.mark.parametrize("broken", [None, "nan grad", "zero grad", "weight"])
+def test_entry_point_dump_comparison_fails_on_either_side(tmp_path, broken):
+    """megatron_lm_runs.assert_dumps_equal, what the entry-point tests compare with."""
+    from megatron_lm_runs import assert_dumps_equal
+
+    dense = {"0.w": torch.tensor([1.0, 2.0]), "grad.0.w": torch.tensor([0.5, -0.25])}
+    reuse = {k: v.clone() for k, v in dense.items()}
+    if broken == "nan grad":
+        reuse["grad.0.w"][0] = math.nan
+    elif broken == "zero grad":
+        dense["grad.0.w"].zero_()
+        reuse["grad.0.w"].zero_()  # equal, and still wrong: no gradient reached the weight
+    elif broken == "weight":
+        reuse["0.w"][1] += 1e-3
+    _dump(tmp_path / "d", 1, dense)
+    _dump(tmp_path / "r", 1, reuse)
+    if broken is None:
+        assert_dumps_equal(tmp_path / "d", tmp_path / "r", 1)
+        return
+    with pytest.raises(AssertionError):
+        assert_dumps_equal(tmp_path / "d", tmp_path / "r", 1)
+    if broken == "zero grad":  # unless the caller allows that parameter no gradient
+        assert_dumps_equal(tmp_path / "d", tmp_path / "r", 1, may_be_zero=lambda n: n == "grad.0.w")

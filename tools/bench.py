@@ -36,8 +36,10 @@ whole-step peak / dense's.
 `--offload-prefix-activations` offloads the reuse path's dormant prefix activations;
 `--recompute` sets the same activation recompute on every path.
 
-Parallel layouts: `--pp/--tp/--dp` start pp*tp*dp gloo processes on this machine (one process,
-no subprocess, when all are 1), each with max(1, threads // world size) threads. Pipeline stages
+Parallel layouts: `--pp/--tp/--dp/--cp` start pp*tp*dp (or pp*tp*cp) processes on this machine
+(one process, no subprocess, when all are 1), each with max(1, threads // world size) threads:
+gloo on CPU; on a CUDA machine NCCL with one GPU per rank (`torch.cuda.set_device(LOCAL_RANK)`,
+megatron_patches.launch.rank_backend; refused when there are fewer GPUs than ranks). Pipeline stages
 use Megatron's 1F1B for dense (variable row lengths); DP ranks are Megatron-DDP-wrapped and each
 runs its share from `prefix_schedule.planning.placement.place_groups`, dense and reuse on the same share.
 A step's time is the slowest rank's (all-reduce MAX); `max_grad_rel_diff` is the max over ranks;
@@ -48,6 +50,9 @@ bounds the whole multi-process run.
     python tools/bench.py [--prefix-len 1024 --suffix-len 64 --group-size 8 --num-groups 2 ...]
     python tools/bench.py --pp 2 --json out.json
     python tools/bench.py --adapter generic   # through the framework adapter (benchlib/adapter_bench.py)
+
+Exit status: 2 bad arguments, 1 a rank failed, 3 the untimed check saw a NaN or inf loss or
+gradient difference (on the dense or the reuse side; printed), else 0.
 """
 from __future__ import annotations
 
@@ -63,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, memory_pro
 
 from benchlib.config import BenchConfig, build_parser, config_from_args  # noqa: E402
 from benchlib.measure import config_batch, selected_backend  # noqa: E402
-from benchlib.report import format_table, run_bench  # noqa: E402
+from benchlib.report import check_failures, format_table, run_bench  # noqa: E402
 from benchlib.workload import make_batch  # noqa: E402
 from outputs import check_output, write_text_atomic  # noqa: E402
 
@@ -85,6 +90,10 @@ def main(argv=None) -> int:
             config.cp_dense_placement(config_batch(config))
         # a backend that cannot run here, with the reason (models sit where build_model puts them)
         selected_backend(config, "cuda" if torch.cuda.is_available() else "cpu")
+        if config.world_size > 1:  # NCCL on CUDA needs a GPU per rank (gloo on CPU)
+            from megatron_patches.launch import rank_backend
+
+            rank_backend("auto", config.world_size - 1, torch.cuda.device_count())
     except ValueError as exc:
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 2
@@ -113,7 +122,10 @@ def main(argv=None) -> int:
         import json
 
         write_text_atomic(out, json.dumps(result, indent=2) + "\n")
-    return 0
+    failures = check_failures(result)
+    for failure in failures:
+        print(f"bench.py: error: numerical check failed: {failure}", file=sys.stderr)
+    return 3 if failures else 0
 
 
 if __name__ == "__main__":

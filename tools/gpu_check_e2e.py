@@ -18,7 +18,7 @@ main_grad), attention_backend=fused: dense runs TEDotProductAttention on cuDNN's
 (Megatron's LanguageModule sets NVTE_FLASH_ATTN=0, NVTE_FUSED_ATTN=1, NVTE_UNFUSED_ATTN=0), reuse
 runs the `transformer_engine` backend on the same kernel family. Both bf16 runs are compared with
 an fp32 dense reference of the same (bf16-rounded) weights, the TE spec with Megatron's unfused
-core attention: reuse must be no farther from it than dense (x 1.5), as
+core attention: reuse's distance from it must be at most 1.5x dense's, as
 tests/test_equivalence.py asks on CPU.
 """
 from __future__ import annotations

@@ -18,7 +18,8 @@ microbatches in flight), in GiB:
 * prefix cache (reuse): one group's cached K/V (bf16) and their fp32 gradients for a prefix of
   P tokens on the stage's layers: P * 2 h_kv * (2 + 4) / TP bytes per layer.
 An estimate for planning (allocator fragmentation, communication buffers and CUDA context --
-typically 2-6 GiB -- are not counted); measure with tools/memory_probe.py on the real GPU.
+typically 2-6 GiB -- are not counted); tools/memory_probe.py counts saved tensors (not the
+allocator); on the real GPU compare with torch.cuda.max_memory_allocated.
 MoE models are listed with their parameter count but not laid out (prefix reuse refuses MoE).
 """
 

@@ -24,7 +24,7 @@ __all__ = ["MemoryReport", "measure_dense", "measure_reuse"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MemoryReport:
-    """Byte counts of one measured step (see the module docstring for what is counted)."""
+    """Byte counts of one accounted step (see the module docstring for what is counted)."""
 
     peak_saved_bytes: int
     """Max over the step of the device bytes (saved activations, plus cache and buffers)."""

@@ -6,7 +6,8 @@ activations brought back for Phase C; parameters, gradients, optimizer state exc
 module predicts the same quantity from the model's shape and a StepPlan, so that a planner can
 fit a budget and tools/capacity.py can size a GPU run. Per token, per layer, the bytes are those
 Megatron's GPT layer (local spec, fused SDPA core attention) saves -- counted tensor by tensor on
-the CPU model (tests/test_memory_model.py holds the prediction to the measured bytes):
+the CPU model (tests/test_memory_model.py holds the prediction to the bytes the saved-tensor
+accounting of tools/memory_probe.py counts; no allocator is measured):
 - layer: input norm (input, output, rstd), QKV linear input, RoPE cos/sin of q and k (4 d),
   the fused QKV output (q + 2 kv: V is a view of it), post-RoPE q and k, attention output and
   log-sum-exp, pre-MLP norm and fc1 input, fc1 output (2 f), the SwiGLU halves and fc2 input

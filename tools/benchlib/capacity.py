@@ -7,7 +7,8 @@ bench's model in fp32 (its parameters' dtype):
   `--recompute` for every path), the dense path the most [prefix; suffix] rows per microbatch
   whose predicted peak fits (timed as `dense_batched`, or `dense` at one row). The JSON's
   `memory_budget` has both choices and `speedup_at_equal_memory` = that dense time / reuse time.
-- `memory.capacity_ratio`: with the device bytes the dense step measured as the budget, the
+- `memory.capacity_ratio`: with the dense step's device bytes (saved-tensor accounting,
+  tools/memory_probe.py; not an allocator) as the budget, the
   longest trajectory reuse fits over the longest dense fits, at the bench's prefix share and
   group size, one trajectory per microbatch for both (tools/capacity.py's `--pack trajectory`),
   recompute as `--recompute` (reuse: with or without offload, prefix chunks as fit best).
@@ -24,8 +25,8 @@ __all__ = ["activation_model", "budget_plan", "budget_report", "capacity_ratio",
            "check_budget_config", "dense_rows", "CAPACITY_BASIS"]
 
 MIB = 2 ** 20
-CAPACITY_BASIS = ("longest trajectory reuse / dense within the dense step's measured device "
-                  "bytes, predicted by prefix_schedule/planning/memory_model.py at the bench's "
+CAPACITY_BASIS = ("longest trajectory reuse / dense within the dense step's device bytes "
+                  "(saved-tensor accounting, not an allocator), predicted by prefix_schedule/planning/memory_model.py at the bench's "
                   "prefix share and group size, one trajectory per microbatch, same recompute "
                   "(reuse: offload and prefix chunks as fit best); tools/capacity.py --pack "
                   "trajectory")

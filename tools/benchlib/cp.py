@@ -25,7 +25,8 @@ from typing import Dict, List
 import torch
 
 from benchlib.config import BenchConfig
-from benchlib.measure import LOSS, _progress, _reduce_max, config_batch, config_plan, selected_backend
+from benchlib.measure import (LOSS, _progress, _reduce_max, collective_tensor, config_batch,
+                              config_plan, selected_backend)
 from benchlib.models import model_shape
 from benchlib.steps import dense_step, reuse_step
 from benchlib.timing import RegionTimer
@@ -180,10 +181,9 @@ def _cp_loss(result, config: BenchConfig) -> float:
     all-reduced over the world: ranks off the last stage or off TP rank 0 add nothing."""
     from megatron.core import parallel_state as ps
 
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = collective_tensor([0.0, 0.0])
     # the parallel state is CP=1 now; the reuse result was the last stage's, TP rank 0 counts
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-        totals += torch.tensor([result.loss * result.num_tokens, float(result.num_tokens)],
-                               dtype=torch.float64)
+        totals += collective_tensor([result.loss * result.num_tokens, float(result.num_tokens)])
     torch.distributed.all_reduce(totals)
     return float(totals[0] / totals[1])

@@ -19,6 +19,7 @@ with several ranks a step's time is the slowest rank's. The gradient check runs 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Optional
 
 import torch
@@ -65,10 +66,22 @@ def selected_backend(config: BenchConfig, device="cpu", dtype=torch.float32) -> 
     return attention_backends.select_backend(device=device, dtype=dtype, head_dim=head_dim).name
 
 
+def collective_tensor(values, dtype=torch.float64) -> torch.Tensor:
+    """`values` as a tensor a default-group collective accepts: on this rank's GPU under NCCL
+    (tools/bench.py --pp/--tp/--dp/--cp on CUDA), else on the CPU (gloo)."""
+    device = torch.device("cpu")
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
 def _reduce_max(value: float) -> float:
+    """The max over ranks; a NaN on any rank gives inf (a MAX reduction may drop a NaN:
+    [Note: non-finite comparisons] in megatron_patches/training.py)."""
+    value = math.inf if math.isnan(value) else float(value)
     if torch.distributed.get_world_size() == 1:
-        return float(value)
-    t = torch.tensor([value], dtype=torch.float64)
+        return value
+    t = collective_tensor([value])
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return float(t)
 
@@ -95,7 +108,7 @@ def _aux_loss(num_microbatches: int) -> Optional[float]:
     destroy_moe_metrics_tracker()
     if entry is None:
         return None
-    total = torch.tensor([float(entry.values.sum()) / num_microbatches], dtype=torch.float64)
+    total = collective_tensor([float(entry.values.sum()) / num_microbatches])
     if torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(total)
         total /= parallel_state.get_data_parallel_world_size()
@@ -187,11 +200,10 @@ def _global_loss(result) -> float:
         return result.loss
     from megatron.core import parallel_state
 
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = collective_tensor([0.0, 0.0])
     if (parallel_state.is_pipeline_last_stage()
             and parallel_state.get_tensor_model_parallel_rank() == 0):
-        totals += torch.tensor([result.loss * result.num_tokens, float(result.num_tokens)],
-                               dtype=torch.float64)
+        totals += collective_tensor([result.loss * result.num_tokens, float(result.num_tokens)])
     torch.distributed.all_reduce(totals)
     return float(totals[0] / totals[1])
 

@@ -1,6 +1,7 @@
 """tools/bench.py's result dict (the JSON) and its human-readable table."""
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Dict, List, Optional
 
@@ -10,7 +11,7 @@ from benchlib.config import BenchConfig
 from benchlib.measure import config_batch, config_plan, measure
 from prefix_schedule.planning.flops import ideal_speedup
 
-__all__ = ["IDEAL_BASIS", "format_table", "run_bench"]
+__all__ = ["IDEAL_BASIS", "format_table", "run_bench", "check_failures"]
 
 IDEAL_BASIS = ("FLOP ratio dense/reuse of the whole (global) batch planned as one step "
                "(prefix_schedule/planning/flops.py); ignores pipeline bubbles and DP imbalance")
@@ -35,7 +36,8 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
 
         measured = launch(measure_cp if config.cp > 1 else measure,
                           world_size=config.world_size, args=(config, True),
-                          timeout_s=config.timeout, threads_per_rank=threads)[0]
+                          timeout_s=config.timeout, threads_per_rank=threads,
+                          backend="auto")[0]  # NCCL, one GPU per rank, on CUDA
     times, cpu_times = measured.pop("times"), measured.pop("cpu_times")
     if raw_times is not None:
         raw_times.update(times)
@@ -164,6 +166,19 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
     return "\n".join(lines)
 
 
+def check_failures(result: dict) -> List[str]:
+    """What the untimed numerical check says is broken: a NaN or inf loss or gradient
+    difference (`max_relative_diff` gives inf for a non-finite entry on either side). Empty:
+    the numbers are finite (their size is for the reader; the tests hold the tolerances)."""
+    batched = result.get("dense_batched") or {}
+    values = {"loss_dense": result.get("loss_dense"), "loss_reuse": result.get("loss_reuse"),
+              "max_grad_rel_diff": result.get("max_grad_rel_diff"),
+              "dense_batched.max_grad_rel_diff_vs_stock_dense":
+                  batched.get("max_grad_rel_diff_vs_stock_dense")}
+    return [f"{name} is {value} (a NaN or inf on the dense or the reuse side)"
+            for name, value in values.items() if value is not None and not math.isfinite(value)]
+
+
 def _budget_lines(result: dict) -> List[str]:
     budget = result.get("memory_budget")
     if not budget:
@@ -195,9 +210,9 @@ def _cp_lines(result: dict) -> List[str]:
 
 def _memory_line(memory: Optional[dict]) -> str:
     if memory is None:
-        return "device memory (accounting model): not measured with several processes"
+        return "device memory (saved-tensor accounting): not counted with several processes"
     mib = 2.0 ** 20
-    return (f"device MiB (accounting model; recompute {memory['recompute']}, offload "
+    return (f"device MiB (saved-tensor accounting, not an allocator; recompute {memory['recompute']}, offload "
             f"{memory['offload_prefix_activations']}): dense peak "
             f"{memory['dense_peak_saved_bytes'] / mib:.1f}, "
             f"reuse peak {memory['reuse_peak_saved_bytes'] / mib:.1f}, reuse suffix phase "
