@@ -20,7 +20,7 @@ setup: $(STAMP)
 # --tensorboard-dir needs tensorboard. matplotlib draws the tools' PNGs (sweep, replay, capacity
 # frontier, plan timeline); tqdm their progress bars.
 # Re-run when the patch declarations change: `apply` adds new patches and leaves applied ones.
-$(STAMP): setup.py Makefile megatron_patches/declarations.py
+$(STAMP): setup.py Makefile megatron_patches/patching/declarations.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0 numpy==2.4.6 'packaging>=24.2' 'pytest>=8' 'hypothesis>=6'
 	$(PIP) install -q --no-deps --ignore-requires-python megatron-core==0.19.2
@@ -65,7 +65,7 @@ FW_PY := $(FW_VENV)/bin/python
 FW_STAMP := $(FW_VENV)/.setup-stamp
 FW_TESTS := $(wildcard tests/test_*verl*.py tests/test_*train_rl*.py)
 
-$(FW_STAMP): Makefile tools/frameworks-requirements.txt megatron_patches/declarations.py
+$(FW_STAMP): Makefile tools/frameworks-requirements.txt megatron_patches/patching/declarations.py
 	test -x $(FW_PY) || $(PYTHON) -m venv $(FW_VENV)
 	$(FW_PY) -m pip install -q torch==2.13.0 numpy==2.4.6 'packaging>=24.2' 'pytest>=8' 'hypothesis>=6'
 	$(FW_PY) -m pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2

@@ -13,7 +13,7 @@ setup(
     package_data={"megatron_patches": ["snapshots/*.json", "patches/*/*.patch"]},
     python_requires=">=3.10",
     # megatron-core: 0.19.1, 0.19.2 and Megatron-LM main 0.20.0 are supported (see
-    # megatron_patches/declarations.py); the PyPI release tested is 0.19.2. On Python 3.11 it installs
+    # megatron_patches/patching/declarations.py); the PyPI release tested is 0.19.2. On Python 3.11 it installs
     # with `pip install --no-deps --ignore-requires-python megatron-core==0.19.2` (the Makefile).
     install_requires=["torch>=2.4", "numpy", "packaging"],
     extras_require={

@@ -8,11 +8,11 @@ reuse runs the prompt once and is exactly the same computation (docs/DESIGN.md):
            (prefix_schedule/runtime/cache.py); the forward stops after the last layer's K/V.
   Phase B  the G responses are packed into ordinary Megatron microbatches under a token budget
            (prefix_schedule/planning/planner.py); their attention also reads the group's cached K/V
-           (megatron_patches/hooks.py -> prefix_schedule/attention/core.py), and their backward adds
+           (megatron_patches/runtime/hooks.py -> prefix_schedule/attention/core.py), and their backward adds
            the prompt-side gradients gK/gV into fp32 buffers of the cache.
   Phase C  prefix backward, once per group, driven by the accumulated gK/gV.
 
-The executor (megatron_patches/executor.py) walks a schedule of these actions
+The executor (megatron_patches/runtime/executor.py) walks a schedule of these actions
 (prefix_schedule/pipeline/); Megatron selects it like any other schedule via
 `get_forward_backward_func()` (megatron_patches/training.py shows both calls).
 
@@ -110,7 +110,7 @@ QUICK = DemoConfig(num_groups=2, group_size=4, prompt_len=96, max_response_len=1
 
 def build_models(config: DemoConfig, *, stock_dense: bool = False):
     """(dense model, reuse model) with the same initial weights; see the docstring for which dense."""
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     shape = TinyLlamaConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
@@ -155,7 +155,7 @@ def timed(fn):
 
 def train_step(config, models, optimizers, batch):
     """One optimizer step of both runs on the same batch; returns the numbers printed per step."""
-    from megatron_patches.finite_grads import check_finite_grads
+    from megatron_patches.runtime.finite_grads import check_finite_grads
     from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
 
     dense, reuse = models
@@ -189,7 +189,7 @@ def _setup(config: DemoConfig, stock_dense: bool):
     import megatron_patches
 
     megatron_patches.enable_cpu_support()  # the CPU/gloo layer (a no-op with CUDA)
-    from megatron_patches.models import initialize_single_process
+    from megatron_patches.models.tiny import initialize_single_process
 
     megatron_patches.install()
     initialize_single_process(seed=config.seed)

@@ -15,7 +15,7 @@ A stalled or dead rank ends the job within `--collective-timeout` seconds (defau
 `$PREFIX_REUSE_COLLECTIVE_TIMEOUT_S`, else 600), at start-up as mid-run: the default group's
 rendezvous and every process group the step uses get it as their timeout, so a rank waiting that
 long for a peer fails; its error then names the rank that failed first
-(megatron_patches/failures.py: ranks record how they ended in torchrun's store; one
+(megatron_patches/support/failures.py: ranks record how they ended in torchrun's store; one
 that recorded nothing stalled or was killed), and torchrun stops the others. On gloo the waiting
 collective raises. On NCCL PyTorch's watchdog enforces the same timeout
 (TORCH_NCCL_ASYNC_ERROR_HANDLING, which torchrun sets to 1: abort the communicator and end the
@@ -40,8 +40,8 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import megatron_patches
-from megatron_patches.failures import collective_timeout_s, report_first_failure
-from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+from megatron_patches.support.failures import collective_timeout_s, report_first_failure
+from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -140,8 +140,8 @@ def train(args, everyone) -> None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_patches.agreement import refuse_step
-    from megatron_patches.finite_grads import agree_finite_grads
+    from megatron_patches.runtime.agreement import refuse_step
+    from megatron_patches.runtime.finite_grads import agree_finite_grads
     from megatron_patches.rl import make_policy_forward_step
     from megatron_patches.training import prepare_for_training
     from prefix_schedule import PolicyLossConfig, ReuseStep, plan_microbatches

@@ -23,9 +23,9 @@ _SCHEDULE_ENABLED = False
 
 def enable_cpu_support() -> bool:
     """Turn on the CPU/gloo layer (tests, demo, benchmarks, the examples' --cpu): see
-    megatron_patches/cpu_support.py. Call it first, before anything imports megatron.core.
+    megatron_patches/support/cpu_support.py. Call it first, before anything imports megatron.core.
     Refused under an NCCL process group; a no-op where CUDA is available."""
-    from megatron_patches.cpu_support import enable_cpu_support as enable
+    from megatron_patches.support.cpu_support import enable_cpu_support as enable
 
     return enable()
 
@@ -36,7 +36,7 @@ def install() -> None:
     Refuses, with the command that fixes it, if the source patches are not applied. Changes
     nothing else: on CPU, call `enable_cpu_support()` first. Idempotent.
     """
-    from megatron_patches.registry import require_patched
+    from megatron_patches.patching.registry import require_patched
 
     require_patched()
     from megatron.core.models.gpt import gpt_model
@@ -45,7 +45,10 @@ def install() -> None:
     from megatron.core.ssm.gated_delta_net import gdn
     from megatron.core.transformer import attention
 
-    from megatron_patches import gdn_hooks, hooks, mamba_hooks, moe
+    from megatron_patches.runtime import gdn_hooks
+    from megatron_patches.runtime import hooks
+    from megatron_patches.runtime import mamba_hooks
+    from megatron_patches.runtime import moe
 
     attention._core_attention_hook = hooks.core_attention_hook
     gdn._gdn_state_hook = gdn_hooks.gdn_state_hook
@@ -88,7 +91,7 @@ def uninstall() -> None:
     gpt_model._rotary_pos_emb_hook = None
     hybrid_model._rotary_pos_emb_hook = None
     schedules._forward_backward_func_hook = None
-    from megatron_patches import moe
+    from megatron_patches.runtime import moe
 
     moe.uninstall()
 
@@ -112,6 +115,6 @@ def use_prefix_reuse_schedule(enabled: bool = True) -> Iterator[None]:
 def _select_schedule(*, pp_size=None, vp_size=None):
     if not _SCHEDULE_ENABLED:
         return None
-    from megatron_patches.executor import forward_backward_prefix_reuse
+    from megatron_patches.runtime.executor import forward_backward_prefix_reuse
 
     return forward_backward_prefix_reuse

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from megatron_patches import registry
+from megatron_patches.patching import registry
 
 __all__ = ["main"]
 

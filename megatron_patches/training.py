@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config, unwrap_model
 
 import megatron_patches
-from megatron_patches.agreement import StepChecks, fingerprint, refuse_step
+from megatron_patches.runtime.agreement import StepChecks, fingerprint, refuse_step
 from megatron_patches.rl import make_policy_forward_step
 
 __all__ = ["StepResult", "dense_items", "dense_packed_items", "row_multiple_for", "dense_step",

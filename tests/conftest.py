@@ -1,7 +1,7 @@
 """Test tiers: plan/attention/data tests need no Megatron; `megatron_env` sets up real Megatron
 on CPU (gloo, one process) with the prefix-reuse hooks installed; `gpu` tests skip without CUDA.
 
-The CPU/gloo layer is opt-in (megatron_patches/cpu_support.py): the test session turns it on
+The CPU/gloo layer is opt-in (megatron_patches/support/cpu_support.py): the test session turns it on
 here, before any test imports megatron.core (a no-op where CUDA is available)."""
 
 import os
@@ -34,7 +34,7 @@ def pytest_collection_modifyitems(config, items):
 def megatron_env():
     """Megatron parallel state (TP=PP=1, gloo) and the reuse hooks, once per session."""
     import megatron_patches
-    from megatron_patches.models import initialize_single_process
+    from megatron_patches.models.tiny import initialize_single_process
 
     megatron_patches.install()
     initialize_single_process(seed=1234)

@@ -1,4 +1,4 @@
-"""Multi-process tests: run a module-level function on N gloo ranks (see megatron_patches.launch).
+"""Multi-process tests: run a module-level function on N gloo ranks (see megatron_patches.support.launch).
 
     from dist_harness import run_distributed
     results = run_distributed(my_rank_fn, world_size=2, kwargs={"seed": 3}, timeout_s=90)
@@ -11,7 +11,7 @@ AssertionError, so pytest reports it as a test failure rather than an error.
 
 Each rank turns on the CPU/gloo layer (`megatron_patches.enable_cpu_support()`) before `fn`, and
 runs the executor's p2p under strict NCCL semantics (`PREFIX_REUSE_P2P_STRICT`, see
-megatron_patches/p2p.py) unless `strict_p2p=False`: on gloo a send that would wait for its
+megatron_patches/runtime/p2p.py) unless `strict_p2p=False`: on gloo a send that would wait for its
 receiver on NCCL then waits too, so an ordering that deadlocks on a GPU cluster deadlocks here.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
-from megatron_patches.launch import DEFAULT_PRELOAD, LaunchError, launch
+from megatron_patches.support.launch import DEFAULT_PRELOAD, LaunchError, launch
 
 __all__ = ["run_distributed", "DistributedRunError", "DEFAULT_PRELOAD", "STRICT_P2P_DEFAULT"]
 

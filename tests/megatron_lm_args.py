@@ -138,7 +138,7 @@ def _mirrored(*, tp: int, pp: int, dp: int, sequence_parallel: bool, model: dict
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
-    from megatron_patches.models import TinyLlamaConfig, make_transformer_config
+    from megatron_patches.models.tiny import TinyLlamaConfig, make_transformer_config
 
     cfg = TinyLlamaConfig(**model, max_seq_len=seq_length)
     config = make_transformer_config(

@@ -53,7 +53,7 @@ def entry_tree(version: str, factory) -> Path:
 
 
 def model_args(name: str) -> List[str]:
-    from megatron_patches.model_configs import get_model_spec
+    from megatron_patches.models.model_configs import get_model_spec
 
     return get_model_spec(name).megatron_args()
 

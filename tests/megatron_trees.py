@@ -1,6 +1,6 @@
 """The Megatron-LM source trees the version tests run on, and how tests find them.
 
-Supported releases (megatron_patches.declarations.SUPPORTED_RELEASES) come from two places:
+Supported releases (megatron_patches.patching.declarations.SUPPORTED_RELEASES) come from two places:
 * megatron-core 0.19.2: the wheel installed in this Python (`make setup`).
 * 0.19.1 and 0.20.0: offline Megatron-LM tarballs (no repository is reachable from CI). They are
   looked for in `$MEGATRON_LM_TARBALLS`, else in `shared/megatron-lm/` beside the checkout or in
@@ -28,7 +28,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pytest
 
-from megatron_patches import registry
+from megatron_patches.patching import registry
 
 REPO = Path(__file__).resolve().parents[1]
 TARBALLS = {
@@ -182,7 +182,7 @@ def pytest_sessionstart(session):
     expected = os.environ.get(EXPECT_ENV)
     if not expected:
         return
-    from megatron_patches.cpu_support import enable_cpu_support
+    from megatron_patches.support.cpu_support import enable_cpu_support
 
     enable_cpu_support()  # before the first import of megatron.core
     import megatron.core

@@ -19,7 +19,7 @@ def _rollout(seed=3, **kw):
 
 
 def _model(per_token=False):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
     model = build_model(TinyLlamaConfig(**SMALL))
     model.config.finalize_model_grads_func = scale_grads_by_token_count

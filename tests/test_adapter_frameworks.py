@@ -15,7 +15,7 @@ TREES = dict(min_shared_len=8, node_overhead_tokens=0, min_gain=1.0)
 
 
 def _model(per_token=False):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
     model = build_model(TinyLlamaConfig(**SMALL))
     model.config.finalize_model_grads_func = scale_grads_by_token_count

@@ -14,7 +14,7 @@ def dp_adapter_rank() -> dict:
     from megatron.core import parallel_state
     from megatron_patches.frameworks import (AdapterConfig, PrefixReuseAdapter, RolloutBatch,
                                              dense_forward_backward)
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (max_relative_diff, missing_grads, param_grads,
                                            prepare_for_training, zero_grads)
     from framework_data import SMALL, grpo_sequences, rollout_arrays
@@ -70,7 +70,7 @@ def tp_adapter_rank() -> dict:
     import megatron_patches
     from megatron_patches.frameworks import (AdapterConfig, PrefixReuseAdapter, RolloutBatch,
                                              dense_forward_backward)
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (max_relative_diff, missing_grads, param_grads,
                                            prepare_for_training, zero_grads)
     from framework_data import SMALL, grpo_sequences, rollout_arrays

@@ -1,5 +1,5 @@
 """A check that fails on one rank only refuses the step on every rank together, before any
-compute, and the job stays usable ([Note: agreed refusal] in megatron_patches/agreement.py).
+compute, and the job stays usable ([Note: agreed refusal] in megatron_patches/runtime/agreement.py).
 
 Each test runs a few scenarios in one gloo world of 2 ranks; in each, rank 1 alone gets bad data
 (or a bad plan) and every rank must raise `StepRefused` (a ValueError) naming rank 1 and its
@@ -38,7 +38,7 @@ def _outcome(model, run) -> dict:
 
 
 def _reuse(model, batch, **plan_options):
-    from megatron_patches.agreement import refuse_step
+    from megatron_patches.runtime.agreement import refuse_step
     from megatron_patches.training import reuse_step
     from prefix_schedule.planning.planner import plan_microbatches
 
@@ -63,7 +63,7 @@ def expert_parallel_rank(scenarios) -> dict:
     """EP=2 (the expert-parallel ranks are the 2 data-parallel ranks), MoE in every layer."""
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import prepare_for_training
 
     megatron_patches.install()
@@ -86,7 +86,7 @@ def data_parallel_rank(scenarios) -> dict:
     """DP=2 (dense model, Megatron's DDP), then CP=2 on the same 2 ranks."""
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import dense_step, prepare_for_training
     from prefix_schedule.planning.planner import plan_microbatches
 
@@ -122,7 +122,7 @@ def pipeline_rank() -> dict:
     ranks must share its step); then the same step on both runs."""
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import prepare_for_training
 
     megatron_patches.install()

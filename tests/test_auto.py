@@ -56,7 +56,7 @@ def test_report_before_running():
 @pytest.mark.megatron
 @pytest.mark.parametrize("chunk", [None, 8])
 def test_from_trajectories_equals_stock_dense(megatron_env, chunk):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import (dense_step, param_grads, reuse_step,
                                            scale_grads_by_token_count)
 

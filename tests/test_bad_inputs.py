@@ -17,7 +17,7 @@ SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_hea
 
 @pytest.fixture(scope="module")
 def model(megatron_env):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     built = build_model(TinyLlamaConfig(**SMALL))
@@ -41,7 +41,7 @@ class CountingForwardStep:
 
 
 def _reuse_refused(model, batch, plan=None, loss=LOSS, step=None) -> str:
-    from megatron_patches.executor import forward_backward_prefix_reuse
+    from megatron_patches.runtime.executor import forward_backward_prefix_reuse
 
     plan = plan or plan_microbatches(batch, token_budget=8, max_seq_len=4096)
     step = step or ReuseStep(batch, plan)

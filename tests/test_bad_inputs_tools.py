@@ -271,7 +271,7 @@ def stock_root(tmp_path, tmp_path_factory):
 
 
 def _targets(root) -> dict:
-    from megatron_patches import registry
+    from megatron_patches.patching import registry
 
     return {p.target: (root / p.target).read_bytes() for p in registry.patches_at(root)}
 
@@ -296,7 +296,7 @@ def test_patch_apply_on_an_immutable_target_writes_nothing(stock_root, capsys):
 
 def test_patch_apply_failing_midway_restores_what_it_wrote(stock_root, monkeypatch):
     """A write failing after the check (disk full, a race) puts back the files already written."""
-    from megatron_patches import registry
+    from megatron_patches.patching import registry
 
     before = _targets(stock_root)
     assert len({stock_root / t for t in before}) >= 3

@@ -96,7 +96,7 @@ def test_a_non_trajectory_appended_is_refused():
 
 @pytest.mark.megatron
 def test_dense_step_refuses_an_edited_batch_before_compute(megatron_env):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import dense_step, scale_grads_by_token_count
 
     model = build_model(TinyLlamaConfig(num_layers=1, hidden_size=32, ffn_hidden_size=64,

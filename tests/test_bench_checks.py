@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from megatron_patches.launch import launch, rank_backend
+from megatron_patches.support.launch import launch, rank_backend
 from tools_import import tool
 
 

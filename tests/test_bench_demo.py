@@ -4,7 +4,7 @@ The bench (one process and a `--pp 2` layout) and the demo run as subprocesses (
 its own Megatron), started together so their import times overlap. Only behaviour is asserted:
 the JSON fields and the relations between them, the gradient agreement, the layout and attention
 backend recorded, the demo's exit status and its agreement line -- never timings. The launcher
-behind `--pp/--tp/--dp` (megatron_patches/launch.py) is checked on its own for a failing and a
+behind `--pp/--tp/--dp` (megatron_patches/support/launch.py) is checked on its own for a failing and a
 hung rank.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_patches.launch import LaunchError, launch
+from megatron_patches.support.launch import LaunchError, launch
 from prefix_schedule.attention import backends as attention_backends
 
 pytestmark = pytest.mark.megatron

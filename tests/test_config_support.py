@@ -1,4 +1,4 @@
-"""Every TransformerConfig field classified for prefix reuse (megatron_patches/config_support.py):
+"""Every TransformerConfig field classified for prefix reuse (megatron_patches/config/config_support.py):
 the table covers the dataclass exactly, refused values are ValueErrors before compute, supported
 options keep reuse equal to dense, and build_model honours or refuses what it is given."""
 
@@ -25,7 +25,7 @@ def _config_cls():
 
 
 def _model(fused_attention=False, **overrides):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     model = build_model(TinyLlamaConfig(**SMALL), fused_attention=fused_attention, **overrides)
@@ -36,7 +36,7 @@ def _model(fused_attention=False, **overrides):
 def test_every_transformer_config_field_is_classified(megatron_env):
     """Fails listing the fields a newer Megatron added (classify them in config_support.py)
     and the stale names of fields it removed."""
-    from megatron_patches.config_support import FIELD_RULES, unclassified_fields
+    from megatron_patches.config.config_support import FIELD_RULES, unclassified_fields
 
     cls = _config_cls()
     assert unclassified_fields(cls) == [], "unclassified TransformerConfig fields"
@@ -50,7 +50,7 @@ def test_every_transformer_config_field_is_classified(megatron_env):
 
 
 def test_each_refused_value_is_a_value_error_naming_the_field(megatron_env):
-    from megatron_patches.config_support import FIELD_RULES, check_config_supported
+    from megatron_patches.config.config_support import FIELD_RULES, check_config_supported
 
     config = _model().config
     check_config_supported(config)  # the test models' settings pass
@@ -65,7 +65,7 @@ def test_each_refused_value_is_a_value_error_naming_the_field(megatron_env):
 
 
 def test_an_unclassified_field_is_refused_unless_default(megatron_env):
-    from megatron_patches.config_support import check_config_supported
+    from megatron_patches.config.config_support import check_config_supported
 
     @dataclasses.dataclass
     class NewerConfig(_config_cls()):
@@ -81,7 +81,7 @@ def test_an_unclassified_field_is_refused_unless_default(megatron_env):
 
 
 def _call_reuse(model, step):
-    from megatron_patches.executor import forward_backward_prefix_reuse
+    from megatron_patches.runtime.executor import forward_backward_prefix_reuse
     from megatron_patches.rl import make_policy_forward_step
     from test_equivalence import LOSS
 
@@ -139,7 +139,7 @@ def test_supported_option_reuse_equals_dense(megatron_env, name):
 
 
 def test_every_supported_variant_is_classified_as_supported(megatron_env):
-    from megatron_patches.config_support import FIELD_RULES
+    from megatron_patches.config.config_support import FIELD_RULES
 
     for overrides in VARIANTS.values():
         for field in overrides:
@@ -149,7 +149,7 @@ def test_every_supported_variant_is_classified_as_supported(megatron_env):
 def test_build_model_honours_qk_layernorm_and_rope_options(megatron_env):
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
 
     model = _model(qk_layernorm=True)  # as a TransformerConfig override too
     attention = model.decoder.layers[0].self_attention
@@ -179,7 +179,7 @@ def test_build_model_refuses_what_its_spec_cannot_build(megatron_env, kwargs, me
     (dict(hidden_size=66), "kv_channels"),
 ])
 def test_tiny_config_refuses_impossible_shapes(megatron_env, shape, message):
-    from megatron_patches.models import TinyLlamaConfig
+    from megatron_patches.models.tiny import TinyLlamaConfig
 
     with pytest.raises(ValueError, match=message):
         TinyLlamaConfig(**{**SMALL, **shape})

@@ -105,7 +105,7 @@ def _cp_rank(tp=1, pp=1, cp=2, prefix_chunk_tokens=None, seed=7, ddp=False, over
     dense model too (sequence parallelism needs DDP's finalize for the norms' TP-partial grads)."""
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, missing_grads,
                                            param_grads, prepare_for_training, reuse_step)
     from prefix_schedule.planning.planner import plan_microbatches
@@ -237,7 +237,7 @@ def test_cp2_reuse_in_megatron_ddp_equals_stock_dense_cp1():
 
 def _refusals_rank():
     import megatron_patches
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (context_parallel_group, dense_step,
                                            prepare_for_training, reuse_step)
     from prefix_schedule.planning.planner import plan_microbatches

@@ -17,7 +17,7 @@ def test_noop_when_cuda_is_available():
         import torch
         torch.cuda.is_available = lambda: True
         original = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.current_stream)
-        from megatron_patches.cpu_support import enable_cpu_support, cpu_support_enabled
+        from megatron_patches.support.cpu_support import enable_cpu_support, cpu_support_enabled
         changed = enable_cpu_support()
         same = original == (torch.cuda.current_device, torch.cuda.synchronize,
                             torch.cuda.current_stream)
@@ -29,7 +29,7 @@ def test_noop_when_cuda_is_available():
 def test_enables_megatron_import_and_cpu_devices_without_cuda():
     line = _run("""
         import torch
-        from megatron_patches.cpu_support import enable_cpu_support
+        from megatron_patches.support.cpu_support import enable_cpu_support
         assert enable_cpu_support() and enable_cpu_support()  # idempotent
         import megatron.core  # would fail on `import triton` without the stub
         from megatron.core.transformer.utils import get_default_causal_mask
@@ -46,9 +46,9 @@ def test_nothing_turns_it_on_implicitly():
         import torch
         original = torch.cuda.current_device
         import megatron_patches
-        from megatron_patches import models  # stubs a missing triton, nothing else
+        from megatron_patches.models import tiny as models  # stubs a missing triton, nothing else
         megatron_patches.install()
-        from megatron_patches.cpu_support import cpu_support_enabled
+        from megatron_patches.support.cpu_support import cpu_support_enabled
         print(torch.cuda.current_device is original, cpu_support_enabled())
     """)
     assert line == "True False"
@@ -75,7 +75,7 @@ def test_reuse_step_refused_when_the_layer_meets_nccl(megatron_env, monkeypatch)
     import pytest
     import torch
 
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import reuse_step, scale_grads_by_token_count
     from prefix_schedule.planning.planner import plan_microbatches
     from test_equivalence import LOSS, make_batch

@@ -24,7 +24,7 @@ def model_parallel_rank(parallel: str) -> dict:
     """`parallel` "pp" or "tp": 2 ranks of one replica; the second gets one other token id."""
     import megatron_patches
     from megatron.core import parallel_state as ps
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import dense_step, prepare_for_training, zero_grads
 
     megatron_patches.install()

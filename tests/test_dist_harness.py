@@ -1,4 +1,4 @@
-"""The multi-process test harness and launcher (megatron_patches/launch.py) itself: values back in
+"""The multi-process test harness and launcher (megatron_patches/support/launch.py) itself: values back in
 rank order, a failed rank's traceback and output in the error, a hang killed at the timeout with
 the hung rank's stack, and a headline that names the rank that failed first -- not the peer whose
 collective then broke -- whether it raised, was killed by SIGKILL or stalled."""

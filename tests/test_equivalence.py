@@ -43,7 +43,7 @@ def make_batch(seed, shapes, vocab=256, with_old=True, with_ref=True):
 
 @pytest.fixture(scope="module")
 def models(megatron_env):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     cfg = TinyLlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176,
@@ -146,7 +146,7 @@ def test_weights_match_after_optimizer_steps(megatron_env, models, optimizer):
     therefore dense's own spread: reuse may differ from stock dense by no more than 3x what a
     second dense run with another attention kernel (fused SDPA, same weights) differs by.
     """
-    from megatron_patches.models import build_model
+    from megatron_patches.models.tiny import build_model
     from megatron_patches.training import (dense_step, max_relative_diff, reuse_step,
                                            scale_grads_by_token_count)
 
@@ -193,7 +193,7 @@ def test_weights_match_after_optimizer_steps(megatron_env, models, optimizer):
 def test_bf16_reuse_is_within_1_5x_of_bf16_dense_distance_to_fp32(megatron_env, models):
     """bf16: reuse's distance from the fp32 dense reference <= bf16 dense's distance x 1.5
     (here 1.1x: reuse rounds differently -- fp32 gK/gV, one prefix pass -- not always less)."""
-    from megatron_patches.models import build_model
+    from megatron_patches.models.tiny import build_model
     from megatron_patches.training import dense_step, max_relative_diff, reuse_step
 
     cfg, base = models

@@ -54,8 +54,8 @@ def _meta_forward_step(data_iterator, model):
 def _meta_step(events, lowered_text=None, **config_overrides):
     """A reuse step (dense groups only: nothing cached) through the executor on the meta stage;
     `lowered_text` replaces the step's lowered schedule."""
-    from megatron_patches.executor import forward_backward_prefix_reuse
-    from megatron_patches.models import TinyLlamaConfig, make_transformer_config
+    from megatron_patches.runtime.executor import forward_backward_prefix_reuse
+    from megatron_patches.models.tiny import TinyLlamaConfig, make_transformer_config
     from prefix_schedule.pipeline import Schedule
     from prefix_schedule.pipeline.lowering import lower
     from prefix_schedule.planning.planner import plan_microbatches
@@ -130,7 +130,7 @@ def test_deferred_embedding_wgrad_refuses_backwards_out_of_forward_order(megatro
 def test_step_first_forward_sets_is_first_microbatch(megatron_env):
     """Two steps: each begins with a prefix forward (Phase A); the FP8 recast flag must be set
     before it, once per step (Megatron's forward_step does it for the first microbatch)."""
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import reuse_step, scale_grads_by_token_count
     from prefix_schedule.planning.planner import plan_microbatches
     from prefix_schedule.runtime.context import PrefixForwardContext, current_context
@@ -153,8 +153,8 @@ def test_step_first_forward_sets_is_first_microbatch(megatron_env):
 def test_model_chunks_must_match_the_planned_layout(megatron_env):
     """A step planned for one model chunk per rank, given two chunks (virtual stages), is refused
     before any compute, with the constructor call that fixes it."""
-    from megatron_patches.executor import forward_backward_prefix_reuse
-    from megatron_patches.models import TinyLlamaConfig, make_transformer_config
+    from megatron_patches.runtime.executor import forward_backward_prefix_reuse
+    from megatron_patches.models.tiny import TinyLlamaConfig, make_transformer_config
     from prefix_schedule.planning.planner import plan_microbatches
     from prefix_schedule.runtime.step import ReuseStep
 

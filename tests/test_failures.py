@@ -1,10 +1,10 @@
-"""megatron_patches/failures.py: which rank a launcher's headline names (no processes here; the
+"""megatron_patches/support/failures.py: which rank a launcher's headline names (no processes here; the
 launchers themselves are tested in test_dist_harness.py and test_train_example.py)."""
 
 import pytest
 import torch
 
-from megatron_patches.failures import (COLLECTIVE_TIMEOUT_ENV, RankEnd, RankFailure, classify,
+from megatron_patches.support.failures import (COLLECTIVE_TIMEOUT_ENV, RankEnd, RankFailure, classify,
                                        collective_timeout_s, first_failures, headline,
                                        report_first_failure)
 

@@ -1,4 +1,4 @@
-"""[Note: non-finite gradients stop the step] (megatron_patches/finite_grads.py): a step whose
+"""[Note: non-finite gradients stop the step] (megatron_patches/runtime/finite_grads.py): a step whose
 gradients hold NaN or inf is stopped before the optimizer, naming the step and the parameter;
 in the Megatron-LM entry point on every rank together (issue 22: NaN weights trained on)."""
 import pytest
@@ -10,7 +10,7 @@ pytestmark = pytest.mark.megatron
 
 
 def test_check_names_the_step_and_the_first_bad_parameter():
-    from megatron_patches.finite_grads import NonFiniteGradients, check_finite_grads
+    from megatron_patches.runtime.finite_grads import NonFiniteGradients, check_finite_grads
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
     check_finite_grads(model, step=4)  # no gradients yet: nothing to check

@@ -4,7 +4,7 @@ GDN layers cache a recurrent state and a conv tail per group instead of K/V ([No
 prefix state] in prefix_schedule/runtime/state_cache.py); attention layers (with
 attention_output_gate and partial RoPE) cache K/V. Every case: loss and every fp32 parameter
 gradient within 1e-5 relative of stock dense on the same data. On CPU the fla kernels are the
-CPU layer's torch stand-ins (megatron_patches/gdn_cpu.py) on both sides.
+CPU layer's torch stand-ins (megatron_patches/support/gdn_cpu.py) on both sides.
 """
 
 import zlib
@@ -21,8 +21,8 @@ SHAPE = dict(num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_he
 
 
 def _gdn_model(num_layers=4, linear_attention_freq=2, **overrides):
-    from megatron_patches.gdn import build_gdn_model
-    from megatron_patches.models import TinyLlamaConfig
+    from megatron_patches.models.gdn import build_gdn_model
+    from megatron_patches.models.tiny import TinyLlamaConfig
     from megatron_patches.training import scale_grads_by_token_count
 
     cfg = TinyLlamaConfig(**{**SHAPE, "num_layers": num_layers})

@@ -19,9 +19,9 @@ SHAPES = [(33, [6, 9, 4]), (17, [8, 3]), (26, [5, 7])]
 
 
 def _hybrid(pattern, **kwargs):
-    from megatron_patches.gdn import GDN_TINY_SHAPE
-    from megatron_patches.hybrid import build_hybrid_model
-    from megatron_patches.models import TinyLlamaConfig
+    from megatron_patches.models.gdn import GDN_TINY_SHAPE
+    from megatron_patches.models.hybrid import build_hybrid_model
+    from megatron_patches.models.tiny import TinyLlamaConfig
     from megatron_patches.training import scale_grads_by_token_count
 
     cfg = TinyLlamaConfig(num_layers=0, hidden_size=64, ffn_hidden_size=128,
@@ -93,7 +93,7 @@ def test_hybrid_gdn_with_moe_layers(megatron_env):
 def _pp2_rank(kind, pattern):
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import initialize_distributed
+    from megatron_patches.models.tiny import initialize_distributed
     from megatron_patches.training import max_relative_diff, missing_grads
 
     megatron_patches.install()
@@ -128,7 +128,7 @@ def _tp2_dp2_rank():
     placed groups."""
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import initialize_distributed
+    from megatron_patches.models.tiny import initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, missing_grads,
                                            param_grads, prepare_for_training, reuse_step,
                                            zero_grads)

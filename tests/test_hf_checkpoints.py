@@ -1,5 +1,5 @@
 """Hugging Face Llama 3 / Qwen3 checkpoints into Megatron GPTModels and back
-(megatron_patches/checkpoints.py, hf_checkpoints.py).
+(megatron_patches/models/checkpoints.py, hf_checkpoints.py).
 
 * Tensor layouts: HF -> every rank of a TP x PP split -> HF is the identity (untied and tied
   embeddings, padded vocabulary), and layouts it cannot represent are refused.
@@ -16,8 +16,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dist_harness import run_distributed  # noqa: E402
-from megatron_patches.checkpoints import RankLayout, to_hf, to_megatron  # noqa: E402
-from megatron_patches.model_configs import MODELS  # noqa: E402
+from megatron_patches.models.checkpoints import RankLayout, to_hf, to_megatron  # noqa: E402
+from megatron_patches.models.model_configs import MODELS  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
@@ -82,7 +82,7 @@ def _build(spec):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_patches.models import TinyLlamaConfig, make_transformer_config
+    from megatron_patches.models.tiny import TinyLlamaConfig, make_transformer_config
 
     cfg = TinyLlamaConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                           ffn_hidden_size=spec.ffn_hidden_size,
@@ -132,9 +132,9 @@ def _megatron_logits(model, tokens):
 
 
 def _load_compare_export(name, tied, tp, pp, checkpoint, export_dir):
-    from megatron_patches.hf_checkpoints import export_hf_weights, load_hf_weights, read_hf_config
+    from megatron_patches.models.hf_checkpoints import export_hf_weights, load_hf_weights, read_hf_config
     from megatron_patches.megatron_lm.compat import enable_megatron_lm_cpu_support
-    from megatron_patches.models import initialize_distributed
+    from megatron_patches.models.tiny import initialize_distributed
 
     enable_megatron_lm_cpu_support()  # tied embeddings + PP: Megatron moves a weight to CUDA
     initialize_distributed(seed=7, tp=tp, pp=pp)

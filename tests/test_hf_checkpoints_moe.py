@@ -1,5 +1,5 @@
 """Hugging Face Qwen3-MoE checkpoints into Megatron MoE GPTModels and back
-(megatron_patches/checkpoints.py, hf_checkpoints.py).
+(megatron_patches/models/checkpoints.py, hf_checkpoints.py).
 
 * Tensor layouts: HF -> every rank of a TP x PP x EP (x expert TP) split -> HF is the identity;
   expert e sits on EP rank e // (E/ep); what cannot be split is refused.
@@ -21,8 +21,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from dist_harness import run_distributed  # noqa: E402
-from megatron_patches.checkpoints import RankLayout, to_hf, to_megatron  # noqa: E402
-from megatron_patches.model_configs import MODELS, from_hf_config  # noqa: E402
+from megatron_patches.models.checkpoints import RankLayout, to_hf, to_megatron  # noqa: E402
+from megatron_patches.models.model_configs import MODELS, from_hf_config  # noqa: E402
 from test_hf_checkpoints import _megatron_logits, hf_model  # noqa: E402
 
 pytestmark = pytest.mark.megatron
@@ -98,7 +98,7 @@ def _build(spec, etp):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    from megatron_patches.models import (SequenceParallelTorchNorm, TinyLlamaConfig,
+    from megatron_patches.models.tiny import (SequenceParallelTorchNorm, TinyLlamaConfig,
                                          make_transformer_config)
 
     cfg = TinyLlamaConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -135,7 +135,7 @@ def _build(spec, etp):
 
 
 def _load_compare_export(tp, pp, ep, etp, checkpoint, export_dir):
-    from megatron_patches.hf_checkpoints import export_hf_weights, load_hf_weights, read_hf_config
+    from megatron_patches.models.hf_checkpoints import export_hf_weights, load_hf_weights, read_hf_config
     from megatron.core import parallel_state, tensor_parallel
 
     parallel_state.initialize_model_parallel(

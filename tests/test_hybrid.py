@@ -3,7 +3,7 @@
 Attention (`*`) and MLP (`-`) layer patterns, fp32: loss and every gradient within 1e-5 relative,
 single process and PP=2 (gloo). MTP patterns are refused before any compute (gated delta net
 `G`: tests/test_gdn_hybrid.py; Mamba `M`: tests/test_mamba.py; MoE `E`: tests/test_hybrid_moe.py).
-Models: megatron_patches.hybrid (Megatron's local modules, runs on CPU).
+Models: megatron_patches.models.hybrid (Megatron's local modules, runs on CPU).
 """
 
 import dataclasses
@@ -23,7 +23,7 @@ SHAPES = [(33, [6, 9, 4]), (17, [8, 3]), (26, [5, 7])]
 
 
 def _cfg():
-    from megatron_patches.models import TinyLlamaConfig
+    from megatron_patches.models.tiny import TinyLlamaConfig
 
     return TinyLlamaConfig(num_layers=0, hidden_size=64, ffn_hidden_size=176,
                            num_attention_heads=4, num_query_groups=2, vocab_size=256,
@@ -31,7 +31,7 @@ def _cfg():
 
 
 def _build(pattern, **kwargs):
-    from megatron_patches.hybrid import build_hybrid_model
+    from megatron_patches.models.hybrid import build_hybrid_model
     from megatron_patches.training import scale_grads_by_token_count
 
     model = build_hybrid_model(_cfg(), pattern, **kwargs)
@@ -85,7 +85,7 @@ def test_the_hybrid_rope_hook_is_what_makes_it_exact(megatron_env):
 
 def test_local_hybrid_stack_is_the_gpt_local_spec(megatron_env):
     """'*-*-' with a 2-layer GPTModel's weights gives that GPTModel's logits (same modules)."""
-    from megatron_patches.models import build_model
+    from megatron_patches.models.tiny import build_model
 
     gpt, hybrid = build_model(dataclasses.replace(_cfg(), num_layers=2)), _build("*-*-")
     renamed = {}
@@ -137,7 +137,7 @@ def test_full_recompute_is_refused_for_hybrid_models(megatron_env):
 
 
 def test_stage_patterns_follow_megatrons_split():
-    from megatron_patches.layers import stage_patterns
+    from megatron_patches.runtime.layers import stage_patterns
 
     even = types.SimpleNamespace(num_layers_in_first_pipeline_stage=None,
                                  num_layers_in_last_pipeline_stage=None)
@@ -151,7 +151,7 @@ def test_stage_patterns_follow_megatrons_split():
 def _pp2_rank(pattern, refused_pattern):
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import initialize_distributed
+    from megatron_patches.models.tiny import initialize_distributed
     from megatron_patches.training import max_relative_diff, missing_grads
 
     megatron_patches.install()

@@ -26,8 +26,8 @@ def _parsed_hybrid_model(pattern: str, extra: list):
     import dataclasses
 
     from megatron_lm_args import production_settings
-    from megatron_patches.hybrid import build_hybrid_model
-    from megatron_patches.models import TinyLlamaConfig, initialize_distributed
+    from megatron_patches.models.hybrid import build_hybrid_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, initialize_distributed
     from megatron_patches.training import prepare_for_training
 
     initialize_distributed(seed=1234)

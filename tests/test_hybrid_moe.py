@@ -24,8 +24,8 @@ BIAS = dict(moe_router_load_balancing_type="none", moe_router_score_function="si
 
 def _builder(pattern):
     def build(overrides):
-        from megatron_patches.hybrid import build_hybrid_model
-        from megatron_patches.models import TinyLlamaConfig
+        from megatron_patches.models.hybrid import build_hybrid_model
+        from megatron_patches.models.tiny import TinyLlamaConfig
         from megatron_patches.training import prepare_for_training
 
         cfg = TinyLlamaConfig(num_layers=0, hidden_size=64, ffn_hidden_size=48,
@@ -70,7 +70,8 @@ def test_hybrid_moe_reuse_equals_dense_over_two_steps(megatron_env, name):
 def test_a_trailing_moe_layer_needs_the_prefix_to_reach_its_router(megatron_env, monkeypatch):
     """Stopping at the last attention layer's K/V (the stop before `E` layers were supported)
     leaves the trailing `E` router without the prefix's statistics: the suffix finds none."""
-    from megatron_patches import layers, stage_runner
+    from megatron_patches.runtime import layers
+    from megatron_patches.runtime import stage_runner
     from prefix_schedule.runtime.cache import CacheProtocolError
 
     monkeypatch.setattr(stage_runner, "prefix_stop",
@@ -85,7 +86,7 @@ def _pp2_rank():
 
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import initialize_distributed
+    from megatron_patches.models.tiny import initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
                                            reuse_step, zero_grads)
     from prefix_schedule.planning.planner import plan_microbatches

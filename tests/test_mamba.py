@@ -1,10 +1,10 @@
 """Mamba-2 layers (HybridModel 'M', Nemotron-H layout) with prefix reuse == stock Megatron dense.
 
 Mamba layers cache their SSD state and conv tail per group instead of K/V ([Note: recurrent
-prefix state] in prefix_schedule/runtime/state_cache.py; megatron_patches/mamba_hooks.py);
+prefix state] in prefix_schedule/runtime/state_cache.py; megatron_patches/runtime/mamba_hooks.py);
 attention layers cache K/V. Every case: loss and every fp32 parameter gradient within 1e-5
 relative of stock dense on the same data, both sides through the CPU layer's torch kernels
-(megatron_patches/mamba_cpu.py; those are checked against HF NemotronH in tests/test_mamba_hf.py).
+(megatron_patches/support/mamba_cpu.py; those are checked against HF NemotronH in tests/test_mamba_hf.py).
 """
 
 import zlib
@@ -22,8 +22,8 @@ MAMBA = dict(mamba_state_dim=16, mamba_head_dim=16, mamba_num_groups=2, mamba_nu
 
 def _model(pattern, **overrides):
     from megatron.core.ssm.mamba_mixer import MambaMixer
-    from megatron_patches.hybrid import build_hybrid_model
-    from megatron_patches.models import TinyLlamaConfig
+    from megatron_patches.models.hybrid import build_hybrid_model
+    from megatron_patches.models.tiny import TinyLlamaConfig
     from megatron_patches.training import scale_grads_by_token_count
 
     cfg = TinyLlamaConfig(num_layers=0, hidden_size=64, ffn_hidden_size=128,
@@ -101,7 +101,7 @@ def test_refused_mamba_options(megatron_env, overrides, message):
 def _parallel_rank(pattern, pp, tp):
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import initialize_distributed
+    from megatron_patches.models.tiny import initialize_distributed
     from megatron_patches.training import max_relative_diff, missing_grads, param_grads
 
     megatron_patches.install()

@@ -1,4 +1,4 @@
-"""The CPU layer's torch stand-ins for mamba-ssm / causal-conv1d (megatron_patches/mamba_cpu.py)
+"""The CPU layer's torch stand-ins for mamba-ssm / causal-conv1d (megatron_patches/support/mamba_cpu.py)
 against a plain step-by-step recurrence written here (float64), and the state contract prefix
 reuse relies on: running [prefix; suffix] equals running the prefix, then the suffix from the
 prefix's final conv and SSM states."""
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_patches import mamba_cpu
+from megatron_patches.support import mamba_cpu
 
 torch.manual_seed(0)
 DT = torch.float64

@@ -1,4 +1,4 @@
-"""Megatron's Mamba-2 layers on CPU (the CPU layer's torch kernels, megatron_patches/mamba_cpu.py)
+"""Megatron's Mamba-2 layers on CPU (the CPU layer's torch kernels, megatron_patches/support/mamba_cpu.py)
 against Hugging Face `NemotronHForCausalLM` (its own torch path; shares no code with us), float64,
 weights copied: logits and every parameter gradient of a cross-entropy loss.
 
@@ -18,8 +18,8 @@ HEADS, HEAD_DIM, STATE, GROUPS, HIDDEN = 4, 8, 16, 2, 32
 
 def _pair(pattern, vocab=97, chunk=8):
     import transformers
-    from megatron_patches.hybrid import build_hybrid_model
-    from megatron_patches.models import TinyLlamaConfig
+    from megatron_patches.models.hybrid import build_hybrid_model
+    from megatron_patches.models.tiny import TinyLlamaConfig
 
     cfg = TinyLlamaConfig(num_layers=0, hidden_size=HIDDEN, ffn_hidden_size=64,
                           num_attention_heads=4, num_query_groups=2, vocab_size=vocab,

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 import megatron_trees
-from megatron_patches import registry
+from megatron_patches.patching import registry
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 

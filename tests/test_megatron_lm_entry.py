@@ -39,7 +39,7 @@ def tree(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
-    from megatron_patches.model_configs import MODELS
+    from megatron_patches.models.model_configs import MODELS
 
     config = {k: v for k, v in MODELS[QWEN].hf_config().items() if k != "model_type"}
     torch.manual_seed(0)
@@ -63,8 +63,8 @@ def _assert_same_params(a, b):
 
 
 def test_tp2_from_hf_checkpoint_save_resume_bitwise(tree, hf_checkpoint, tmp_path):
-    from megatron_patches.checkpoints import RankLayout, to_megatron
-    from megatron_patches.hf_checkpoints import hf_tensor_names, read_hf_config, read_hf_tensors
+    from megatron_patches.models.checkpoints import RankLayout, to_megatron
+    from megatron_patches.models.hf_checkpoints import hf_tensor_names, read_hf_config, read_hf_tensors
 
     common = [*model_args(QWEN), *small_args(3), "--tensor-model-parallel-size", "2",
               "--prefix-reuse", "--hf-checkpoint", str(hf_checkpoint)]

@@ -38,7 +38,7 @@ def tree(tmp_path_factory):
 def hf_moe_checkpoint(tmp_path_factory):
     """A random tiny Qwen3-MoE (the twin) saved by transformers."""
     pytest.importorskip("transformers")
-    from megatron_patches.model_configs import MODELS
+    from megatron_patches.models.model_configs import MODELS
     from test_hf_checkpoints_moe import moe_hf_model
 
     path = tmp_path_factory.mktemp("hf") / "qwen3-moe-tiny"
@@ -85,8 +85,8 @@ def _assert_reuse_equals_dense(dense_run, reuse_run, dense_dir, reuse_dir, iters
 def test_ep2_from_hf_reuse_equals_dense_and_resumes(tree, hf_moe_checkpoint, tmp_path):
     """Both runs start from the HF Qwen3-MoE checkpoint (split over EP=2); the reuse run saves
     at 2 and exports HF weights; a --load run resumes bitwise."""
-    from megatron_patches.checkpoints import RankLayout, to_megatron
-    from megatron_patches.hf_checkpoints import hf_tensor_names, read_hf_config, read_hf_tensors
+    from megatron_patches.models.checkpoints import RankLayout, to_megatron
+    from megatron_patches.models.hf_checkpoints import hf_tensor_names, read_hf_config, read_hf_tensors
 
     common = [*moe_args(3), "--hf-checkpoint", str(hf_moe_checkpoint)]
     dense = torchrun(tree, 2, [*common, "--prefix-reuse-dump-params", str(tmp_path / "d")])
@@ -124,8 +124,8 @@ def tp2_args(iters: int):
 def test_tp2_sequence_parallel_from_hf_reuse_equals_dense(tree, hf_moe_checkpoint, tmp_path):
     """TP=2 x expert TP=2 with sequence parallelism, both runs from the HF checkpoint (split over
     the TP ranks at iteration 0): reuse == dense step by step, as at EP=2."""
-    from megatron_patches.checkpoints import RankLayout, to_megatron
-    from megatron_patches.hf_checkpoints import hf_tensor_names, read_hf_config, read_hf_tensors
+    from megatron_patches.models.checkpoints import RankLayout, to_megatron
+    from megatron_patches.models.hf_checkpoints import hf_tensor_names, read_hf_config, read_hf_tensors
 
     common = [*tp2_args(2), "--hf-checkpoint", str(hf_moe_checkpoint)]
     dense = torchrun(tree, 2, [*common, "--prefix-reuse-dump-params", str(tmp_path / "d")])

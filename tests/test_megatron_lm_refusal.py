@@ -1,7 +1,7 @@
 """The Megatron-LM entry point under torchrun (EP=2 on 2 processes, the tiny Qwen3-MoE twin):
 at iteration 1 only one data-parallel rank's group holds a token id beyond the vocabulary, and
 both ranks stop with `StepRefused` naming that rank ([Note: agreed refusal] in
-megatron_patches/agreement.py), for reuse (the executor's agreement) and for the dense baseline
+megatron_patches/runtime/agreement.py), for reuse (the executor's agreement) and for the dense baseline
 (the trainer's own). Before, that rank raised (reuse) or failed inside the embedding (dense)
 alone while its peer waited in the expert-parallel collective until the timeout."""
 

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_patches.megatron_lm import data
 from megatron_patches.megatron_lm.arguments import add_prefix_reuse_args, check_prefix_reuse_args
-from megatron_patches.model_configs import MODELS
+from megatron_patches.models.model_configs import MODELS
 
 
 def _args(**overrides):
@@ -212,7 +212,7 @@ def test_megatron_lm_tp_weight_shard_count_is_plain_tensor_parallelism(megatron_
     more shards than TP is GTP weight sharding (gtp_weight_remat_size > 1): refused."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_patches.config_support import check_config_supported
+    from megatron_patches.config.config_support import check_config_supported
 
     common = dict(num_layers=2, hidden_size=64, num_attention_heads=4, calculate_per_token_loss=True,
                   hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=2)

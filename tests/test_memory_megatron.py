@@ -17,7 +17,7 @@ SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_he
 
 
 def _model(num_layers=2, **overrides):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     model = build_model(TinyLlamaConfig(**{**SMALL, "num_layers": num_layers}), **overrides)
@@ -86,7 +86,7 @@ def test_full_recompute_keeps_only_the_cache_through_the_suffix_phase(megatron_e
 def _pp_rank(pp, seed, chunk_tokens, model_options, step_options):
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import initialize_distributed
+    from megatron_patches.models.tiny import initialize_distributed
 
     megatron_patches.install()
     initialize_distributed(seed=1234, pp=pp)

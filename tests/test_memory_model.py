@@ -100,7 +100,7 @@ def test_capacity_tool_reports_every_path_and_the_ratio(tmp_path):
 # ---- against measured bytes (Megatron)
 
 def _tiny_model(recompute, fused=False):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     spec = tool("capacity").MODELS["llama3-8b-tiny"]

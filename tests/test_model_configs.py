@@ -1,4 +1,4 @@
-"""The paper's models (megatron_patches/model_configs.py) and tools/layouts.py.
+"""The paper's models (megatron_patches/models/model_configs.py) and tools/layouts.py.
 
 * Megatron-LM's own argument parser (core_r0.19.0 checkout) turns each model's arguments into a
   TransformerConfig whose fields equal, one by one, those of a `transformers` config object built
@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from megatron_patches.model_configs import (MODELS, PAPER_MODELS, check_trainable,
+from megatron_patches.models.model_configs import (MODELS, PAPER_MODELS, check_trainable,
                                             from_hf_config)
 from megatron_trees import REPO, stock_tree
 

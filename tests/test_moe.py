@@ -47,7 +47,7 @@ CASES = {
 
 
 def _twin(overrides):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import prepare_for_training
 
     model = build_model(TinyLlamaConfig(**SMALL), **{**MOE, **overrides})
@@ -75,7 +75,7 @@ def _sgd_step(model, optimizer):
 
 
 def _expert_bias(model):
-    from megatron_patches.moe import routers
+    from megatron_patches.runtime.moe import routers
 
     return [r.expert_bias.clone() for r in routers(model) if r.expert_bias is not None]
 
@@ -200,9 +200,9 @@ def test_expert_tensor_parallel_size_is_judged_only_with_moe(megatron_env):
     expert TP is supported and TP > 1 needs sequence parallelism."""
     import types
 
-    from megatron_patches.config_support import check_config_supported
-    from megatron_patches.models import TinyLlamaConfig, make_transformer_config
-    from megatron_patches.moe import check_moe_supported
+    from megatron_patches.config.config_support import check_config_supported
+    from megatron_patches.models.tiny import TinyLlamaConfig, make_transformer_config
+    from megatron_patches.runtime.moe import check_moe_supported
 
     dense = make_transformer_config(TinyLlamaConfig(**SMALL))
     dense.expert_tensor_parallel_size = 2
@@ -245,8 +245,8 @@ def test_refused_before_compute(megatron_env, overrides, message):
 def test_qwen3_30b_a3b_tiny_twin_trains_reuse_equal_dense(megatron_env):
     """The paper's MoE model at tiny sizes (qk-norm, head_dim != hidden / heads, RoPE theta 1e6,
     softmax over the top-k logits = norm_topk_prob, aux_loss): two steps, reuse == dense."""
-    from megatron_patches.model_configs import MODELS, check_trainable
-    from megatron_patches.models import build_model
+    from megatron_patches.models.model_configs import MODELS, check_trainable
+    from megatron_patches.models.tiny import build_model
     from megatron_patches.training import prepare_for_training
     from test_moe_parallel import _qwen3_moe_tiny
 
@@ -264,7 +264,7 @@ def test_qwen3_30b_a3b_tiny_twin_trains_reuse_equal_dense(megatron_env):
 
 def test_fused_attention_moe_model_has_the_same_parameters(megatron_env):
     """The bench's fair dense baseline: MoE layers with the fused-SDPA core attention."""
-    from megatron_patches.models import FusedSDPACoreAttention, TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import FusedSDPACoreAttention, TinyLlamaConfig, build_model
 
     fused = build_model(TinyLlamaConfig(**SMALL), fused_attention=True, **MOE)
     local = build_model(TinyLlamaConfig(**SMALL), **MOE)

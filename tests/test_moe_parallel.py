@@ -38,8 +38,8 @@ def _rel(a, b) -> float:
 
 def _qwen3_moe_tiny():
     """The Qwen3-30B-A3B tiny twin (8 experts, top-2, qk-norm, head_dim 16, 4 layers)."""
-    from megatron_patches.model_configs import MODELS
-    from megatron_patches.models import TinyLlamaConfig
+    from megatron_patches.models.model_configs import MODELS
+    from megatron_patches.models.tiny import TinyLlamaConfig
 
     spec = MODELS["qwen3-30b-a3b-tiny"]
     cfg = TinyLlamaConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -61,7 +61,7 @@ def ep_rank(ep: int, pp: int, qwen: bool = False, tp: int = 1) -> dict:
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_logging import (destroy_moe_metrics_tracker,
                                                            get_moe_metrics_tracker)
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
                                            prepare_for_training, reuse_step, zero_grads)
     from prefix_schedule.planning.planner import plan_microbatches
@@ -155,7 +155,7 @@ def test_expert_parallel_2_x_tensor_parallel_2(megatron_env):
 def mismatch_rank() -> str:
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import prepare_for_training, reuse_step
     from prefix_schedule.planning.planner import plan_microbatches
 

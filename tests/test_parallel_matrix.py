@@ -26,7 +26,7 @@ BUDGET = 12
 
 
 def _build(ddp: bool):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import prepare_for_training
 
     return prepare_for_training(build_model(TinyLlamaConfig(**MODEL)), ddp=ddp)
@@ -45,7 +45,7 @@ def _optimizer_step(model, optimizer):
 def matrix_rank(tp: int, pp: int, ddp: bool) -> dict:
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import initialize_distributed
+    from megatron_patches.models.tiny import initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, missing_grads,
                                            param_grads, reuse_step)
     from prefix_schedule.planning.placement import place_groups

@@ -46,14 +46,14 @@ SHAPES_ONE_GROUP = [(40, [6, 9, 4, 7, 5])]
 
 def _setup(tp: int) -> None:
     import megatron_patches
-    from megatron_patches.models import initialize_distributed
+    from megatron_patches.models.tiny import initialize_distributed
 
     megatron_patches.install()
     initialize_distributed(seed=1234, tp=tp)
 
 
 def _build(ddp: bool = False, sequence_parallel: bool = False, **model_overrides):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import prepare_for_training
 
     model = build_model(TinyLlamaConfig(**{**MODEL, **model_overrides}),

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patches import registry
-from megatron_patches.registry import APPLIED, CONFLICT, DECLARED_PATCHES, NOT_APPLIED
+from megatron_patches.patching import registry
+from megatron_patches.patching.registry import APPLIED, CONFLICT, DECLARED_PATCHES, NOT_APPLIED
 from megatron_trees import stock_tree
 
 REPO = Path(__file__).resolve().parents[1]

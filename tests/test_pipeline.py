@@ -16,7 +16,7 @@ pytestmark = pytest.mark.megatron
 def _pp_rank(pp, shapes, token_budget, seed, config_overrides=None):
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, missing_grads,
                                            param_grads, reuse_step, scale_grads_by_token_count)
     from prefix_schedule.planning.planner import plan_microbatches
@@ -85,7 +85,7 @@ def _p2p_log_rank():
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("megatron_patches.p2p").addHandler(handler)
+    logging.getLogger("megatron_patches.runtime.p2p").addHandler(handler)
     _pp_rank(2, [(12, [3, 4])], 8, 5)
     return records
 
@@ -130,7 +130,8 @@ def test_ungrouped_lowering_deadlocks_under_nccl_semantics_but_not_on_plain_gloo
 def _release_rank():
     import weakref
 
-    from megatron_patches import p2p, stage_runner
+    from megatron_patches.runtime import p2p
+    from megatron_patches.runtime import stage_runner
 
     sent, seen = {}, []
     post, backward = p2p._StrictGlooTransport.post, stage_runner.StageRunner.suffix_backward
@@ -169,7 +170,7 @@ def _forward_only_rank():
 
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import dense_step, reuse_step
     from prefix_schedule.planning.planner import plan_microbatches
     from prefix_schedule.runtime.step import ReuseStep

@@ -30,7 +30,7 @@ def _grads(models):
 def vpp_rank(pp: int, vpp: int, shapes, budget: int, seed: int, chunk_tokens=None) -> dict:
     import megatron_patches
     from megatron.core import parallel_state as ps
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, missing_grads, reuse_step,
                                            scale_grads_by_token_count)
     from prefix_schedule.planning.planner import plan_microbatches

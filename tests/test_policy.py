@@ -71,7 +71,7 @@ def test_planner_dense_groups_are_checked():
 def test_policy_plans_equal_stock_dense(megatron_env, row_multiple):
     """Mixed plan (a group reused, one run dense, a singleton through the cache) vs stock Megatron dense: loss and
     every gradient within 1e-5 (fp32)."""
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
                                            reuse_step, scale_grads_by_token_count)
     from prefix_schedule.losses import PolicyLossConfig

@@ -15,7 +15,7 @@ SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_he
 
 @pytest.fixture(scope="module")
 def model(megatron_env):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     built = build_model(TinyLlamaConfig(**SMALL))
@@ -50,7 +50,7 @@ def test_chunked_reuse_equals_dense(model, name):
 def test_chunked_selective_recompute_equals_dense(megatron_env):
     """Recompute re-runs a chunk's attention inside its backward: it must read the earlier
     chunks again (still live: PB runs in reverse chunk order) and store nothing."""
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     recompute = build_model(TinyLlamaConfig(**SMALL), recompute_granularity="selective",
@@ -80,7 +80,7 @@ def test_chunked_forward_only_matches_dense_and_frees_the_cache(model):
 def _pp_rank(shapes, token_budget, chunk_tokens, seed):
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, missing_grads,
                                            param_grads, reuse_step, scale_grads_by_token_count)
     from prefix_schedule.planning.planner import plan_microbatches

@@ -43,7 +43,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def model(megatron_env):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     built = build_model(TinyLlamaConfig(**SMALL))
@@ -65,7 +65,7 @@ def test_tree_reuse_equals_dense(model, name):
 def test_tree_selective_recompute_equals_dense(megatron_env):
     """Recompute re-runs a node's attention inside its backward: it reads its ancestors again
     (still live: children run backward first) and stores nothing."""
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     recompute = build_model(TinyLlamaConfig(**SMALL), recompute_granularity="selective",
@@ -88,7 +88,7 @@ def _grads(models):
 def _rank(pp, tp, vpp, chunk_tokens, seed):
     import megatron_patches
     from megatron.core import parallel_state
-    from megatron_patches.models import TinyLlamaConfig, build_model, initialize_distributed
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_distributed
     from megatron_patches.training import (dense_step, max_relative_diff, missing_grads, reuse_step,
                                            scale_grads_by_token_count)
     from prefix_schedule.planning.planner import plan_microbatches
@@ -138,7 +138,7 @@ def test_tree_full_recompute_is_refused_before_compute(megatron_env):
     that is not verified: refused before any compute."""
     import torch
 
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import reuse_step, scale_grads_by_token_count
     from prefix_schedule.planning.planner import plan_microbatches
 

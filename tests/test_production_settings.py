@@ -36,7 +36,7 @@ def _build(settings):
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
 
     config = dataclasses.replace(settings.transformer_config)  # one config object per model
     module = build_model(TinyLlamaConfig(**MODEL, max_seq_len=MAX_SEQ), transformer_config=config)
@@ -69,7 +69,7 @@ def _grads(model):
 def production_rank(tp: int, pp: int, sequence_parallel: bool, steps, budget: int) -> dict:
     import megatron_patches
     from megatron.core import parallel_state as ps
-    from megatron_patches.models import initialize_distributed
+    from megatron_patches.models.tiny import initialize_distributed
     from megatron_patches.training import dense_step, max_relative_diff, missing_grads, reuse_step
     from megatron_lm_args import production_settings
     from prefix_schedule.planning.placement import place_groups

@@ -58,7 +58,7 @@ LOSSES = {  # name -> (PolicyLossConfig, advantages on?)
 
 
 def ref_model_config(name):
-    from megatron_patches.models import TinyLlamaConfig
+    from megatron_patches.models.tiny import TinyLlamaConfig
 
     cfg = TinyLlamaConfig(**{**BASE, **MODELS[name]})
     return cfg, ref.RefModelConfig(
@@ -86,7 +86,7 @@ def randomize(model, seed):
 
 @pytest.fixture(scope="module", params=list(MODELS))
 def setup(request, megatron_env):
-    from megatron_patches.models import build_model
+    from megatron_patches.models.tiny import build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     cfg, rcfg = ref_model_config(request.param)
@@ -210,7 +210,7 @@ def test_reference_can_tell_a_wrong_model(setup):
 def test_megatron_rope_frequencies_equal_the_definition(megatron_env):
     """Llama 3 theta and Llama 3.1 scaling: Megatron's inv_freq equals the definition, and the
     scaling really changes it (so the end-to-end test cannot pass with scaling ignored)."""
-    from megatron_patches.models import build_model
+    from megatron_patches.models.tiny import build_model
 
     cfg, rcfg = ref_model_config("llama3.1-rope-scaling")
     model = build_model(cfg)

@@ -61,7 +61,7 @@ def load_reference_weights(model, reference: ref.ReferenceLM) -> None:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_reference_logits_equal_transformers(megatron_env, name):
-    from megatron_patches.models import build_model
+    from megatron_patches.models.tiny import build_model
 
     cfg, rcfg = ref_model_config(name)
     megatron = build_model(cfg)

@@ -21,13 +21,13 @@ from test_gdn import SHAPE, weak_decay  # noqa: E402
 
 pytestmark = pytest.mark.megatron
 
-HEADS = dict(hk=2, hv=4, dk=16, dv=16)  # megatron_patches.gdn.GDN_TINY_SHAPE
+HEADS = dict(hk=2, hv=4, dk=16, dv=16)  # megatron_patches.models.gdn.GDN_TINY_SHAPE
 PATTERN = (1, 0, 1, 0)  # GDN, attention, GDN, attention
 
 
 def _megatron_model():
-    from megatron_patches.gdn import build_gdn_model
-    from megatron_patches.models import TinyLlamaConfig
+    from megatron_patches.models.gdn import build_gdn_model
+    from megatron_patches.models.tiny import TinyLlamaConfig
 
     cfg = TinyLlamaConfig(**{**SHAPE, "num_layers": len(PATTERN)}, params_dtype=torch.float64,
                           qk_layernorm=True, layernorm_epsilon=1e-6)

@@ -15,7 +15,7 @@ SMALL = dict(num_layers=2, hidden_size=64, ffn_hidden_size=176, num_attention_he
 
 
 def _model(**overrides):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     model = build_model(TinyLlamaConfig(**SMALL), **overrides)
@@ -74,7 +74,7 @@ def test_schedule_is_selected_through_megatron(megatron_env):
     from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
 
     import megatron_patches
-    from megatron_patches.executor import forward_backward_prefix_reuse
+    from megatron_patches.runtime.executor import forward_backward_prefix_reuse
 
     assert get_forward_backward_func() is forward_backward_no_pipelining
     with megatron_patches.use_prefix_reuse_schedule():
@@ -83,7 +83,7 @@ def test_schedule_is_selected_through_megatron(megatron_env):
 
 
 def _call_reuse(model, data_iterator, num_microbatches):
-    from megatron_patches.executor import forward_backward_prefix_reuse
+    from megatron_patches.runtime.executor import forward_backward_prefix_reuse
     from megatron_patches.rl import make_policy_forward_step
 
     calls = []
@@ -180,7 +180,7 @@ def test_forward_step_func_may_leave_the_item_unread(megatron_env):
         out = m(item["tokens"], item["position_ids"], None)
         return out, (partial(rl._policy_loss, item, LOSS) if "labels" in item else None)
 
-    from megatron_patches.executor import forward_backward_prefix_reuse
+    from megatron_patches.runtime.executor import forward_backward_prefix_reuse
     forward_backward_prefix_reuse(forward_step_func=forward_step, data_iterator=step,
                                   model=[model], num_microbatches=step.num_microbatches)
     assert max_relative_diff(dense, param_grads(model)) <= TOL

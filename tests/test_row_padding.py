@@ -122,7 +122,7 @@ def test_flops_count_padding_as_overhead():
 
 @pytest.fixture(scope="module")
 def model(megatron_env):
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     built = build_model(TinyLlamaConfig(num_layers=2, hidden_size=64, ffn_hidden_size=176,

@@ -21,7 +21,7 @@ SMALL = ["--steps", "2", "--num-groups", "2", "--group-size", "3", "--prefix-len
 
 def _torchrun(*args, timeout=300):
     # the checkout under test first on the path (the script's own directory is examples/)
-    # strict NCCL p2p semantics on gloo (megatron_patches/p2p.py), as the whole pipeline matrix
+    # strict NCCL p2p semantics on gloo (megatron_patches/runtime/p2p.py), as the whole pipeline matrix
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PREFIX_REUSE_P2P_STRICT": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return run_reaped([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",

@@ -56,7 +56,7 @@ def cpu_platform():
 
 
 def _model():
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
     model = build_model(TinyLlamaConfig(**SMALL))
     model.config.finalize_model_grads_func = scale_grads_by_token_count

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_patches import registry
+from megatron_patches.patching import registry
 from megatron_trees import EXPECT_ENV, REPO, patched_tree, stock_tree, tree_digest
 
 pytestmark = pytest.mark.versions
@@ -75,7 +75,7 @@ _LIVE_CHECK = textwrap.dedent("""
     snap = importlib.util.module_from_spec(spec); spec.loader.exec_module(snap)
     live = snap.collect()
     stored = json.loads(snap.snapshot_path(live["megatron_core_version"]).read_text())
-    from megatron_patches import registry
+    from megatron_patches.patching import registry
     import megatron.core
     print(json.dumps({"problems": snap.compare(stored, live), "file": megatron.core.__file__,
                       "version": live["megatron_core_version"], "on_disk": registry.check(),
@@ -85,7 +85,7 @@ _LIVE_CHECK = textwrap.dedent("""
 
 @pytest.mark.parametrize("release", RELEASES)
 def test_signatures_match_the_snapshot_and_hooks_are_live(release, tmp_path_factory):
-    # A subprocess: megatron.core must be imported after megatron_patches.cpu_support, and from
+    # A subprocess: megatron.core must be imported after megatron_patches.support.cpu_support, and from
     # the tree under test (PYTHONPATH) rather than the installed one.
     env = dict(os.environ)
     if release != INSTALLED:

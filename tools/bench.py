@@ -39,7 +39,7 @@ whole-step peak / dense's.
 Parallel layouts: `--pp/--tp/--dp/--cp` start pp*tp*dp (or pp*tp*cp) processes on this machine
 (one process, no subprocess, when all are 1), each with max(1, threads // world size) threads:
 gloo on CPU; on a CUDA machine NCCL with one GPU per rank (`torch.cuda.set_device(LOCAL_RANK)`,
-megatron_patches.launch.rank_backend; refused when there are fewer GPUs than ranks). Pipeline stages
+megatron_patches.support.launch.rank_backend; refused when there are fewer GPUs than ranks). Pipeline stages
 use Megatron's 1F1B for dense (variable row lengths); DP ranks are Megatron-DDP-wrapped and each
 runs its share from `prefix_schedule.planning.placement.place_groups`, dense and reuse on the same share.
 A step's time is the slowest rank's (all-reduce MAX); `max_grad_rel_diff` is the max over ranks;
@@ -91,13 +91,13 @@ def main(argv=None) -> int:
         # a backend that cannot run here, with the reason (models sit where build_model puts them)
         selected_backend(config, "cuda" if torch.cuda.is_available() else "cpu")
         if config.world_size > 1:  # NCCL on CUDA needs a GPU per rank (gloo on CPU)
-            from megatron_patches.launch import rank_backend
+            from megatron_patches.support.launch import rank_backend
 
             rank_backend("auto", config.world_size - 1, torch.cuda.device_count())
     except ValueError as exc:
         print(f"bench.py: error: {exc}", file=sys.stderr)
         return 2
-    from megatron_patches.launch import LaunchError
+    from megatron_patches.support.launch import LaunchError
 
     raw_times: Dict[str, List[float]] = {}
     if config.adapter is not None:  # the step through a framework adapter (docs/FRAMEWORKS.md)

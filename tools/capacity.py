@@ -42,7 +42,7 @@ from argtypes import (fraction, int_at_most, non_negative_float, positive_float,
                       positive_int)
 from layouts import layer_params  # noqa: E402
 from outputs import check_output, write_text_atomic  # noqa: E402
-from megatron_patches.model_configs import MODELS, PAPER_MODELS, ModelSpec  # noqa: E402
+from megatron_patches.models.model_configs import MODELS, PAPER_MODELS, ModelSpec  # noqa: E402
 from prefix_schedule.planning.flops import ModelDims  # noqa: E402
 from prefix_schedule.planning.memory_model import (ActivationModel, MemoryOptions,  # noqa: E402
                                                    dense_peak_bytes, reuse_phase_peaks)

@@ -48,7 +48,7 @@ def build_te_model(cfg, seed: int, *, exact_attention: bool = False, **overrides
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron_patches.models import make_transformer_config
+    from megatron_patches.models.tiny import make_transformer_config
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
@@ -67,7 +67,7 @@ def build_te_model(cfg, seed: int, *, exact_attention: bool = False, **overrides
 
 def _models(dry_run: bool, shape: dict, max_seq_len: int):
     """(bf16 model, fp32 reference with the same bf16-rounded weights, settings)."""
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     cfg16 = TinyLlamaConfig(**shape, max_seq_len=max_seq_len, params_dtype=torch.bfloat16)
@@ -140,7 +140,7 @@ def _add_model_peaks(phases, model, batch, plan, loss) -> None:
 
 def run(device, *, dry_run: bool, warmup: int = 1, repeats: int = 2) -> dict:
     import megatron_patches
-    from megatron_patches.models import initialize_single_process
+    from megatron_patches.models.tiny import initialize_single_process
     from megatron_patches.training import max_relative_diff
     from prefix_schedule.attention.backends import set_default_backend
     from prefix_schedule.losses import PolicyLossConfig

@@ -12,7 +12,7 @@ inputs, so:
 2. end to end: a bf16 dense step and a bf16 reuse step of a Qwen3-Next-style GDN GPTModel
    (local spec, fla kernels) are equally close to an fp32 dense reference of the same weights
    run in deterministic mode (Megatron's torch rule and F.conv1d): reuse error <= 1.5 x dense.
-`--dry-run`: the CPU layer's torch stand-ins for fla (megatron_patches/gdn_cpu.py), tiny sizes.
+`--dry-run`: the CPU layer's torch stand-ins for fla (megatron_patches/support/gdn_cpu.py), tiny sizes.
 """
 from __future__ import annotations
 
@@ -79,8 +79,8 @@ def check_kernel(device, *, dry_run: bool) -> dict:
 
 def _models(dry_run: bool, max_seq_len: int):
     """(bf16 model on the fla path, fp32 deterministic-mode reference with the same weights)."""
-    from megatron_patches.gdn import GDN_TINY_SHAPE, build_gdn_model
-    from megatron_patches.models import TinyLlamaConfig
+    from megatron_patches.models.gdn import GDN_TINY_SHAPE, build_gdn_model
+    from megatron_patches.models.tiny import TinyLlamaConfig
     from megatron_patches.training import scale_grads_by_token_count
 
     shape, gdn = (DRY_SHAPE, GDN_TINY_SHAPE) if dry_run else (GPU_SHAPE, GPU_GDN)
@@ -105,7 +105,7 @@ def run(device, *, dry_run: bool) -> dict:
     if not common.HAVE_FLA:
         return {"skipped": "flash-linear-attention (fla) is not installed: Megatron's "
                            "GatedDeltaNet needs it on a GPU"}
-    from megatron_patches.models import initialize_single_process
+    from megatron_patches.models.tiny import initialize_single_process
     from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
     from megatron_patches.training import zero_grads
     from prefix_schedule.attention.backends import set_default_backend

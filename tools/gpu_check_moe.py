@@ -41,7 +41,7 @@ def _te_moe_model(cfg, seed: int, *, exact_attention: bool, **overrides):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron_patches.models import make_transformer_config
+    from megatron_patches.models.tiny import make_transformer_config
 
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
@@ -59,7 +59,7 @@ def _te_moe_model(cfg, seed: int, *, exact_attention: bool, **overrides):
 
 def _models(dry_run: bool, max_seq_len: int):
     """(bf16 model, fp32 reference with the same bf16-rounded weights, settings)."""
-    from megatron_patches.models import TinyLlamaConfig, build_model
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
     from megatron_patches.training import scale_grads_by_token_count
 
     shape, moe = (DRY_SHAPE, DRY_MOE) if dry_run else (GPU_SHAPE, GPU_MOE)
@@ -100,7 +100,7 @@ def _aux_loss() -> float:
 
 def run(device, *, dry_run: bool) -> dict:
     import megatron_patches
-    from megatron_patches.models import initialize_single_process
+    from megatron_patches.models.tiny import initialize_single_process
     from megatron_patches.training import (dense_step, max_relative_diff, param_grads,
                                            reuse_step, zero_grads)
     from prefix_schedule.attention.backends import set_default_backend

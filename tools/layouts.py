@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from argtypes import non_negative_int, positive_float, positive_int  # noqa: E402
-from megatron_patches.model_configs import PAPER_MODELS, ModelSpec  # noqa: E402
+from megatron_patches.models.model_configs import PAPER_MODELS, ModelSpec  # noqa: E402
 
 GIB = 1024 ** 3
 

@@ -47,8 +47,8 @@ def _timed(owner, name: str, label: str) -> None:
 def _instrument() -> None:
     from megatron.core.transformer.moe import experts, moe_layer, router
 
-    import megatron_patches.moe as moe
-    from megatron_patches import stage_runner
+    import megatron_patches.runtime.moe as moe
+    from megatron_patches.runtime import stage_runner
 
     for name in ("route", "preprocess", "dispatch", "routed_experts_compute", "combine",
                  "postprocess"):

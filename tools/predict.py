@@ -39,7 +39,7 @@ def _model(name: str):
     """(ModelDims, ModelSpec or None) for a registry name or LxHxFxAxGxV."""
     import capacity
     if name in capacity.CHOICES:
-        from megatron_patches.model_configs import MODELS
+        from megatron_patches.models.model_configs import MODELS
         spec = MODELS[capacity.CHOICES[name]]
         return capacity.dims_of(spec), spec
     if "x" in name:
@@ -134,7 +134,7 @@ def run_validate(args) -> dict:
 
 
 def run_paper(args) -> dict:
-    from megatron_patches.model_configs import MODELS
+    from megatron_patches.models.model_configs import MODELS
     from predictlib.paper import KNOWN_CAPACITY, paper_grid
     import capacity
     spec = MODELS["qwen3-8b"]

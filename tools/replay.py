@@ -103,11 +103,11 @@ def _settings(args, stats) -> dict:
 
 
 def _build_runs(settings: dict) -> dict:
-    from megatron_patches.cpu_support import enable_cpu_support
+    from megatron_patches.support.cpu_support import enable_cpu_support
 
     enable_cpu_support()  # no-op with CUDA; the CPU/gloo layer is opt-in
     import megatron_patches
-    from megatron_patches.models import initialize_single_process
+    from megatron_patches.models.tiny import initialize_single_process
 
     megatron_patches.install()
     initialize_single_process(seed=settings["seed"])

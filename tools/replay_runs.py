@@ -1,7 +1,7 @@
 """The training runs of tools/replay.py: one Megatron model each, trained with AdamW on fp32
 master weights (Megatron's mixed-precision layout), and how two runs' weights are compared.
 
-A run = a tiny Llama GPTModel (megatron_patches.models) in Megatron's DDP wrapper with fp32 gradient
+A run = a tiny Llama GPTModel (megatron_patches.models.tiny) in Megatron's DDP wrapper with fp32 gradient
 accumulation (`grad_reduce_in_fp32=True`: `main_grad` buffers) and `finalize_model_grads` (token-mean
 over the step), fp32 master weights, torch AdamW on them, global-norm gradient clipping as
 Megatron's optimizer does it (coefficient max_norm / (norm + 1e-6)), and the master weights
@@ -39,7 +39,7 @@ class ModelShape:
     num_query_groups: int = 2
 
     def config(self, *, vocab_size: int, max_seq_len: int, dtype: torch.dtype):
-        from megatron_patches.models import TinyLlamaConfig
+        from megatron_patches.models.tiny import TinyLlamaConfig
 
         return TinyLlamaConfig(num_layers=self.num_layers, hidden_size=self.hidden_size,
                                ffn_hidden_size=self.ffn_hidden_size,
@@ -55,7 +55,7 @@ class Run:
                  lr: float, eps: float, weight_decay: float, clip_grad: float) -> None:
         from megatron.core.distributed import (DistributedDataParallel,
                                                DistributedDataParallelConfig, finalize_model_grads)
-        from megatron_patches.models import build_model
+        from megatron_patches.models.tiny import build_model
 
         self.name, self.kind, self.clip_grad = name, kind, clip_grad
         model = build_model(cfg, fused_attention=fused_attention, seed=None)
@@ -84,7 +84,7 @@ class Run:
         return {"loss": result.loss, "grad_norm": norm, "seconds": time.perf_counter() - start}
 
     def _apply_update(self) -> float:
-        from megatron_patches.finite_grads import check_finite_grads
+        from megatron_patches.runtime.finite_grads import check_finite_grads
 
         check_finite_grads(self.model, run=self.name)  # before AdamW touches the weights
         grads = []
@@ -163,7 +163,7 @@ def initial_weights(cfg, seed: int, round_to: Optional[torch.dtype]) -> dict:
     """The shared starting weights: a reference model's initialisation (seed), optionally
     rounded to `round_to` (bf16 replays start every run from the bf16-rounded weights, so the
     comparison measures training, not the initial rounding)."""
-    from megatron_patches.models import build_model
+    from megatron_patches.models.tiny import build_model
 
     model = build_model(cfg, seed=seed)
     weights = {n: p.detach().float().clone() for n, p in model.named_parameters()}

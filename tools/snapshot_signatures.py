@@ -27,7 +27,7 @@ _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-from megatron_patches import registry  # noqa: E402  (needs the repo on sys.path first)
+from megatron_patches.patching import registry  # noqa: E402  (needs the repo on sys.path first)
 
 __all__ = ["SIGNATURE_TARGETS", "DATACLASS_TARGETS", "CONSTANT_TARGETS", "collect", "compare",
            "snapshot_path", "main"]
@@ -125,7 +125,7 @@ _PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
 
 def _stub_triton_kernels() -> None:
     """`import megatron.core` imports triton for an MoE kernel module; stub it where triton is
-    missing (megatron_patches.cpu_support installs the same stub; whichever runs first wins)."""
+    missing (megatron_patches.support.cpu_support installs the same stub; whichever runs first wins)."""
     if importlib.util.find_spec("triton") is not None or _PAGED_STASH in sys.modules:
         return
     stub = types.ModuleType(_PAGED_STASH)

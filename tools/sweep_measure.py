@@ -56,11 +56,11 @@ class Models:
     attention is replaced by the reuse hooks), fused SDPA for dense, same weights."""
 
     def __init__(self, spec: ModelSpec, max_seq_len: int, *, seed: int, compile: bool) -> None:
-        from megatron_patches.cpu_support import enable_cpu_support
+        from megatron_patches.support.cpu_support import enable_cpu_support
 
         enable_cpu_support()  # opt-in CPU/gloo layer; a no-op with CUDA
         import megatron_patches
-        from megatron_patches.models import TinyLlamaConfig, build_model, initialize_single_process
+        from megatron_patches.models.tiny import TinyLlamaConfig, build_model, initialize_single_process
         from megatron_patches.training import prepare_for_training
 
         megatron_patches.install()

@@ -1,7 +1,7 @@
 """GRPO training on Megatron-LM with prefix reuse: Megatron's arguments, checkpoints and logs.
 
     torchrun --nproc-per-node 8 examples/megatron_lm/train_grpo.py \
-        $(python -m megatron_patches.model_configs megatron-args qwen3-8b) \
+        $(python -m megatron_patches.models.model_configs megatron-args qwen3-8b) \
         --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
         --seq-length 12288 --max-position-embeddings 40960 \
         --train-iters 100 --lr 1e-6 --grpo-prompts-per-step 8 --grpo-group-size 16 \

@@ -118,7 +118,7 @@ def check_prefix_reuse_args(args) -> None:
 
 
 def _check_moe_parallel_args(args) -> None:
-    """MoE with TP > 1 as prefix reuse equals stock dense (megatron_patches.moe
+    """MoE with TP > 1 as prefix reuse equals stock dense (megatron_patches.runtime.moe
     [Note: MoE under sequence parallelism]): sequence parallelism (Megatron's MoELayer raises
     without it while training, after compute has started), expert TP = TP, no expert GTP."""
     tp = args.tensor_model_parallel_size

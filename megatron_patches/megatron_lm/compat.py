@@ -7,7 +7,7 @@ Two independent, opt-in pieces (the entry point calls both; nothing else does):
   this sets `typing.override = typing_extensions.override` (the same decorator: it only marks
   the function). On 3.12+ `typing.override` exists and nothing is touched.
 * `enable_megatron_lm_cpu_support()` -- only without CUDA (a no-op where CUDA exists): first the
-  core CPU layer (`megatron_patches.cpu_support`), then
+  core CPU layer (`megatron_patches.support.cpu_support`), then
   - modules of Megatron that import triton at their top (Megatron-LM main's Mamba/GDN kernels,
     imported by `megatron.training` through the hybrid layer specs) load as stubs whose kernels
     raise when called; only while triton is not installed;
@@ -33,7 +33,7 @@ import typing
 
 import torch
 
-from megatron_patches.cpu_support import _CpuFactoryTorch, _on_cpu
+from megatron_patches.support.cpu_support import _CpuFactoryTorch, _on_cpu
 
 __all__ = ["enable_python311_support", "enable_megatron_lm_cpu_support", "TRAINING_MODULES"]
 
@@ -70,7 +70,7 @@ def enable_megatron_lm_cpu_support() -> bool:
         return False
     if _ENABLED:
         return True
-    from megatron_patches.cpu_support import enable_cpu_support
+    from megatron_patches.support.cpu_support import enable_cpu_support
 
     if importlib.util.find_spec("triton") is None:
         sys.meta_path.insert(0, _TritonKernelStubFinder())

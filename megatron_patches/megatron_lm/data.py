@@ -186,7 +186,7 @@ def check_moe_tensor_parallel_rows(plan, local: GroupBatch, tp: int, dp_rank: in
     plan) unless each dense microbatch of the packing reuse equals holds rows of one length, a
     multiple of TP. Under sequence parallelism Megatron normalises each TP rank's aux-loss and
     z-loss terms by that rank's own valid tokens; reuse equals dense only when every TP rank
-    holds as many (megatron_patches/moe.py [Note: MoE under sequence parallelism]). Applies to
+    holds as many (megatron_patches/runtime/moe.py [Note: MoE under sequence parallelism]). Applies to
     both runs (megatron_lm/trainer.py), so the dense baseline is the one reuse equals."""
     if tp == 1:
         return

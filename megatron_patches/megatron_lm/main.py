@@ -40,8 +40,8 @@ def _cpu_arguments(args) -> None:
 
 def _check_hf_checkpoint(args) -> dict:
     """The checkpoint's config.json; ValueError unless the arguments build exactly its model."""
-    from megatron_patches.hf_checkpoints import read_hf_config
-    from megatron_patches.model_configs import check_trainable, mismatches_with_args
+    from megatron_patches.models.hf_checkpoints import read_hf_config
+    from megatron_patches.models.model_configs import check_trainable, mismatches_with_args
 
     spec, config = read_hf_config(args.hf_checkpoint)
     check_trainable(spec)
@@ -53,7 +53,7 @@ def _check_hf_checkpoint(args) -> dict:
                         f"{spec.vocab_size} --make-vocab-size-divisible-by 1")
     if problems:
         raise ValueError(f"the arguments do not build the model of {args.hf_checkpoint} (print "
-                         "matching ones with python -m megatron_patches.model_configs): "
+                         "matching ones with python -m megatron_patches.models.model_configs): "
                          + "; ".join(problems))
     return config
 
@@ -180,7 +180,7 @@ def main() -> int:
     from megatron.training.initialize import initialize_megatron
     from megatron.training.training import setup_model_and_optimizer
 
-    from megatron_patches import hf_checkpoints
+    from megatron_patches.models import hf_checkpoints
     from megatron_patches.megatron_lm import model, trainer
 
     if not verbose:

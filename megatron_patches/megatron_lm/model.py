@@ -10,11 +10,11 @@ plus:
   Megatron requires beside it;
 everything else (`deallocate_pipeline_outputs=True` included: the reuse executor frees sent
 outputs as Megatron's 1F1B does) follows the command line; what prefix reuse cannot honour is refused by the
-executor before any compute (megatron_patches/config_support.py).
+executor before any compute (megatron_patches/config/config_support.py).
 
 Without Transformer Engine (`--transformer-impl local`: the CPU layer) Megatron's torch norms
 refuse `--sequence-parallel`; there an MoE model's block spec gets `SequenceParallelTorchNorm`
-(megatron_patches/models.py: the same per-token norm, its weight gradient summed over TP by
+(megatron_patches/models/tiny.py: the same per-token norm, its weight gradient summed over TP by
 `finalize_model_grads`), as the core tests build them. With TE nothing is changed.
 """
 
@@ -88,7 +88,7 @@ torch-norm assert."""
 def _sequence_parallel_torch_norms(builders, vp_stage):
     """While gpt_builder runs: its spec functions return specs whose norms allow sequence
     parallelism without TE (`models._sequence_parallel_block_spec`)."""
-    from megatron_patches.models import _sequence_parallel_block_spec
+    from megatron_patches.models.tiny import _sequence_parallel_block_spec
 
     def wrap(function):
         def spec(*args, **kwargs):

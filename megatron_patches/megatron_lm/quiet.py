@@ -27,7 +27,7 @@ HARMLESS: Tuple[Tuple[str, str], ...] = (
     ("Only transformer-engine>=1.7.0 supports MoE experts",
      "printed at import by the TE spec provider, which the CPU run does not use"),
     ("CPU RNG state changed within GPU RNG context",
-     "on CPU the CUDA RNG tracker is the CPU generator (megatron_patches/cpu_support.py)"),
+     "on CPU the CUDA RNG tracker is the CPU generator (megatron_patches/support/cpu_support.py)"),
     ("GPTModel IS DEPRECATED", "the entry point builds Megatron-LM's own gpt_builder model"),
     ("MimoModelConfig is experimental", "an import-time notice of a module this run does not use"),
     ("MCore's async save is deprecated", "the run saves synchronously"),

@@ -17,8 +17,8 @@ from typing import Dict, List, Optional
 import torch
 
 import megatron_patches
-from megatron_patches.agreement import StepChecks
-from megatron_patches.finite_grads import agree_finite_grads
+from megatron_patches.runtime.agreement import StepChecks
+from megatron_patches.runtime.finite_grads import agree_finite_grads
 from megatron_patches.megatron_lm.data import StepSource, check_moe_tensor_parallel_rows
 
 from megatron.core import parallel_state as ps
@@ -92,7 +92,7 @@ def _data(args, local: GroupBatch, row_multiple: int, num_model_chunks: int):
 
 def _agreed_data(args, model, checks: StepChecks, batch: GroupBatch, row_multiple: int):
     """`_data` of this rank's part of `batch`, or StepRefused on every rank if any rank's data
-    path refused its step ([Note: agreed refusal] in megatron_patches/agreement.py): reuse steps
+    path refused its step ([Note: agreed refusal] in megatron_patches/runtime/agreement.py): reuse steps
     agree in the executor (a rank that failed here joins it), dense steps here (Megatron's stock
     schedule checks nothing), with equal microbatch counts on the expert-parallel ranks."""
     local = checks.run(_local_batch, args, batch, row_multiple)
@@ -144,7 +144,7 @@ def train_step(args, model, optimizer, scheduler, batch: GroupBatch, forward_ste
     """One RL step: forward-backward (dense or reuse), optimizer, LR scheduler. Runs under
     Megatron's rerun state machine like `train_step` (a rerun rebuilds the step's data).
     Non-finite gradients stop the step on every rank before the optimizer, naming the iteration
-    and the parameter (megatron_patches/finite_grads.py; under fp16 with dynamic loss scaling
+    and the parameter (megatron_patches/runtime/finite_grads.py; under fp16 with dynamic loss scaling
     Megatron's optimizer skips such a step and lowers the scale instead).
     `checks`: the step's checks so far (reading `batch` may have failed: it is then None)."""
     from megatron.core.rerun_state_machine import get_rerun_state_machine

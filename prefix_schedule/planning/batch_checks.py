@@ -143,7 +143,7 @@ def batch_digest(batch: GroupBatch) -> str:
     """A cheap content fingerprint of the batch (crc32 of every token id and per-token array, in
     order, with the shapes): the ranks that run one step together fold it into their agreement,
     so same-shaped but different data on a pipeline or tensor-parallel peer is refused, not
-    trained on ([Note: agreed refusal] in megatron_patches/agreement.py). Linear in the tokens;
+    trained on ([Note: agreed refusal] in megatron_patches/runtime/agreement.py). Linear in the tokens;
     equal batches give equal digests on every rank."""
     crc = 0
     for group in batch.groups:

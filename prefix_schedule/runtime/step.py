@@ -154,7 +154,7 @@ class ReuseStep:
     def check(self) -> None:
         """ValueError, before any compute, for what would otherwise fail mid-step on this rank
         only (the executor agrees on it with every rank: [Note: agreed refusal] in
-        megatron_patches/agreement.py): a spent step, a plan whose rows do not belong to the
+        megatron_patches/runtime/agreement.py): a spent step, a plan whose rows do not belong to the
         batch, a CP layout that cannot be built."""
         if self._started:
             raise ValueError(_SPENT)

@@ -88,7 +88,7 @@ def run_adapter_bench(config: BenchConfig, raw_times: Dict[str, List[float]]) ->
     import megatron_patches
     megatron_patches.enable_cpu_support()  # the CPU/gloo layer (a no-op with CUDA)
     from megatron_patches.frameworks import PrefixReuseAdapter, dense_forward_backward
-    from megatron_patches.models import build_model, initialize_single_process
+    from megatron_patches.models.tiny import build_model, initialize_single_process
     from megatron_patches.training import (max_relative_diff, param_grads,
                                            scale_grads_by_token_count, zero_grads)
     if config.adapter == "verl":

@@ -51,7 +51,7 @@ class ParallelStates:
 
     def use(self, cp: int) -> None:
         from megatron.core import parallel_state as ps
-        from megatron_patches.models import initialize_distributed
+        from megatron_patches.models.tiny import initialize_distributed
 
         if cp not in self._saved:
             initialize_distributed(seed=self.config.seed, tp=self.config.tp, pp=self.config.pp,
@@ -106,7 +106,7 @@ def measure_cp(config: BenchConfig, distributed: bool = True) -> dict:
 
     megatron_patches.enable_cpu_support()
     from megatron.core import parallel_state as ps
-    from megatron_patches.models import build_model
+    from megatron_patches.models.tiny import build_model
     from megatron_patches.training import (max_relative_diff, param_grads, prepare_for_training,
                                            zero_grads)
     from megatron_patches.training import dense_step as stock_dense_step

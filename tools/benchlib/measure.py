@@ -251,7 +251,7 @@ def _megatron_layout() -> Dict[str, int]:
 
 def measure(config: BenchConfig, distributed: bool = False) -> dict:
     """Build, time, check and measure in this process, or in each rank of a layout
-    (`distributed`, run by megatron_patches.launch: its pipeline stage / TP shard / DP share);
+    (`distributed`, run by megatron_patches.support.launch: its pipeline stage / TP shard / DP share);
     every rank returns the same reduced numbers."""
     local, fused = build_models(config, distributed)
     batch = config_batch(config)

@@ -19,8 +19,8 @@ __all__ = ["build_models", "chunks", "first_param", "grads", "model_shape", "zer
 
 
 def model_shape(config: BenchConfig):
-    """The bench's tiny Llama shape (megatron_patches.models.TinyLlamaConfig)."""
-    from megatron_patches.models import TinyLlamaConfig
+    """The bench's tiny Llama shape (megatron_patches.models.tiny.TinyLlamaConfig)."""
+    from megatron_patches.models.tiny import TinyLlamaConfig
 
     return TinyLlamaConfig(num_layers=config.num_layers, hidden_size=config.hidden_size,
                            ffn_hidden_size=config.ffn_hidden_size,
@@ -96,7 +96,7 @@ def build_models(config: BenchConfig, distributed: bool):
     import megatron_patches
 
     megatron_patches.enable_cpu_support()  # the CPU/gloo layer (a no-op with CUDA)
-    from megatron_patches.models import (build_model, initialize_distributed,
+    from megatron_patches.models.tiny import (build_model, initialize_distributed,
                                          initialize_single_process)
 
     megatron_patches.install()

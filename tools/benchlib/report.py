@@ -32,7 +32,7 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
         measured = measure(config)
     else:
         from benchlib.cp import measure_cp
-        from megatron_patches.launch import launch
+        from megatron_patches.support.launch import launch
 
         measured = launch(measure_cp if config.cp > 1 else measure,
                           world_size=config.world_size, args=(config, True),

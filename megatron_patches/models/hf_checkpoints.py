@@ -1,5 +1,5 @@
 """Load a Hugging Face Llama 3 / Qwen3 / Qwen3-MoE checkpoint into a (TP x PP x EP sharded)
-Megatron GPTModel, and write one back; the tensor layouts are megatron_patches/checkpoints.py's.
+Megatron GPTModel, and write one back; the tensor layouts are megatron_patches/models/checkpoints.py's.
 
     spec, config = read_hf_config(directory)
     load_hf_weights(model, directory)          # on every rank, after the model is built
@@ -20,9 +20,9 @@ from typing import Dict, Iterable, List, Tuple
 
 import torch
 
-from megatron_patches.checkpoints import (RankLayout, hf_names, local_experts, stage_layers,
+from megatron_patches.models.checkpoints import (RankLayout, hf_names, local_experts, stage_layers,
                                           to_hf, to_megatron)
-from megatron_patches.model_configs import ModelSpec, from_hf_config
+from megatron_patches.models.model_configs import ModelSpec, from_hf_config
 
 __all__ = ["read_hf_config", "hf_tensor_names", "read_hf_tensors", "rank_layout", "load_hf_weights",
            "export_hf_weights", "write_hf_checkpoint"]

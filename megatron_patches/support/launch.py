@@ -1,6 +1,6 @@
 """Run a function on N gloo processes on this machine and collect each rank's return value.
 
-    from megatron_patches.launch import launch
+    from megatron_patches.support.launch import launch
     results = launch(my_rank_fn, world_size=4, args=(config,), timeout_s=900, threads_per_rank=1)
 
 For tools (tools/bench.py --pp/--tp/--dp); tests use tests/dist_harness.py, which works the same
@@ -21,7 +21,7 @@ Megatron's groups (`models.initialize_distributed` reads it from the environment
 sets). Once any rank failed, the others get a few seconds to finish, then are killed.
 
 A failure raises `LaunchError`, whose headline names the rank that failed first
-(megatron_patches/failures.py: a rank that died without a result, e.g. by SIGKILL, before one
+(megatron_patches/support/failures.py: a rank that died without a result, e.g. by SIGKILL, before one
 whose own code raised, before one that stalled -- still running when its peers' collectives
 broke -- before one whose collective broke under it), followed by every rank's traceback and
 the tail of its output (captured per rank at the file-descriptor level). Importing this module
@@ -44,13 +44,13 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from megatron_patches.failures import (COLLECTIVE_TIMEOUT_ENV, RankEnd, classify,
+from megatron_patches.support.failures import (COLLECTIVE_TIMEOUT_ENV, RankEnd, classify,
                                        collective_timeout_s, one_line)
-from megatron_patches.failures import headline as failure_headline
+from megatron_patches.support.failures import headline as failure_headline
 
 __all__ = ["launch", "LaunchError", "DEFAULT_PRELOAD", "rank_backend"]
 
-DEFAULT_PRELOAD = ("torch", "megatron_patches.models")
+DEFAULT_PRELOAD = ("torch", "megatron_patches.models.tiny")
 """Modules the forkserver imports once; rank processes fork from it with them loaded."""
 
 _TAIL_CHARS = 4000
@@ -199,7 +199,7 @@ def _stop(procs, workdir: str) -> Dict[int, float]:
 
 def _ends(procs, workdir: str, exits: Dict[int, float], killed: Dict[int, float],
           why: Optional[str]) -> List[RankEnd]:
-    """How each rank ended (megatron_patches/failures.py)."""
+    """How each rank ended (megatron_patches/support/failures.py)."""
     ends = []
     for rank, proc in enumerate(procs):
         outcome = _outcome(workdir, rank)

@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from megatron_patches.model_configs import ModelSpec
+from megatron_patches.models.model_configs import ModelSpec
 
 __all__ = ["RankLayout", "stage_layers", "to_megatron", "to_hf", "hf_names"]
 

@@ -6,8 +6,8 @@ and calls it the same way, with a `prefix_schedule.ReuseStep` as `data_iterator`
 (a list of V model chunks with virtual pipeline stages). This module checks the settings before
 any compute, every rank refusing together if any rank's checks fail ([Note: agreed refusal] in
 agreement.py), and brackets the step as Megatron's schedules do (embedding-wgrad buffers,
-finalize_model_grads); megatron_patches/stage_runner.py runs this rank's row of the step's
-lowered schedule, with all p2p traffic in megatron_patches/p2p.py.
+finalize_model_grads); megatron_patches/runtime/stage_runner.py runs this rank's row of the step's
+lowered schedule, with all p2p traffic in megatron_patches/runtime/p2p.py.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import get_model_config, unwrap_model
 
-from megatron_patches.agreement import StepChecks, fingerprint
-from megatron_patches.config_support import check_config_supported
-from megatron_patches.cpu_support import cpu_support_enabled, refuse_with_nccl
-from megatron_patches.layers import check_layers_supported, check_recurrent_step
-from megatron_patches.moe import (check_moe_supported, expert_parallel_schedule,
+from megatron_patches.runtime.agreement import StepChecks, fingerprint
+from megatron_patches.config.config_support import check_config_supported
+from megatron_patches.support.cpu_support import cpu_support_enabled, refuse_with_nccl
+from megatron_patches.runtime.layers import check_layers_supported, check_recurrent_step
+from megatron_patches.runtime.moe import (check_moe_supported, expert_parallel_schedule,
                                   expert_parallel_schedule_mismatch)
-from megatron_patches.stage_runner import StageRunner
+from megatron_patches.runtime.stage_runner import StageRunner
 
 __all__ = ["forward_backward_prefix_reuse", "check_reuse_supported"]
 

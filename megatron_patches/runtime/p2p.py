@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 __all__ = ["P2POp", "PipelineP2P", "Received", "P2PDeadlockError", "strict_mode_requested"]
 
-_LOG = logging.getLogger("megatron_patches.p2p")
+_LOG = logging.getLogger("megatron_patches.runtime.p2p")
 STRICT_ENV = "PREFIX_REUSE_P2P_STRICT"
 STALL_ENV = "PREFIX_REUSE_P2P_STRICT_STALL_S"
 _DATA_TAG, _ACK_TAG = 0, 1

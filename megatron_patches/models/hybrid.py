@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 # before megatron.core, as models.py itself is (it sets up Megatron on CPU where needed)
-from megatron_patches.models import TinyLlamaConfig, make_transformer_config
+from megatron_patches.models.tiny import TinyLlamaConfig, make_transformer_config
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -86,7 +86,7 @@ def local_hybrid_stack_spec(*, num_moe_experts: Optional[int] = None,
     `M` layer is Megatron's `MambaLayer` / `MambaMixer` with the local norm in front of a plain
     `ColumnParallelLinear` in-projection (TE's spec fuses that norm too; its config needs the
     `mamba_*` fields); on CPU the Mamba and GDN kernels are the CPU layer's torch stand-ins
-    (megatron_patches/mamba_cpu.py, gdn_cpu.py). Other symbols build Megatron's placeholder
+    (megatron_patches/support/mamba_cpu.py, gdn_cpu.py). Other symbols build Megatron's placeholder
     (`IdentityOp`), enough to reach prefix reuse's refusal of them.
     """
     gpt = get_gpt_layer_local_spec(normalization="RMSNorm").submodules

@@ -68,7 +68,7 @@ def install() -> None:
     if signature != ROUTING_WRAPPER[1]:
         raise RuntimeError(f"{ROUTING_WRAPPER[0]} has signature {signature}, not "
                            f"{ROUTING_WRAPPER[1]}: this megatron-core is not supported by "
-                           "megatron_patches.moe")
+                           "megatron_patches.runtime.moe")
     router_module.TopKRouter.routing = _routing
 
 
@@ -330,7 +330,7 @@ def expert_parallel_schedule(step):
 
     from prefix_schedule.pipeline import ActionKind
 
-    from megatron_patches.agreement import fingerprint
+    from megatron_patches.runtime.agreement import fingerprint
 
     compute = (ActionKind.PREFIX_FORWARD, ActionKind.SUFFIX_FORWARD, ActionKind.SUFFIX_BACKWARD,
                ActionKind.PREFIX_BACKWARD)

@@ -27,11 +27,11 @@ Without CUDA it replaces only things that would raise on this machine anyway:
 * The distributed optimizer sorts parameters by `param.type() == 'torch.cuda.FloatTensor'`
   (distrib_optimizer.py:401-481, 758): while it is built, CPU tensors report CUDA type names.
 * Gated DeltaNet takes its short conv, l2norm and chunked delta rule from fla (Triton): torch
-  stand-ins with fla's semantics (megatron_patches/gdn_cpu.py), and its torch.compile'd helpers
+  stand-ins with fla's semantics (megatron_patches/support/gdn_cpu.py), and its torch.compile'd helpers
   run eagerly.
 * Mamba layers take their conv, chunked scan and gated norm from mamba-ssm / causal-conv1d
   (Triton / CUDA): torch stand-ins with the libraries' reference semantics
-  (megatron_patches/mamba_cpu.py).
+  (megatron_patches/support/mamba_cpu.py).
 See ../shared/notes/megatron-on-cpu.md for where each was measured.
 """
 
@@ -280,10 +280,10 @@ def _patch_megatron_modules() -> None:
     mappings._reduce_scatter_along_first_dim = _uneven_splits_on_gloo(
         mappings._reduce_scatter_along_first_dim, _reduce_scatter_uneven)
 
-    from megatron_patches import gdn_cpu
+    from megatron_patches.support import gdn_cpu
 
     gdn_cpu.install()  # torch stand-ins for fla's conv, l2norm and delta rule (GDN layers)
-    from megatron_patches import mamba_cpu
+    from megatron_patches.support import mamba_cpu
 
     mamba_cpu.install()  # torch stand-ins for mamba-ssm / causal-conv1d (Mamba layers)
 

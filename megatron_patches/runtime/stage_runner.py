@@ -1,7 +1,7 @@
 """One prefix-reuse step on one pipeline rank: runs this rank's row of the lowered schedule.
 
 Each action kind has one handler, built on Megatron's `forward_step` / `backward_step`; every
-send, receive and grouped exchange goes through megatron_patches/p2p.py. The row decides the
+send, receive and grouped exchange goes through megatron_patches/runtime/p2p.py. The row decides the
 order; nothing here reorders, batches or skips. With virtual stages the rank holds V model
 chunks (Megatron's interleaved layout) and each action names the chunk it runs on
 (`Schedule.model_chunk_of`); tensors in flight are keyed by (prefix|suffix, index, chunk).
@@ -23,9 +23,9 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules
 from megatron.core.utils import unwrap_model
 
-from megatron_patches.layers import prefix_stop
-from megatron_patches.p2p import P2POp, PipelineP2P, Received
-from megatron_patches.schedule_parts import (GradSync, StopAtPrefixEnd, autograd_backward,
+from megatron_patches.runtime.layers import prefix_stop
+from megatron_patches.runtime.p2p import P2POp, PipelineP2P, Received
+from megatron_patches.runtime.schedule_parts import (GradSync, StopAtPrefixEnd, autograd_backward,
                                              model_device, without_full_recompute)
 
 __all__ = ["StageRunner"]

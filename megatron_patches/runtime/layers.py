@@ -3,9 +3,9 @@
 `GPTModel`: every decoder layer is attention + MLP, so the last layer holds the last K/V.
 `HybridModel`: one symbol per layer in `hybrid_layer_pattern` (Megatron's `Symbols`): attention
 (`*`), gated delta net (`G`: its recurrent state and conv tail are cached instead of K/V,
-[Note: recurrent prefix state]), MLP (`-`) and MoE (`E`, megatron_patches/moe.py) layers are
+[Note: recurrent prefix state]), MLP (`-`) and MoE (`E`, megatron_patches/runtime/moe.py) layers are
 supported, and so are Mamba-2 layers (`M`: SSD state and conv tail cached,
-megatron_patches/mamba_hooks.py): the last stage's prefix forward runs to the last `*`, `G` or
+megatron_patches/runtime/mamba_hooks.py): the last stage's prefix forward runs to the last `*`, `G` or
 `M` (its K/V or state), or on to the router of a later `E` layer whose statistics count the
 prefix (`prefix_stop`); DSA (`D`) and MLA (`+`) attention is not hooked. A GPTModel with `experimental_attention_variant="gated_delta_net"` holds GDN layers too. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
 refuse together, before any compute (no rank is left waiting on a peer that raised).
@@ -154,7 +154,7 @@ def prefix_stop(model) -> Tuple[int, bool]:
     prefix (moe.needs_prefix_stats) when that comes later (GPTModel: the last layer's MoE half;
     HybridModel: an `E` layer after the last `*`). Nothing after it feeds a suffix or a router
     statistic."""
-    from megatron_patches.moe import needs_prefix_stats, routers
+    from megatron_patches.runtime.moe import needs_prefix_stats, routers
 
     kv = last_kv_layer_number(model)
     counted = [r.layer_number for r in routers(model) if needs_prefix_stats(r)]

@@ -2,7 +2,7 @@
 conv + scan it would call (`mamba_split_conv1d_scan_combined`; the mamba-state-hook patch).
 
 Inert without a reuse context (returns None: the stock call runs). In a reuse step the row is cut
-into segments exactly as for Gated DeltaNet (megatron_patches/gdn_hooks.py; [Note: recurrent
+into segments exactly as for Gated DeltaNet (megatron_patches/runtime/gdn_hooks.py; [Note: recurrent
 prefix state] in prefix_schedule/runtime/state_cache.py), each run from its own state:
 * "conv": the causal conv's last kernel_size - 1 raw xBC inputs (channels x, B, C), as
   `[1, W-1, conv channels]`. The conv runs on [tail; segment] and drops its first W-1 outputs,
@@ -28,7 +28,7 @@ from prefix_schedule.runtime.context import (
     current_context,
 )
 
-from megatron_patches.gdn_hooks import _bounds, _read, _segments
+from megatron_patches.runtime.gdn_hooks import _bounds, _read, _segments
 
 __all__ = ["mamba_state_hook", "CONV_STATE", "SSM_STATE"]
 

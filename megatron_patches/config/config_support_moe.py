@@ -2,7 +2,7 @@
 
 Reuse equals dense for MoE when routing is token-local and dropless and every router statistic
 counts prefix tokens with their multiplicity ([Note: logical prefix tokens],
-prefix_schedule/runtime/router_stats.py; megatron_patches/moe.py). Token dropping (expert
+prefix_schedule/runtime/router_stats.py; megatron_patches/runtime/moe.py). Token dropping (expert
 capacity) keeps the top tokens of a microbatch, so a prefix token's dense copies could be kept in
 one microbatch and dropped in another; sinkhorn and quantile balancing couple all tokens of a
 microbatch; jitter and forced random logits draw per routed copy; routing replay replays dense
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from megatron_patches.config_rules import Rule, group, refuse
+from megatron_patches.config.config_rules import Rule, group, refuse
 
 __all__ = ["MOE_RULES", "SUPPORTED_LOAD_BALANCING"]
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict
 
-from megatron_patches.config_rules import Rule, group as _group, refuse as _refuse
-from megatron_patches.config_support_moe import MOE_RULES
+from megatron_patches.config.config_rules import Rule, group as _group, refuse as _refuse
+from megatron_patches.config.config_support_moe import MOE_RULES
 
 __all__ = ["Rule", "FIELD_RULES", "check_config_supported", "unclassified_fields"]
 
@@ -223,11 +223,11 @@ FIELD_RULES: Dict[str, Rule] = _merge(
              "dsa_indexer_scoring_relu dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32 "
              "mrope_section hetereogenous_dist_checkpoint"),
     _group("supported", "Mamba-2 layers (HybridModel 'M'): each caches its SSD state and conv "
-             "tail per group (megatron_patches/mamba_hooks.py)", "mamba_state_dim "
+             "tail per group (megatron_patches/runtime/mamba_hooks.py)", "mamba_state_dim "
              "mamba_head_dim mamba_num_groups mamba_num_heads mamba_training_ssm_states_dtype"),
     _group("supported", "Gated DeltaNet layers (experimental_attention_variant="
              "'gated_delta_net'): each caches its recurrent state and conv tail per group "
-             "(megatron_patches/gdn_hooks.py)", "linear_attention_freq linear_conv_kernel_dim "
+             "(megatron_patches/runtime/gdn_hooks.py)", "linear_attention_freq linear_conv_kernel_dim "
              "linear_key_head_dim linear_value_head_dim linear_num_key_heads "
              "linear_num_value_heads"),
     MOE_RULES,
@@ -281,7 +281,7 @@ def check_config_supported(config, *, global_loss_contract: bool = False) -> Non
                 problems.append(
                     f"{field.name}={value!r} is not classified for prefix reuse (a newer "
                     "Megatron field?); leave it at its default or classify it in "
-                    "megatron_patches/config_support.py")
+                    "megatron_patches/config/config_support.py")
         elif rule.allowed is not None and not rule.allowed(value):
             problems.append(f"{field.name}={value!r}: {rule.fix}")
     if problems:

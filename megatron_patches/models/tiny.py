@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from megatron_patches.cpu_support import stub_missing_triton
-from megatron_patches.failures import COLLECTIVE_TIMEOUT_ENV, collective_timeout_s
+from megatron_patches.support.cpu_support import stub_missing_triton
+from megatron_patches.support.failures import COLLECTIVE_TIMEOUT_ENV, collective_timeout_s
 
 stub_missing_triton()  # `import megatron.core` needs it where triton is missing; CPU runs also
 # call megatron_patches.enable_cpu_support() themselves (tests, demo, bench, examples' --cpu)

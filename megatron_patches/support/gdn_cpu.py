@@ -11,7 +11,7 @@ the semantics Megatron relies on, written against fla-core 0.6.0's source:
 * `causal_conv1d(x [B, T, D], weight [D, W], bias, activation, cu_seqlens)`: a depthwise causal
   conv over each sequence (zeros before its start), then the activation
   (fla/modules/convolution.py). Only what Megatron's GDN passes: no initial or final state
-  (prefix reuse feeds states through its own hook, megatron_patches/gdn.py).
+  (prefix reuse feeds states through its own hook, megatron_patches/models/gdn.py).
 * `chunk_gated_delta_rule(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)`:
   Megatron's own `torch_chunk_gated_delta_rule` (gdn.py's name: 0.20 moved it there from
   common.py) per packed sequence (fla's varlen contract:

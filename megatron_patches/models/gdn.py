@@ -8,7 +8,7 @@ the local GPT layer spec: a GDN layer is the local layer with its `self_attentio
 Megatron's `GatedDeltaNet` (in_proj a ColumnParallelLinear, out_norm the local RMSNorm, out_proj a
 RowParallelLinear) behind the layer's own input norm, which is what TE's fused
 `column_parallel_layer_norm_linear` computes. On CPU it needs `enable_cpu_support()` (torch
-stand-ins for fla: megatron_patches/gdn_cpu.py).
+stand-ins for fla: megatron_patches/support/gdn_cpu.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import List, Optional
 
 import torch
 
-from megatron_patches.models import TinyLlamaConfig, make_transformer_config
+from megatron_patches.models.tiny import TinyLlamaConfig, make_transformer_config
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel

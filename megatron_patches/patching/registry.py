@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple, Optional
 
-from megatron_patches.declarations import (  # the patches themselves; re-exported
+from megatron_patches.patching.declarations import (  # the patches themselves; re-exported
     ATTENTION_CORE_HOOK, DECLARED_PATCHES, GPT_ROPE_POSITIONS_HOOK, HYBRID_ROPE_POSITIONS_HOOK,
     PATCH_SETS, SCHEDULE_SELECTION_HOOK, SUPPORTED_RELEASES, SUPPORTED_VERSIONS, Hunk, SourcePatch,
     patch_set_name, patches_for, supported_range,
@@ -323,7 +323,7 @@ def _missing_in_process(patches=None) -> list[str]:
 def is_applied_in_process(patches=None) -> bool:
     """True when the imported Megatron modules carry every hook of the imported version's patch
     set (imports them; the caller has made megatron.core importable, e.g. with
-    megatron_patches.cpu_support on CPU)."""
+    megatron_patches.support.cpu_support on CPU)."""
     return not _missing_in_process(patches)
 
 

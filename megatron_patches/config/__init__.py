@@ -1,0 +1,1 @@
+"""Every TransformerConfig field classified for prefix reuse."""

@@ -1,0 +1,338 @@
+"""The paper's models as Megatron-LM arguments that match their Hugging Face configs field by field.
+
+    python -m megatron_patches.models.model_configs list
+    python -m megatron_patches.models.model_configs megatron-args qwen3-8b     # for the entry point
+    python -m megatron_patches.models.model_configs hf-config qwen3-8b-tiny    # config.json fields
+
+Each model has a scaled-down twin (`<name>-tiny`): the same architecture (GQA ratio, head_dim vs
+hidden/heads, qk-norm, RoPE theta and scaling, norm epsilon, tied or untied embeddings, MoE
+routing) at tiny sizes, runnable on a CPU. The values are those of the public config.json files
+(meta-llama/Meta-Llama-3-8B, meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B).
+Qwen3-30B-A3B is a mixture of experts: prefix reuse trains it with logical prefix-token accounting
+(megatron_patches/runtime/moe.py; its tiny twin: tests/test_moe.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shlex
+from typing import Dict, List, Optional
+
+__all__ = ["ModelSpec", "PAPER_MODELS", "MODELS", "get_model_spec", "from_hf_config",
+           "check_trainable", "mismatches_with_args"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only Llama 3 / Qwen3 / Qwen3-MoE shape, in Hugging Face terms."""
+
+    name: str
+    """Registry name (e.g. "qwen3-8b")."""
+    family: str
+    """"llama" (LlamaForCausalLM), "qwen3" (Qwen3ForCausalLM) or "qwen3_moe"."""
+    num_layers: int
+    """num_hidden_layers."""
+    hidden_size: int
+    """hidden_size."""
+    ffn_hidden_size: int
+    """intermediate_size (each of SwiGLU's gate and up projections)."""
+    num_attention_heads: int
+    """num_attention_heads (query heads)."""
+    num_query_groups: int
+    """num_key_value_heads (GQA groups)."""
+    head_dim: int
+    """head_dim (Qwen3: 128 whatever hidden/heads is)."""
+    vocab_size: int
+    """vocab_size."""
+    max_position_embeddings: int
+    """max_position_embeddings."""
+    rope_theta: float
+    """rope_theta."""
+    rope_scaling_factor: Optional[float] = None
+    """Llama 3.1 "llama3" RoPE scaling factor (low/high freq factor 1/4, original context 8192:
+    the values Megatron's `--use-rope-scaling` fixes); None: no scaling."""
+    rms_norm_eps: float
+    """rms_norm_eps."""
+    tie_word_embeddings: bool
+    """tie_word_embeddings."""
+    qk_norm: bool = False
+    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    num_experts: Optional[int] = None
+    """MoE: num_experts (None: dense)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """MoE: moe_intermediate_size."""
+    moe_router_topk: Optional[int] = None
+    """MoE: num_experts_per_tok."""
+    moe_norm_topk_prob: bool = True
+    """MoE: norm_topk_prob (top-k probabilities renormalised: Megatron's softmax over the top-k
+    logits; False: softmax over all experts, then top-k: `--moe-router-pre-softmax`)."""
+
+    def __post_init__(self):
+        if self.family not in ("llama", "qwen3", "qwen3_moe"):
+            raise ValueError(f"family={self.family!r}; choose llama, qwen3 or qwen3_moe")
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(f"{self.name}: num_attention_heads must be a multiple of "
+                             "num_query_groups")
+        if (self.family == "qwen3_moe") != (self.num_experts is not None):
+            raise ValueError(f"{self.name}: qwen3_moe and num_experts go together")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def megatron_args(self) -> List[str]:
+        """Megatron-LM command-line arguments building this model (vocabulary unpadded:
+        `--make-vocab-size-divisible-by 1`, so logits cover exactly the HF vocabulary)."""
+        args = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
+                "--ffn-hidden-size", self.ffn_hidden_size,
+                "--num-attention-heads", self.num_attention_heads,
+                "--group-query-attention", "--num-query-groups", self.num_query_groups,
+                "--kv-channels", self.head_dim,
+                "--max-position-embeddings", self.max_position_embeddings,
+                "--position-embedding-type", "rope", "--rotary-base", _num(self.rope_theta),
+                "--normalization", "RMSNorm", "--norm-epsilon", _num(self.rms_norm_eps),
+                "--swiglu", "--disable-bias-linear",
+                "--attention-dropout", "0", "--hidden-dropout", "0",
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", self.vocab_size,
+                "--make-vocab-size-divisible-by", "1"]
+        if self.rope_scaling_factor is not None:
+            args += ["--use-rope-scaling", "--rope-scaling-factor", _num(self.rope_scaling_factor)]
+        if not self.tie_word_embeddings:
+            args.append("--untie-embeddings-and-output-weights")
+        if self.qk_norm:
+            args.append("--qk-layernorm")
+        if self.is_moe:
+            args += ["--num-experts", self.num_experts, "--moe-ffn-hidden-size",
+                     self.moe_ffn_hidden_size, "--moe-router-topk", self.moe_router_topk,
+                     # softmax over the top-k logits == Qwen3-MoE's norm_topk_prob=True
+                     "--moe-router-score-function", "softmax",
+                     *([] if self.moe_norm_topk_prob else ["--moe-router-pre-softmax"]),
+                     "--moe-router-load-balancing-type", "aux_loss",
+                     "--moe-aux-loss-coeff", "0.001"]
+        return [str(a) for a in args]
+
+    def hf_config(self) -> Dict[str, object]:
+        """The config.json fields of the matching Hugging Face model."""
+        config = {"architectures": [_ARCH[self.family]], "model_type": self.family,
+                  "num_hidden_layers": self.num_layers, "hidden_size": self.hidden_size,
+                  "intermediate_size": self.ffn_hidden_size,
+                  "num_attention_heads": self.num_attention_heads,
+                  "num_key_value_heads": self.num_query_groups, "head_dim": self.head_dim,
+                  "vocab_size": self.vocab_size,
+                  "max_position_embeddings": self.max_position_embeddings,
+                  "rope_theta": self.rope_theta, "rms_norm_eps": self.rms_norm_eps,
+                  "tie_word_embeddings": self.tie_word_embeddings, "hidden_act": "silu",
+                  "attention_bias": False, "attention_dropout": 0.0,
+                  "rope_scaling": None if self.rope_scaling_factor is None else {
+                      "rope_type": "llama3", "factor": self.rope_scaling_factor,
+                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192}}
+        if self.family == "llama":
+            config["mlp_bias"] = False
+        if self.is_moe:
+            config.update(num_experts=self.num_experts, num_experts_per_tok=self.moe_router_topk,
+                          moe_intermediate_size=self.moe_ffn_hidden_size,
+                          norm_topk_prob=self.moe_norm_topk_prob,
+                          decoder_sparse_step=1, mlp_only_layers=[])
+        return config
+
+    def tiny(self) -> "ModelSpec":
+        """The scaled-down twin: same architecture at tiny sizes (CPU-runnable): the GQA ratio,
+        head_dim = hidden / heads (Llama) or an explicit head_dim != hidden / heads (Qwen3),
+        qk-norm, RoPE theta and scaling, norm epsilon, embedding tying, MoE top-k routing."""
+        ratio = self.num_attention_heads // self.num_query_groups
+        heads = 2 * ratio
+        return dataclasses.replace(
+            self, name=f"{self.name}-tiny", num_layers=4, hidden_size=64, ffn_hidden_size=160,
+            num_attention_heads=heads, num_query_groups=2,
+            head_dim=64 // heads if self.family == "llama" else 16, vocab_size=512,
+            num_experts=8 if self.is_moe else None,
+            moe_ffn_hidden_size=32 if self.is_moe else None,
+            moe_router_topk=2 if self.is_moe else None)
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def _num(value: float) -> str:
+    return repr(int(value)) if float(value).is_integer() and abs(value) >= 1 else repr(value)
+
+
+PAPER_MODELS: Dict[str, ModelSpec] = {spec.name: spec for spec in (
+    ModelSpec(name="llama3-8b", family="llama", num_layers=32, hidden_size=4096,
+              ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8, head_dim=128,
+              vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0,
+              rms_norm_eps=1e-5, tie_word_embeddings=False),
+    ModelSpec(name="llama3.1-8b", family="llama", num_layers=32, hidden_size=4096,
+              ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8, head_dim=128,
+              vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+              rope_scaling_factor=8.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    ModelSpec(name="qwen3-8b", family="qwen3", num_layers=36, hidden_size=4096,
+              ffn_hidden_size=12288, num_attention_heads=32, num_query_groups=8, head_dim=128,
+              vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+              rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True),
+    ModelSpec(name="qwen3-30b-a3b", family="qwen3_moe", num_layers=48, hidden_size=2048,
+              ffn_hidden_size=6144, num_attention_heads=32, num_query_groups=4, head_dim=128,
+              vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+              rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True, num_experts=128,
+              moe_ffn_hidden_size=768, moe_router_topk=8),
+)}
+"""The paper's models (Llama3-8B; its 3.1 revision with RoPE scaling; Qwen3-8B; Qwen3-30B-A3B)."""
+
+MODELS: Dict[str, ModelSpec] = {**PAPER_MODELS,
+                                **{f"{n}-tiny": s.tiny() for n, s in PAPER_MODELS.items()}}
+"""Every registered model: the paper's and their tiny twins."""
+
+
+def get_model_spec(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+    return MODELS[name]
+
+
+def check_trainable(spec: ModelSpec) -> None:
+    """Refuse, with the reason, a model prefix reuse cannot train yet (before any compute).
+
+    Every paper model trains: Qwen3-30B-A3B (MoE) with logical prefix-token accounting
+    (megatron_patches/runtime/moe.py), within the MoE limits the reuse executor checks
+    (moe.check_moe_supported, config_support_moe.py: dropless, token-local routing, TP=1)."""
+    if spec.family not in ("llama", "qwen3", "qwen3_moe"):
+        raise ValueError(f"{spec.name}: family {spec.family!r} is not supported")
+
+
+def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
+    """A ModelSpec from a Llama 3 / Qwen3 / Qwen3-MoE config.json (dict); ValueError otherwise."""
+    family = config.get("model_type")
+    if family not in _ARCH:
+        raise ValueError(f"model_type {family!r} is not supported; supported: {sorted(_ARCH)}")
+    rope = _rope_parameters(config)
+    scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                             else None)
+    if scaling is not None:
+        _check_llama3_scaling(scaling)
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError("attention_bias / mlp_bias checkpoints are not supported (Llama 3 and "
+                         "Qwen3 have none)")
+    heads = int(config["num_attention_heads"])
+    if family == "qwen3_moe":
+        _check_qwen3_moe(config)
+    return ModelSpec(
+        name=name, family=family, num_layers=int(config["num_hidden_layers"]),
+        hidden_size=int(config["hidden_size"]), ffn_hidden_size=int(config["intermediate_size"]),
+        num_attention_heads=heads,
+        num_query_groups=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
+        vocab_size=int(config["vocab_size"]),
+        max_position_embeddings=int(config["max_position_embeddings"]),
+        rope_theta=float(config.get("rope_theta") or rope["rope_theta"]),
+        rope_scaling_factor=None if scaling is None else float(scaling["factor"]),
+        rms_norm_eps=float(config["rms_norm_eps"]),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=family != "llama",
+        # transformers >= 5 writes num_local_experts
+        num_experts=(config.get("num_experts") or config.get("num_local_experts")
+                     if family == "qwen3_moe" else None),
+        moe_ffn_hidden_size=config.get("moe_intermediate_size") if family == "qwen3_moe" else None,
+        moe_router_topk=config.get("num_experts_per_tok") if family == "qwen3_moe" else None,
+        moe_norm_topk_prob=(bool(config.get("norm_topk_prob", False))  # HF's default: False
+                            if family == "qwen3_moe" else True))
+
+
+def _check_qwen3_moe(config) -> None:
+    """Qwen3-MoE layouts Megatron's arguments cannot build: refused with the reason."""
+    step, dense = config.get("decoder_sparse_step", 1), config.get("mlp_only_layers") or []
+    if step != 1 or dense:
+        raise ValueError(f"decoder_sparse_step={step}, mlp_only_layers={dense}: only checkpoints "
+                         "whose every layer is MoE are converted (Qwen3-30B-A3B's are); HF's "
+                         "(i+1) % step rule differs from Megatron's --moe-layer-freq")
+    if config.get("shared_expert_intermediate_size"):
+        raise ValueError("shared experts are not part of Qwen3-MoE (Qwen2-MoE has them)")
+
+
+def _rope_parameters(config) -> Dict[str, object]:
+    """transformers >= 5 writes RoPE settings as `rope_parameters` (theta and scaling)."""
+    return dict(config.get("rope_parameters") or {})
+
+
+def _check_llama3_scaling(scaling: Dict[str, object]) -> None:
+    kind = scaling.get("rope_type", scaling.get("type"))
+    fixed = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}
+    if kind != "llama3" or any(float(scaling.get(k, v)) != v for k, v in fixed.items()):
+        raise ValueError(f"rope_scaling {scaling} is not supported: Megatron's --use-rope-scaling "
+                         f"is Llama 3.1's llama3 scaling with {fixed}")
+
+
+_ARG_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
+               "ffn_hidden_size": "ffn_hidden_size", "num_attention_heads": "num_attention_heads",
+               "num_query_groups": "num_query_groups", "head_dim": "kv_channels",
+               "rope_theta": "rotary_base", "rms_norm_eps": "norm_epsilon",
+               "qk_norm": "qk_layernorm"}
+
+
+def mismatches_with_args(spec: ModelSpec, args) -> List[str]:
+    """Where Megatron's parsed arguments build a different model than `spec` (empty: none)."""
+    problems = [f"--{arg.replace('_', '-')} {getattr(args, arg, None)} but the checkpoint has "
+                f"{field}={getattr(spec, field)}"
+                for field, arg in _ARG_FIELDS.items()
+                if getattr(args, "layernorm_epsilon" if arg == "norm_epsilon" else arg, None)
+                != getattr(spec, field)]
+    checks = {"untied embeddings": (args.untie_embeddings_and_output_weights,
+                                    not spec.tie_word_embeddings),
+              "RoPE scaling": (args.use_rope_scaling, spec.rope_scaling_factor is not None),
+              "RMSNorm": (args.normalization, "RMSNorm"), "SwiGLU": (args.swiglu, True),
+              "rope positions": (args.position_embedding_type, "rope"),
+              "no linear biases": (args.add_bias_linear, False)}
+    problems += [f"{what}: arguments give {got!r}, the checkpoint needs {want!r}"
+                 for what, (got, want) in checks.items() if got != want]
+    if spec.is_moe or getattr(args, "num_experts", None):
+        problems += _moe_mismatches(spec, args)
+    factor = spec.rope_scaling_factor
+    if factor is not None and args.rope_scaling_factor != factor:
+        problems.append(f"--rope-scaling-factor {args.rope_scaling_factor} but the checkpoint "
+                        f"has {spec.rope_scaling_factor}")
+    return problems
+
+
+def _moe_mismatches(spec: ModelSpec, args) -> List[str]:
+    """Where the MoE arguments route differently from Qwen3-MoE (HF: softmax over all experts,
+    top-k, renormalised when norm_topk_prob; no shared experts, every layer MoE)."""
+    want = {"--num-experts": (args.num_experts, spec.num_experts),
+            "--moe-ffn-hidden-size": (args.moe_ffn_hidden_size, spec.moe_ffn_hidden_size),
+            "--moe-router-topk": (args.moe_router_topk, spec.moe_router_topk),
+            "--moe-router-score-function": (args.moe_router_score_function, "softmax"),
+            "--moe-router-pre-softmax": (args.moe_router_pre_softmax, not spec.moe_norm_topk_prob),
+            "--moe-shared-expert-intermediate-size": (args.moe_shared_expert_intermediate_size,
+                                                      None),
+            "--moe-router-topk-scaling-factor": (args.moe_router_topk_scaling_factor, None),
+            "--moe-router-num-groups": (args.moe_router_num_groups, None),
+            "--moe-layer-freq": (args.moe_layer_freq in (1, [1] * spec.num_layers), True)}
+    return [f"{flag} {got!r} but the checkpoint needs {need!r}"
+            for flag, (got, need) in want.items() if got != need]
+
+
+def _main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_patches.models.model_configs",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["list", "megatron-args", "hf-config"])
+    parser.add_argument("model", nargs="?")
+    ns = parser.parse_args(argv)
+    if ns.command == "list":
+        for name, spec in MODELS.items():
+            print(f"{name:20s} {spec.family:10s} {'MoE' if spec.is_moe else ''}")
+        return 0
+    if ns.model is None:
+        parser.error(f"{ns.command} needs a model name: one of {sorted(MODELS)}")
+    spec = get_model_spec(ns.model)
+    if ns.command == "megatron-args":
+        print(shlex.join(spec.megatron_args()))
+    else:
+        print(json.dumps(spec.hf_config(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,1 @@
+"""The declared source patches to megatron-core, their registry and operations."""

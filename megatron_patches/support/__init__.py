@@ -1,0 +1,1 @@
+"""Running on CPU (gloo), launching ranks, reporting the first failure."""
