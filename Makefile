@@ -25,6 +25,7 @@ $(STAMP): setup.py Makefile megatron_patches/declarations.py
 	$(PIP) install -q transformers==5.23.0  # test-only: cross-checks tests/reference_impl.py
 	$(PIP) install -q safetensors==0.8.0  # tools/replay.py checkpoints (also a transformers dep)
 	$(PIP) install -q pybind11==3.1.0 psutil==7.2.2 tensorboard==2.21.0  # megatron.training
+	$(PIP) install -q httpx==0.28.1 fastapi==0.115.12 uvicorn==0.34.2 'openai[aiohttp]==1.99.9'  # megatron/rl imports (tests/test_megatron_rl_train_rl.py)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PY) -m megatron_patches apply
 	touch $(STAMP)

@@ -3,29 +3,30 @@
 Run by tests/test_megatron_rl_train_rl.py as `python tests/train_rl_replay.py OUT.pt` with an
 offline, patched Megatron-LM main checkout first on PYTHONPATH (and this repository second).
 
-What is Megatron-LM's own code here (imported from the checkout, never copied):
-* `train_rl.forward_step` and `train_rl.loss_func` (its GRPO step: `rl_utils.get_logprobs`,
-  `rl_utils.calculate_grpo_loss`, the per-token `(sum, num_tokens, report)` contract), fed the
-  unpacked dataset layout `rl_utils.prepare_data_for_update` builds (trajectories padded to
-  seq_length, advantages, old/ref log-probs [B, L-1], `get_ltor_masks_and_position_ids` loss mask
-  with the generation mask applied, position ids, zero inference log-probs), cycled through
-  Megatron's `RerunDataIterator`;
-* the old/ref log-prob passes: `rl_utils.compute_logprobs_batch` with `logprobs_forward_step`.
-The prefix-reuse side runs the same step through `PrefixReuseAdapter`: one reuse
-`get_forward_backward_func` call whose loss is the same `calculate_grpo_loss` + `loss_func`, and
-forward-only Phase A + B for the old/ref log-probs.
+Both runs execute the same code, Megatron-LM's own (imported from the checkout, never copied):
+the old/ref log-prob passes as `prepare_data_for_update` calls them
+(`rl_utils.compute_logprobs_batch` with `training.get_forward_backward_func()`), and the training
+step as `train_step` calls it (`training.get_forward_backward_func()(forward_step_func=
+train_rl.forward_step, ...)`) over the unpacked dataset layout `prepare_data_for_update` builds
+(trajectories padded to seq_length, advantages, old/ref log-probs [B, L-1], the
+`get_ltor_masks_and_position_ids` loss mask with the generation mask applied, position ids, zero
+inference log-probs) cycled through Megatron's `RerunDataIterator`. The reuse run differs only by
+`TrainRLReuse.install(rl_utils, training)` (megatron_patches/frameworks/megatron_rl.py): one
+reuse step with train_rl's own `calculate_grpo_loss` + `loss_func`, one forward-only reuse pass
+per log-prob computation. The reference policy is the initial weights (ref_state_dict).
 
 Stubs (named, none of them changes the math):
-* `_WholeRowThd`: train_rl always hands the model a THD `PackedSeqParams` (Transformer Engine
-  reads it); without packing it is ONE sequence spanning the whole row (cu_seqlens [0, L]), the
-  same computation as local causal attention, which refuses any PackedSeqParams. The stub checks
-  exactly that and drops it; anything else raises. It also drops get_logprobs' `fp32_output=True`
-  (HybridModel's argument; this snapshot's GPTModel has none, and the model here is fp32).
+* `_whole_row_thd_forward` (GPTModel.forward): train_rl always hands the model a THD
+  `PackedSeqParams` (Transformer Engine reads it); without packing it is ONE sequence spanning the
+  whole row (cu_seqlens [0, L]), the same computation as local causal attention, which refuses
+  any PackedSeqParams. The stub checks exactly that and drops it; anything else raises. It also
+  drops get_logprobs' `fp32_output=True` (HybridModel's argument; this snapshot's GPTModel has
+  none, and the model here is fp32).
 * `wandb` (imported by rl_utils for one type annotation only) when it is not installed;
   `hybrid_builders` (imported by train_rl, absent from the 2026-08-22 snapshot; used only for
   hybrid models) when it is absent.
-Not run: rollout generation (get_environment_rollouts: CUDA inference engine, agents), Megatron's
-`train()` loop and its optimizer; the optimizer here is torch SGD on both sides.
+Not run: rollout generation (get_environment_rollouts: CUDA inference engine, agents; the rows
+here are synthesized GRPO groups), Megatron's `train()` loop and its optimizer (torch SGD here).
 """
 from __future__ import annotations
 
@@ -57,21 +58,19 @@ def _stub_missing_modules() -> None:
         sys.modules["hybrid_builders"] = hybrid
 
 
-class _WholeRowThd(torch.nn.Module):
-    """The model as train_rl calls it, minus the whole-row THD PackedSeqParams (module doc)."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-        self.config = module.config
-
-    def forward(self, tokens, position_ids, attention_mask, packed_seq_params=None, **kwargs):
-        cu = packed_seq_params.cu_seqlens_q.tolist() if packed_seq_params is not None else None
-        if cu != [0, tokens.shape[1]] or tokens.shape[0] != 1:
-            raise RuntimeError(f"only one whole-row THD sequence runs without TE, got {cu}")
-        if kwargs.pop("fp32_output") is not True:  # GPTModel has no such argument: fp32 only
+def _whole_row_thd_forward(forward):
+    """GPTModel.forward as train_rl calls it, minus the whole-row THD PackedSeqParams and
+    fp32_output (module doc); what the adapter passes goes through unchanged."""
+    def stub(self, input_ids, position_ids, attention_mask, *args, packed_seq_params=None,
+             **kwargs):
+        if packed_seq_params is not None:
+            cu = packed_seq_params.cu_seqlens_q.tolist()
+            if cu != [0, input_ids.shape[1]] or input_ids.shape[0] != 1:
+                raise RuntimeError(f"only one whole-row THD sequence runs without TE, got {cu}")
+        if kwargs.pop("fp32_output", True) is not True:  # GPTModel has none: fp32 models only
             raise RuntimeError("only fp32 models run here")
-        return self.module(tokens, position_ids, attention_mask, **kwargs)
+        return forward(self, input_ids, position_ids, attention_mask, *args, **kwargs)
+    return stub
 
 
 def _args():
@@ -106,83 +105,44 @@ def _rollouts(gen):
     return torch.stack(rows), torch.stack(gen_masks), torch.tensor(advantages), groups
 
 
-def _rollout_batch(trajs, loss_mask, advantages, groups, old=None, ref=None):
-    """train_rl's rows as the adapter's RolloutBatch (entry j: predicting token j)."""
-    from megatron_patches.frameworks import RolloutBatch
-
-    lengths = [int(m.nonzero().max()) + 1 for m in loss_mask]
-
-    def per_token(lp, i):  # [L-1] about tokens[1:] -> [n] about tokens[j]
-        return torch.cat([torch.zeros(1), lp[i, :lengths[i] - 1].float()])
-    return RolloutBatch(
-        tokens=[trajs[i, :n] for i, n in enumerate(lengths)],
-        loss_mask=[loss_mask[i, :n].float() for i, n in enumerate(lengths)],
-        group_ids=groups, advantages=[float(a) for a in advantages],
-        old_logprobs=None if old is None else [per_token(old, i) for i in range(len(lengths))],
-        ref_logprobs=None if ref is None else [per_token(ref, i) for i in range(len(lengths))])
-
-
-def _grpo_loss_fn(args):
-    """train_rl's loss through the adapter: each predicted position one [1]-row of
-    calculate_grpo_loss (its per-row advantage broadcast), then train_rl.loss_func."""
-    import train_rl
-    from megatron.rl.rl_utils import calculate_grpo_loss
-
-    def loss_fn(b):
-        col = lambda t: t.reshape(-1, 1)  # noqa: E731
-        loss, kl, ratios, ent, above, below = calculate_grpo_loss(
-            current_logprobs=col(b.logprobs), old_logprobs=col(b.old_logprobs),
-            ref_logprobs=col(b.ref_logprobs), advantages=b.advantages,
-            clamp_eps_lower=args.grpo_clamp_eps_lower, clamp_eps_upper=args.grpo_clamp_eps_upper,
-            kl_beta=args.grpo_kl_beta, entropy_weight=args.grpo_entropy_term_weight)
-        return train_rl.loss_func(col(b.loss_mask), kl, ratios, ent, above, below, loss)
-    return loss_fn
-
-
-def _logprobs(model, wrapped, trajs, pos, batch, reuse):
-    """The old/ref log-prob pass: Megatron's compute_logprobs_batch, or reuse Phase A + B."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.rl.rl_utils import compute_logprobs_batch
+def _logprobs(model, trajs, pos):
+    """The old/ref log-prob pass exactly as prepare_data_for_update calls it (hooked or not)."""
+    from megatron.rl import rl_utils
+    from megatron.training import training
     from torch.utils.data import DataLoader, TensorDataset
-    from megatron_patches.frameworks import PrefixReuseAdapter
-    import megatron_patches
 
-    if not reuse:
-        with megatron_patches.use_prefix_reuse_schedule(False):
-            fb = get_forward_backward_func()
-        with torch.no_grad():
-            return compute_logprobs_batch(
-                model=wrapped, data_loader=DataLoader(TensorDataset(trajs, pos), batch_size=1),
-                forward_backward_func=fb, packing_context=None, trajs_batch_size=len(trajs),
-                seq_length=SEQ_LENGTH, logprobs_batch_size=1, decoder_seq_length=None,
-                dtype=torch.float32, pp_group=model.pg_collection.pp, is_correction=False)
-    out = torch.zeros(len(trajs), SEQ_LENGTH - 1)
     with torch.no_grad():
-        result = PrefixReuseAdapter(model).forward_backward(batch, None, forward_only=True)
-    for i, lp in enumerate(result.logprobs):  # only loss-mask positions are defined
-        out[i, :lp.numel() - 1] = lp[1:]
-    return out
+        return rl_utils.compute_logprobs_batch(
+            model=model, data_loader=DataLoader(TensorDataset(trajs, pos), batch_size=1),
+            forward_backward_func=training.get_forward_backward_func(), packing_context=None,
+            trajs_batch_size=len(trajs), seq_length=SEQ_LENGTH, logprobs_batch_size=1,
+            decoder_seq_length=None, dtype=torch.float32, pp_group=model.pg_collection.pp,
+            is_correction=False)
 
 
-def _step(model, wrapped, data, batch, reuse, args):
+def _step(model, data, args):
+    """The training step's call as train_step makes it (hooked or not)."""
     import train_rl
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.training import training
     from torch.utils.data import DataLoader, TensorDataset
-    from megatron_patches.frameworks import PrefixReuseAdapter
-    import megatron_patches
 
-    if reuse:
-        result = PrefixReuseAdapter(model).forward_backward(batch, _grpo_loss_fn(args))
-        return result.losses_reduced, str(result.report)
     loader = DataLoader(TensorDataset(*data), batch_size=args.micro_batch_size)
-    with megatron_patches.use_prefix_reuse_schedule(False):
-        fb = get_forward_backward_func()
-    losses = fb(forward_step_func=train_rl.forward_step,
-                data_iterator=RerunDataIterator(itertools.cycle(loader)), model=[wrapped],
-                num_microbatches=len(loader), seq_length=SEQ_LENGTH, micro_batch_size=1,
-                forward_only=False)
-    return losses, "dense"
+    return training.get_forward_backward_func()(
+        forward_step_func=train_rl.forward_step,
+        data_iterator=RerunDataIterator(itertools.cycle(loader)), model=[model],
+        num_microbatches=len(loader), seq_length=SEQ_LENGTH, micro_batch_size=1,
+        decoder_seq_length=None, forward_only=False)
+
+
+def _hooks(args):
+    import train_rl
+    from megatron.rl import rl_utils
+    from megatron_patches.frameworks.megatron_rl import TrainRLReuse
+
+    return TrainRLReuse(args=args, train_forward_step=train_rl.forward_step,
+                        loss_func=train_rl.loss_func,
+                        calculate_grpo_loss=rl_utils.calculate_grpo_loss, group_size=G)
 
 
 def _clone_state(model) -> dict:
@@ -193,8 +153,12 @@ def run(reuse: bool, model, init_state, args) -> dict:
     from megatron.training.utils import get_ltor_masks_and_position_ids
     from megatron_patches.training import zero_grads
 
+    from megatron.rl import rl_utils
+    from megatron.training import training
+
     model.load_state_dict(init_state)
-    wrapped = _WholeRowThd(model)
+    hooks = _hooks(args)
+    uninstall = hooks.install(rl_utils, training) if reuse else (lambda: None)
     # SGD: the weights follow the gradients linearly. (Adam's first step is about lr x sign(g):
     # a near-zero gradient entry's float-order difference can flip it, so weights compared
     # after Adam measure that amplification, not the step.)
@@ -206,23 +170,21 @@ def run(reuse: bool, model, init_state, args) -> dict:
             trajs, 1, 0, False, reset_attention_mask=False, eod_mask_loss=False,
             pad_mask_loss=True, create_attention_mask=False)
         loss_mask[~gen_masks] = 0.0
-        batch = _rollout_batch(trajs, loss_mask, advantages, groups)
-        old = _logprobs(model, wrapped, trajs, pos, batch, reuse)
+        old = _logprobs(model, trajs, pos)
         current = _clone_state(model)
         model.load_state_dict(init_state)  # the reference policy: the initial weights
-        ref = _logprobs(model, wrapped, trajs, pos, batch, reuse)
+        ref = _logprobs(model, trajs, pos)
         model.load_state_dict(current)
         data = [trajs, advantages, old, loss_mask, pos, ref, torch.zeros_like(old)]
         zero_grads(model)
-        losses, report = _step(model, wrapped, data, _rollout_batch(trajs, loss_mask, advantages,
-                                                            groups, old, ref), reuse, args)
+        losses = _step(model, data, args)
         total = torch.stack([r["lm loss"] for r in losses]).sum(0)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         record["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
         record["grad_norm"].append(float(torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
         record["loss"].append(float(total[0] / total[1]))
-        record["report"].append(report)
+        record["report"].append(hooks.reports[-1] if reuse else "dense")
         mask = loss_mask[:, 1:].bool()
         record["old"].append(old[mask]), record["ref"].append(ref[mask])
         optimizer.step()
@@ -230,6 +192,7 @@ def run(reuse: bool, model, init_state, args) -> dict:
                                   if torch.is_tensor(v) and v.is_floating_point()})
         print(f"{'reuse' if reuse else 'stock'} iteration {it + 1}: loss "
               f"{record['loss'][-1]:.6f} grad norm {record['grad_norm'][-1]:.6f}", flush=True)
+    uninstall()
     return record
 
 
@@ -244,7 +207,10 @@ def main(out: str) -> None:
     from megatron_patches.training import scale_grads_by_token_count
     import megatron.rl.rl_utils  # noqa: F401  (Megatron-LM's RL package imports on this machine)
 
+    from megatron.core.models.gpt import GPTModel
+
     sys.path.insert(0, str(Path(megatron.rl.rl_utils.__file__).parents[2]))  # train_rl.py
+    GPTModel.forward = _whole_row_thd_forward(GPTModel.forward)
     args = _args()
     megatron_patches.install()
     initialize_single_process(seed=1234)
