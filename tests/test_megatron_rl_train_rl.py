@@ -70,3 +70,68 @@ def test_train_rl_grpo_step_reuse_equals_stock_over_3_iterations(replay):
     assert all(r == "dense" for r in stock["report"])
     for report in reuse["report"]:
         assert report.count("reuse (FLOP gain") == 2, report  # both GRPO groups shared
+
+
+def _rows(n=4, length=12):
+    tokens = torch.arange(n * length).reshape(n, length) % 50 + 1
+    mask = torch.zeros(n, length)
+    mask[:, 6:9] = 1.0
+    lp = -torch.rand(n, length - 1)
+    return tokens, mask, torch.randn(n), lp, lp - 0.1
+
+
+def test_train_rl_rows_to_rollout_alignment_and_pad_rows(megatron_env):
+    from megatron_patches.frameworks.megatron_rl import rollout_from_train_rl
+
+    tokens, mask, adv, old, ref = _rows()
+    rollout = rollout_from_train_rl(tokens, mask, adv, old, ref, group_size=2)
+    assert rollout.group_ids == [0, 0, 1, 1]
+    assert [int(t.numel()) for t in rollout.tokens] == [9] * 4  # cut after the last loss token
+    # entry j predicts tokens[j]: train_rl's old[:, j - 1]
+    assert torch.equal(rollout.old_logprobs[1][1:], old[1, :8])
+    assert rollout.old_logprobs[1][0] == 0 and torch.equal(rollout.loss_mask[1], mask[1, :9])
+    mask[3] = 0.0  # a PAD row (prepare_data_for_update pads to DP x micro batch size)
+    with pytest.raises(ValueError, match="no loss token"):
+        rollout_from_train_rl(tokens, mask, adv, old, ref, group_size=2)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rl_use_sequence_packing=True), "--rl-use-sequence-packing"),
+    (dict(rl_inference_logprobs_is_correction=True), "--rl-inference-logprobs-is-correction"),
+    (dict(per_token=False), "--calculate-per-token-loss"),
+])
+def test_train_rl_refusals_before_compute(megatron_env, change, message):
+    from types import SimpleNamespace
+    from megatron_patches.frameworks.megatron_rl import TrainRLReuse
+
+    config = SimpleNamespace(calculate_per_token_loss=change.pop("per_token", True),
+                             pipeline_model_parallel_size=1, context_parallel_size=1)
+    args = SimpleNamespace(**{"rl_use_sequence_packing": False,
+                              "rl_inference_logprobs_is_correction": False, **change})
+    step = object()
+    hooks = TrainRLReuse(args=args, train_forward_step=step, loss_func=None,
+                         calculate_grpo_loss=None, group_size=2)
+    pulled = []
+
+    def data():
+        pulled.append(1)
+        yield _rows()
+
+    fb = hooks.forward_backward_func(lambda **kw: pytest.fail("stock called"))
+    with pytest.raises(ValueError, match=message):
+        fb(forward_step_func=step, data_iterator=data(),
+           model=[SimpleNamespace(config=config)], num_microbatches=1)
+    assert not pulled  # refused before reading the data
+
+
+def test_train_rl_other_calls_go_to_stock(megatron_env):
+    from types import SimpleNamespace
+    from megatron_patches.frameworks.megatron_rl import TrainRLReuse
+
+    hooks = TrainRLReuse(args=SimpleNamespace(), train_forward_step=object(), loss_func=None,
+                         calculate_grpo_loss=None, group_size=2)
+    fb = hooks.forward_backward_func(lambda **kw: ("stock", kw["forward_only"]))
+    assert fb(forward_step_func=lambda *a: None, data_iterator=None, model=None,
+              num_microbatches=1) == ("stock", False)
+    assert fb(forward_step_func=hooks.train_forward_step, data_iterator=None, model=None,
+              num_microbatches=1, forward_only=True) == ("stock", True)
