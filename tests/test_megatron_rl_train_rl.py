@@ -1,10 +1,11 @@
-"""Megatron-LM RL (train_rl.py, megatron/rl on the offline Megatron-LM main checkout): its GRPO
-training step and its old/ref log-prob passes, stock vs prefix reuse, 3 iterations on CPU.
+"""Megatron-LM RL (train_rl.py, megatron/rl on the offline Megatron-LM main checkout): its
+prepare_data_for_update (with the old/ref log-prob passes) and GRPO training step on rollouts in
+its agents' types, stock vs prefix reuse (TrainRLReuse hooks), 3 iterations on CPU.
 
 tests/train_rl_replay.py runs both in one process on the patched checkout (what is Megatron's
 own code there and what is stubbed is listed in its docstring); this test compares, fp32:
 per iteration the loss (train_rl.loss_func's reports), the grad norm, every gradient, the old and reference
-log-probs at the loss positions, and every weight after the (SGD) optimizer step, within 1e-5
+log-probs (every position), and every weight after the (SGD) optimizer step, within 1e-5
 relative, failing on NaN/inf on either side; and that the reuse step really shared prefixes.
 """
 import importlib.util

@@ -4,16 +4,17 @@ Run by tests/test_megatron_rl_train_rl.py as `python tests/train_rl_replay.py OU
 offline, patched Megatron-LM main checkout first on PYTHONPATH (and this repository second).
 
 Both runs execute the same code, Megatron-LM's own (imported from the checkout, never copied):
-the old/ref log-prob passes as `prepare_data_for_update` calls them
-(`rl_utils.compute_logprobs_batch` with `training.get_forward_backward_func()`), and the training
-step as `train_step` calls it (`training.get_forward_backward_func()(forward_step_func=
-train_rl.forward_step, ...)`) over the unpacked dataset layout `prepare_data_for_update` builds
-(trajectories padded to seq_length, advantages, old/ref log-probs [B, L-1], the
-`get_ltor_masks_and_position_ids` loss mask with the generation mask applied, position ids, zero
-inference log-probs) cycled through Megatron's `RerunDataIterator`. The reuse run differs only by
+per iteration, `rl_utils.prepare_data_for_update` on GRPO groups shaped as its agents return
+them (`RolloutGroup`s of `TokenRollout`s: prompt + generated tokens ending in eod, generation
+mask, inference log-probs, reward): its group stats and GRPO advantages, `prepare_trajectories`,
+loss masks, the microbatch calculator, the old and ref log-prob passes (`compute_logprobs_batch`,
+ref = the initial weights loaded as its `ref_state_dict`), the inference log-prob alignment and
+its `RerunDataIterator`; then the training step as `train_step` calls it
+(`training.get_forward_backward_func()(forward_step_func=train_rl.forward_step, ...,
+num_microbatches=get_num_microbatches())`) and an SGD step. The reuse run differs only by
 `TrainRLReuse.install(rl_utils, training)` (megatron_patches/frameworks/megatron_rl.py): one
 reuse step with train_rl's own `calculate_grpo_loss` + `loss_func`, one forward-only reuse pass
-per log-prob computation. The reference policy is the initial weights (ref_state_dict).
+per log-prob computation.
 
 Stubs (named, none of them changes the math):
 * `_whole_row_thd_forward` (GPTModel.forward): train_rl always hands the model a THD
@@ -22,16 +23,18 @@ Stubs (named, none of them changes the math):
   any PackedSeqParams. The stub checks exactly that and drops it; anything else raises. It also
   drops get_logprobs' `fp32_output=True` (HybridModel's argument; this snapshot's GPTModel has
   none, and the model here is fp32).
+* `_ReplayTokenizer`: the pad/eod/bos ids and log strings prepare_data_for_update asks its
+  tokenizer for (the rollouts are token ids: nothing is tokenized).
 * `wandb` (imported by rl_utils for one type annotation only) when it is not installed;
   `hybrid_builders` (imported by train_rl, absent from the 2026-08-22 snapshot; used only for
   hybrid models) when it is absent.
-Not run: rollout generation (get_environment_rollouts: CUDA inference engine, agents; the rows
-here are synthesized GRPO groups), Megatron's `train()` loop and its optimizer (torch SGD here).
+Not run: rollout generation (get_environment_rollouts: CUDA inference engine behind the agents;
+the groups here are synthesized in the agents' types), get_grpo_data_iterator's collection
+schedule, Megatron's `train()` loop and its optimizer (torch SGD here).
 """
 from __future__ import annotations
 
 import importlib.util
-import itertools
 import sys
 import types
 from argparse import Namespace
@@ -81,28 +84,44 @@ def _args():
     args = Namespace(rl_use_sequence_packing=False, rl_inference_logprobs_is_correction=False,
                      rl_importance_sampling_truncation_coef=None, fp16=False, bf16=False,
                      check_for_nan_in_loss_and_grad=True, check_for_spiky_loss=False,
-                     micro_batch_size=1, seq_length=SEQ_LENGTH, **GRPO)
+                     micro_batch_size=1, seq_length=SEQ_LENGTH, decoder_seq_length=None,
+                     global_batch_size=GROUPS * G, grpo_prompts_per_step=GROUPS,
+                     grpo_group_size=G, cuda_graph_impl="none", rl_training_cuda_graphs=False,
+                     rl_skip_bos_token=False, reset_position_ids=False,
+                     decrease_batch_size_if_needed=False, **GRPO)
     set_args(args)
     gv._GLOBAL_TIMERS = Timers(0, "minmax")
     return args
 
 
+class _ReplayTokenizer:
+    """The tokenizer prepare_data_for_update asks for pad/eod/bos ids and log strings (the
+    replayed rollouts are token ids already: nothing is tokenized)."""
+
+    library, vocab_size, pad, eod, bos = "replay", 256, 0, 1, None
+
+    def detokenize(self, ids):
+        return " ".join(str(int(i)) for i in ids)
+
+
 def _rollouts(gen):
-    """GRPO groups: G responses to one prompt per group (a replayed trace's token ids)."""
-    rows, gen_masks, advantages, groups = [], [], [], []
+    """GRPO groups as Megatron-LM's agents return them: RolloutGroup of G TokenRollouts (prompt +
+    generated tokens ending in eod, generation mask, inference log-probs, reward) per prompt."""
+    from megatron.rl.types.rollout import RolloutGroup, TokenRollout
+
+    groups = []
     for g in range(GROUPS):
-        prompt = torch.randint(3, 250, (30 + 4 * g,), generator=gen)
+        prompt = torch.randint(3, 250, (30 + 4 * g,), generator=gen).tolist()
+        members = []
         for _ in range(G):
-            resp = torch.randint(3, 250, (int(torch.randint(6, 16, (1,), generator=gen)),),
-                                 generator=gen)
-            row = torch.zeros(SEQ_LENGTH, dtype=torch.long)  # pad id 0
-            seq = torch.cat([prompt, resp])
-            row[:seq.numel()] = seq
-            mask = torch.zeros(SEQ_LENGTH, dtype=torch.bool)
-            mask[prompt.numel():seq.numel()] = True
-            rows.append(row), gen_masks.append(mask), groups.append(f"group-{g}")
-            advantages.append(float(torch.randn(1, generator=gen)))
-    return torch.stack(rows), torch.stack(gen_masks), torch.tensor(advantages), groups
+            n = int(torch.randint(6, 16, (1,), generator=gen))
+            resp = torch.randint(3, 250, (n - 1,), generator=gen).tolist() + [_ReplayTokenizer.eod]
+            members.append(TokenRollout(
+                trajectory=[prompt + resp], reward=float(torch.rand(1, generator=gen)),
+                generation_mask=[[False] * len(prompt) + [True] * n],
+                logprobs=[(-torch.rand(n, generator=gen)).tolist()], env_id="replay"))
+        groups.append(RolloutGroup(rollouts=members, uid=f"prompt-{g}"))
+    return groups
 
 
 def _logprobs(model, trajs, pos):
@@ -120,19 +139,16 @@ def _logprobs(model, trajs, pos):
             is_correction=False)
 
 
-def _step(model, data, args):
+def _step(model, iterator, args):
     """The training step's call as train_step makes it (hooked or not)."""
     import train_rl
-    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import training
-    from torch.utils.data import DataLoader, TensorDataset
 
-    loader = DataLoader(TensorDataset(*data), batch_size=args.micro_batch_size)
     return training.get_forward_backward_func()(
-        forward_step_func=train_rl.forward_step,
-        data_iterator=RerunDataIterator(itertools.cycle(loader)), model=[model],
-        num_microbatches=len(loader), seq_length=SEQ_LENGTH, micro_batch_size=1,
-        decoder_seq_length=None, forward_only=False)
+        forward_step_func=train_rl.forward_step, data_iterator=iterator, model=[model],
+        num_microbatches=get_num_microbatches(), seq_length=SEQ_LENGTH,
+        micro_batch_size=args.micro_batch_size, decoder_seq_length=None, forward_only=False)
 
 
 def _hooks(args):
@@ -150,9 +166,7 @@ def _clone_state(model) -> dict:
 
 
 def run(reuse: bool, model, init_state, args) -> dict:
-    from megatron.training.utils import get_ltor_masks_and_position_ids
     from megatron_patches.training import zero_grads
-
     from megatron.rl import rl_utils
     from megatron.training import training
 
@@ -164,20 +178,21 @@ def run(reuse: bool, model, init_state, args) -> dict:
     # after Adam measure that amplification, not the step.)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     record = {"report": [], "loss": [], "grad_norm": [], "weights": [], "grads": [], "old": [], "ref": []}
+    passes = []  # (old, ref) log-probs of each iteration, as the step receives them
+    compute = rl_utils.compute_logprobs_batch
+
+    def recording(*a, **k):
+        passes.append(compute(*a, **k))
+        return passes[-1]
+    rl_utils.compute_logprobs_batch = recording
     for it in range(ITERS):
-        trajs, gen_masks, advantages, groups = _rollouts(torch.Generator().manual_seed(100 + it))
-        _, loss_mask, pos = get_ltor_masks_and_position_ids(
-            trajs, 1, 0, False, reset_attention_mask=False, eod_mask_loss=False,
-            pad_mask_loss=True, create_attention_mask=False)
-        loss_mask[~gen_masks] = 0.0
-        old = _logprobs(model, trajs, pos)
-        current = _clone_state(model)
-        model.load_state_dict(init_state)  # the reference policy: the initial weights
-        ref = _logprobs(model, trajs, pos)
-        model.load_state_dict(current)
-        data = [trajs, advantages, old, loss_mask, pos, ref, torch.zeros_like(old)]
+        iterator, _stats, _examples = rl_utils.prepare_data_for_update(
+            model=[model], ref_state_dict=init_state,  # reference policy: the initial weights
+            rollouts=_rollouts(torch.Generator().manual_seed(100 + it)),
+            tokenizer=_ReplayTokenizer(), sequence_packing=False, is_correction=False,
+            request_ledger={})
         zero_grads(model)
-        losses = _step(model, data, args)
+        losses = _step(model, iterator, args)
         total = torch.stack([r["lm loss"] for r in losses]).sum(0)
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         record["grads"].append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -185,13 +200,13 @@ def run(reuse: bool, model, init_state, args) -> dict:
             torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
         record["loss"].append(float(total[0] / total[1]))
         record["report"].append(hooks.reports[-1] if reuse else "dense")
-        mask = loss_mask[:, 1:].bool()
-        record["old"].append(old[mask]), record["ref"].append(ref[mask])
+        record["old"].append(passes[-2]), record["ref"].append(passes[-1])
         optimizer.step()
         record["weights"].append({k: v.detach().clone() for k, v in model.state_dict().items()
                                   if torch.is_tensor(v) and v.is_floating_point()})
         print(f"{'reuse' if reuse else 'stock'} iteration {it + 1}: loss "
               f"{record['loss'][-1]:.6f} grad norm {record['grad_norm'][-1]:.6f}", flush=True)
+    rl_utils.compute_logprobs_batch = compute
     uninstall()
     return record
 
