@@ -1,6 +1,6 @@
 """Megatron-LM RL (train_rl.py, megatron/rl on the offline Megatron-LM main checkout): its
-prepare_data_for_update (with the old/ref log-prob passes) and GRPO training step on rollouts in
-its agents' types, stock vs prefix reuse (TrainRLReuse hooks), 3 iterations on CPU.
+get_grpo_data_iterator (collection replayed from a trace; prepare_data_for_update with the old/ref
+log-prob passes) and GRPO training step on rollouts in its agents' types, stock vs prefix reuse (TrainRLReuse hooks), 3 iterations on CPU.
 
 tests/train_rl_replay.py runs both in one process on the patched checkout (what is Megatron's
 own code there and what is stubbed is listed in its docstring); this test compares, fp32:
@@ -56,6 +56,7 @@ def _tensors_close(a, b, what):
 def test_train_rl_grpo_step_reuse_equals_stock_over_3_iterations(replay):
     stock, reuse = replay["stock"], replay["reuse"]
     assert len(stock["loss"]) == len(reuse["loss"]) == 3
+    assert stock["collections"] == reuse["collections"] == 3  # get_grpo_data_iterator collected
     for it in range(3):
         _close(stock["loss"][it], reuse["loss"][it], f"loss {it + 1}")
         _close(stock["grad_norm"][it], reuse["grad_norm"][it], f"grad norm {it + 1}")

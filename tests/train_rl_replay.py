@@ -4,7 +4,9 @@ Run by tests/test_megatron_rl_train_rl.py as `python tests/train_rl_replay.py OU
 offline, patched Megatron-LM main checkout first on PYTHONPATH (and this repository second).
 
 Both runs execute the same code, Megatron-LM's own (imported from the checkout, never copied):
-per iteration, `rl_utils.prepare_data_for_update` on GRPO groups shaped as its agents return
+per iteration (`args.curr_iteration`), `rl_utils.get_grpo_data_iterator` as `train()` calls it,
+whose collection (`get_environment_rollouts`) replays a trace, and its
+`prepare_data_for_update` on GRPO groups shaped as its agents return
 them (`RolloutGroup`s of `TokenRollout`s: prompt + generated tokens ending in eod, generation
 mask, inference log-probs, reward): its group stats and GRPO advantages, `prepare_trajectories`,
 loss masks, the microbatch calculator, the old and ref log-prob passes (`compute_logprobs_batch`,
@@ -23,14 +25,16 @@ Stubs (named, none of them changes the math):
   any PackedSeqParams. The stub checks exactly that and drops it; anything else raises. It also
   drops get_logprobs' `fp32_output=True` (HybridModel's argument; this snapshot's GPTModel has
   none, and the model here is fp32).
+* `_replayed_collection` (rl_utils.get_environment_rollouts): one trace entry of GRPO groups per
+  collection; the real one runs Megatron's CUDA inference engine behind the agents.
 * `_ReplayTokenizer`: the pad/eod/bos ids and log strings prepare_data_for_update asks its
   tokenizer for (the rollouts are token ids: nothing is tokenized).
 * `wandb` (imported by rl_utils for one type annotation only) when it is not installed;
   `hybrid_builders` (imported by train_rl, absent from the 2026-08-22 snapshot; used only for
   hybrid models) when it is absent.
 Not run: rollout generation (get_environment_rollouts: CUDA inference engine behind the agents;
-the groups here are synthesized in the agents' types), get_grpo_data_iterator's collection
-schedule, Megatron's `train()` loop and its optimizer (torch SGD here).
+the groups here are synthesized in the agents' types), Megatron's `train()` loop and its
+optimizer (torch SGD here).
 """
 from __future__ import annotations
 
@@ -91,6 +95,7 @@ def _args():
                      decrease_batch_size_if_needed=False, **GRPO)
     set_args(args)
     gv._GLOBAL_TIMERS = Timers(0, "minmax")
+    gv._GLOBAL_TOKENIZER = _ReplayTokenizer()
     return args
 
 
@@ -124,19 +129,16 @@ def _rollouts(gen):
     return groups
 
 
-def _logprobs(model, trajs, pos):
-    """The old/ref log-prob pass exactly as prepare_data_for_update calls it (hooked or not)."""
-    from megatron.rl import rl_utils
-    from megatron.training import training
-    from torch.utils.data import DataLoader, TensorDataset
-
-    with torch.no_grad():
-        return rl_utils.compute_logprobs_batch(
-            model=model, data_loader=DataLoader(TensorDataset(trajs, pos), batch_size=1),
-            forward_backward_func=training.get_forward_backward_func(), packing_context=None,
-            trajs_batch_size=len(trajs), seq_length=SEQ_LENGTH, logprobs_batch_size=1,
-            decoder_seq_length=None, dtype=torch.float32, pp_group=model.pg_collection.pp,
-            is_correction=False)
+def _replayed_collection(record):
+    """get_environment_rollouts replaying a trace of one RolloutGroup list per collection (the
+    real one drives Megatron's CUDA inference engine behind the agents)."""
+    def collect(model, inference_model, optimizer, n_prompts, samples_per_group):
+        if (n_prompts, samples_per_group) != (GROUPS, G):
+            raise RuntimeError(f"asked for {n_prompts} x {samples_per_group} rollouts")
+        seed = 100 + record["collections"]
+        record["collections"] += 1
+        return _rollouts(torch.Generator().manual_seed(seed)), {}
+    return collect
 
 
 def _step(model, iterator, args):
@@ -177,7 +179,8 @@ def run(reuse: bool, model, init_state, args) -> dict:
     # a near-zero gradient entry's float-order difference can flip it, so weights compared
     # after Adam measure that amplification, not the step.)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    record = {"report": [], "loss": [], "grad_norm": [], "weights": [], "grads": [], "old": [], "ref": []}
+    record = {"report": [], "loss": [], "grad_norm": [], "weights": [], "grads": [], "old": [], "ref": [],
+              "collections": 0}
     passes = []  # (old, ref) log-probs of each iteration, as the step receives them
     compute = rl_utils.compute_logprobs_batch
 
@@ -185,12 +188,17 @@ def run(reuse: bool, model, init_state, args) -> dict:
         passes.append(compute(*a, **k))
         return passes[-1]
     rl_utils.compute_logprobs_batch = recording
+    collect = rl_utils.get_environment_rollouts
+    rl_utils.get_environment_rollouts = _replayed_collection(record)
+    iterator = None
     for it in range(ITERS):
-        iterator, _stats, _examples = rl_utils.prepare_data_for_update(
-            model=[model], ref_state_dict=init_state,  # reference policy: the initial weights
-            rollouts=_rollouts(torch.Generator().manual_seed(100 + it)),
-            tokenizer=_ReplayTokenizer(), sequence_packing=False, is_correction=False,
-            request_ledger={})
+        args.curr_iteration = it
+        with torch.no_grad():  # as train() calls it
+            iterator = rl_utils.get_grpo_data_iterator(
+                [model], None, None, it, init_state,  # reference policy: the initial weights
+                grpo_iterations=1, grpo_prompts_per_step=GROUPS, grpo_group_size=G,
+                global_batch_size=GROUPS * G, sequence_packing=False, buffered_rollouts=iterator,
+                is_correction=False, optimizer_is_on_cpu=False)
         zero_grads(model)
         losses = _step(model, iterator, args)
         total = torch.stack([r["lm loss"] for r in losses]).sum(0)
@@ -207,6 +215,7 @@ def run(reuse: bool, model, init_state, args) -> dict:
         print(f"{'reuse' if reuse else 'stock'} iteration {it + 1}: loss "
               f"{record['loss'][-1]:.6f} grad norm {record['grad_norm'][-1]:.6f}", flush=True)
     rl_utils.compute_logprobs_batch = compute
+    rl_utils.get_environment_rollouts = collect
     uninstall()
     return record
 
