@@ -124,6 +124,9 @@ def test_train_rl_refusals_before_compute(megatron_env, change, message):
         fb(forward_step_func=step, data_iterator=data(),
            model=[SimpleNamespace(config=config)], num_microbatches=1)
     assert not pulled  # refused before reading the data
+    with pytest.raises(ValueError, match=message):
+        hooks.compute_logprobs_batch(SimpleNamespace(config=config), pytest.fail, None, None, 4,
+                                     12, 1, None, torch.float32, None, False)
 
 
 def test_train_rl_other_calls_go_to_stock(megatron_env):

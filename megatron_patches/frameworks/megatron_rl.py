@@ -134,8 +134,11 @@ class TrainRLReuse:
                                decoder_seq_length, dtype, pp_group, is_correction,
                                collect_non_loss_data=False):
         """rl_utils.compute_logprobs_batch as one forward-only reuse pass (all positions)."""
+        check_train_rl_args(self.args, model)
         if packing_context is not None or is_correction:
-            check_train_rl_args(self.args, model)
+            raise ValueError("compute_logprobs_batch with a packing context or inference-log-prob "
+                             "correction: drop --rl-use-sequence-packing / "
+                             "--rl-inference-logprobs-is-correction")
         tokens = torch.cat([batch[0] for batch in data_loader])
         n, length = tokens.shape
         rollout = RolloutBatch(tokens=list(tokens), group_ids=[i // self.group_size for i in range(n)],
