@@ -38,6 +38,7 @@ optimizer (torch SGD here).
 """
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -54,6 +55,7 @@ GRPO = dict(grpo_clamp_eps_lower=0.2, grpo_clamp_eps_upper=0.28, grpo_kl_beta=0.
 def _stub_missing_modules() -> None:
     if importlib.util.find_spec("wandb") is None:
         wandb = types.ModuleType("wandb")
+        wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # find_spec callers
         wandb.wandb_run = types.SimpleNamespace(Run=object)
         sys.modules["wandb"] = wandb
     if importlib.util.find_spec("hybrid_builders") is None:
