@@ -36,6 +36,15 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS) tests
 
+bench: setup
+	$(PY) tools/bench.py
+
+patches-report: setup
+	$(PY) -m megatron_patches report
+
+clean:
+	rm -rf $(VENV) $(FW_VENV) build *.egg-info
+
 # Framework tests (test names say verl / train_rl) in their own venv: verl 0.9.1 pins transformers
 # < 5.11 and tensordict <= 0.10 (ours: 5.23). torch goes in first, pinned, and everything else
 # with --no-deps from a pinned list, so no CUDA torch is ever pulled.
@@ -54,12 +63,3 @@ $(FW_STAMP): Makefile tools/frameworks-requirements.txt megatron_patches/declara
 
 test-frameworks: $(FW_STAMP)
 	PREFIX_REUSE_REQUIRE_FRAMEWORKS=1 $(FW_PY) -m pytest -q $(PYTEST_ARGS) $(FW_TESTS)
-
-bench: setup
-	$(PY) tools/bench.py
-
-patches-report: setup
-	$(PY) -m megatron_patches report
-
-clean:
-	rm -rf $(VENV) $(FW_VENV) build *.egg-info
