@@ -69,14 +69,18 @@ def rollout_from_train_rl(tokens, loss_mask, advantages, old_logprobs, ref_logpr
     lengths = [int(m.nonzero().max()) + 1 for m in masks]
 
     def per_token(lp, i):
-        return None if lp is None else torch.cat([lp.new_zeros(1), lp[i, :lengths[i] - 1]]).float()
+        return torch.cat([lp.new_zeros(1), lp[i, :lengths[i] - 1]]).float()
     return RolloutBatch(
         tokens=[tokens[i, :n] for i, n in enumerate(lengths)],
         loss_mask=[masks[i, :n] for i, n in enumerate(lengths)],
         group_ids=[i // group_size for i in range(len(lengths))],
         advantages=[float(a) for a in advantages.reshape(-1)],
-        old_logprobs=None if old_logprobs is None else [per_token(old_logprobs, i) for i in range(len(lengths))],
-        ref_logprobs=None if ref_logprobs is None else [per_token(ref_logprobs, i) for i in range(len(lengths))])
+        old_logprobs=_per_row(per_token, old_logprobs, len(lengths)),
+        ref_logprobs=_per_row(per_token, ref_logprobs, len(lengths)))
+
+
+def _per_row(convert, logprobs, num_rows):
+    return None if logprobs is None else [convert(logprobs, i) for i in range(num_rows)]
 
 
 @dataclass(kw_only=True)
@@ -122,7 +126,8 @@ class TrainRLReuse:
             check_train_rl_args(self.args, model)
             rows = [next(data_iterator) for _ in range(num_microbatches)]
             tokens, adv, old, mask, _pos, ref, _inf = (torch.cat(t) for t in zip(*rows))
-            rollout = rollout_from_train_rl(tokens, mask, adv, old, ref, group_size=self.group_size)
+            rollout = rollout_from_train_rl(tokens, mask, adv, old, ref,
+                                            group_size=self.group_size)
             _count_sequences(tokens.shape[0])
             result = PrefixReuseAdapter(model, self.config).forward_backward(rollout, self.loss_fn)
             self.reports.append(str(result.report))
@@ -141,8 +146,9 @@ class TrainRLReuse:
                              "--rl-inference-logprobs-is-correction")
         tokens = torch.cat([batch[0] for batch in data_loader])
         n, length = tokens.shape
-        rollout = RolloutBatch(tokens=list(tokens), group_ids=[i // self.group_size for i in range(n)],
-                               loss_mask=[torch.cat([torch.zeros(1), torch.ones(length - 1)])] * n)
+        every_position = torch.cat([torch.zeros(1), torch.ones(length - 1)])
+        rollout = RolloutBatch(tokens=list(tokens), loss_mask=[every_position] * n,
+                               group_ids=[i // self.group_size for i in range(n)])
         with torch.no_grad():
             result = PrefixReuseAdapter(model, self.config).forward_backward(
                 rollout, None, forward_only=True)
@@ -151,7 +157,8 @@ class TrainRLReuse:
     def install(self, rl_utils, training) -> Callable[[], None]:
         """Hook `training.get_forward_backward_func` and `rl_utils.compute_logprobs_batch`;
         returns the function that restores them."""
-        stock_get, stock_logprobs = training.get_forward_backward_func, rl_utils.compute_logprobs_batch
+        stock_get = training.get_forward_backward_func
+        stock_logprobs = rl_utils.compute_logprobs_batch
 
         def get_forward_backward_func(*args, **kwargs):
             return self.forward_backward_func(stock_get(*args, **kwargs))
