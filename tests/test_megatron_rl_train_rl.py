@@ -26,18 +26,32 @@ RL_MODULES = ("httpx", "fastapi", "uvicorn", "openai")
 
 
 @pytest.fixture(scope="module")
-def replay(tmp_path_factory):
+def tree(tmp_path_factory):
     missing = [m for m in RL_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"Megatron-LM's megatron/rl imports {', '.join(missing)}: run make setup "
                     "(or make test-frameworks)")
-    tree = patched_tree("0.20.0", tmp_path_factory)  # skips naming the places when absent
-    out = tmp_path_factory.mktemp("train_rl") / "replay.pt"
-    run = subprocess.run([sys.executable, "-W", "ignore", str(REPO / "tests" / "train_rl_replay.py"),
-                          str(out)], env=child_env(tree), cwd=REPO, capture_output=True,
-                         text=True, timeout=900)
+    return patched_tree("0.20.0", tmp_path_factory)  # skips naming the places when absent
+
+
+def _run(tree, script, arg):
+    run = subprocess.run([sys.executable, "-W", "ignore", str(REPO / "tests" / script), str(arg)],
+                         env=child_env(tree), cwd=REPO, capture_output=True, text=True,
+                         timeout=900)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    return run.stdout
+
+
+@pytest.fixture(scope="module")
+def replay(tree, tmp_path_factory):
+    out = tmp_path_factory.mktemp("train_rl") / "replay.pt"
+    _run(tree, "train_rl_replay.py", out)
     return torch.load(out)
+
+
+def test_train_rl_prefix_reuse_launcher(tree, tmp_path):
+    """examples/megatron_lm/train_rl_prefix_reuse.py: tests/train_rl_launcher_check.py."""
+    assert "launcher ok" in _run(tree, "train_rl_launcher_check.py", tmp_path)
 
 
 def _close(a, b, what):
