@@ -29,6 +29,7 @@ $(STAMP): setup.py Makefile megatron_patches/patching/declarations.py
 	$(PIP) install -q einops==0.8.1  # megatron.core.ssm (Mamba layers) needs it
 	$(PIP) install -q pybind11==3.1.0 psutil==7.2.2 tensorboard==2.21.0  # megatron.training
 	$(PIP) install -q matplotlib==3.10.7 tqdm==4.70.1  # tools/: plots (sweep, replay, capacity, plan, predict) and progress
+	$(PIP) install -q httpx==0.28.1 fastapi==0.115.12 uvicorn==0.34.2 'openai[aiohttp]==1.99.9'  # megatron/rl imports (tests/test_megatron_rl_train_rl.py)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PY) -m megatron_patches apply
 	touch $(STAMP)

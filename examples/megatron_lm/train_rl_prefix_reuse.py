@@ -1,0 +1,91 @@
+"""Megatron-LM's own `train_rl.py` with `--prefix-reuse` (docs/FRAMEWORKS.md, Megatron-LM RL).
+
+    torchrun ... examples/megatron_lm/train_rl_prefix_reuse.py --train-rl PATH/train_rl.py \\
+        [train_rl.py's arguments] --calculate-per-token-loss --prefix-reuse
+
+Runs PATH/train_rl.py as `__main__` (its own argument parsing, rollouts, loop and logging).
+With `--prefix-reuse` (removed before train_rl parses), `megatron.training.pretrain` is wrapped
+so that, once the arguments are parsed, the TrainRLReuse hooks go in for train_rl's
+`forward_step` / `loss_func`: each RL iteration's training step and its old/ref log-prob passes
+run with prefix reuse. Arguments the reuse step cannot run exactly are refused before training.
+Without `--prefix-reuse` nothing is changed. (Checked: the plumbing, by
+tests/test_megatron_rl_train_rl.py with a stand-in train_rl.py; a whole train_rl.py run needs
+Megatron's CUDA inference engine for its rollouts.)
+"""
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+from typing import List, Tuple
+
+__all__ = ["main", "split_argv"]
+
+
+def split_argv(argv: List[str]) -> Tuple[str, bool, List[str]]:
+    """(train_rl.py path, --prefix-reuse given, the arguments left for train_rl)."""
+    rest, path, reuse = [], None, False
+    it = iter(argv)
+    for arg in it:
+        if arg == "--prefix-reuse":
+            reuse = True
+        elif arg == "--train-rl":
+            path = next(it, None)
+        elif arg.startswith("--train-rl="):
+            path = arg.split("=", 1)[1]
+        else:
+            rest.append(arg)
+    if not path:
+        raise ValueError("give --train-rl PATH/train_rl.py (Megatron-LM's RL entry point)")
+    return path, reuse, rest
+
+
+def _check_args(args) -> None:
+    problems = [flag for flag, bad in (
+        ("--rl-use-sequence-packing (drop it)", args.rl_use_sequence_packing),
+        ("--rl-inference-logprobs-is-correction (drop it)",
+         args.rl_inference_logprobs_is_correction),
+        ("--calculate-per-token-loss (give it)", not args.calculate_per_token_loss),
+        ("--pipeline-model-parallel-size 1", args.pipeline_model_parallel_size > 1),
+        ("--context-parallel-size 1", args.context_parallel_size > 1)) if bad]
+    if problems:
+        raise ValueError("train_rl.py --prefix-reuse needs: " + "; ".join(problems))
+
+
+def _with_prefix_reuse(pretrain):
+    def pretrain_with_prefix_reuse(full_config, datasets_provider, model_type, forward_step_func,
+                                   *rest, **kwargs):
+        from megatron.rl import rl_utils
+        from megatron.training import get_args, training
+
+        from megatron_patches.frameworks.megatron_rl import TrainRLReuse
+
+        args = get_args()
+        _check_args(args)
+        TrainRLReuse(args=args, train_forward_step=forward_step_func,
+                     loss_func=forward_step_func.__globals__["loss_func"],
+                     calculate_grpo_loss=rl_utils.calculate_grpo_loss,
+                     group_size=args.grpo_group_size).install(rl_utils, training)
+        print("> prefix reuse: train_rl's training step and log-prob passes", flush=True)
+        return pretrain(full_config, datasets_provider, model_type, forward_step_func, *rest,
+                        **kwargs)
+    return pretrain_with_prefix_reuse
+
+
+def main(argv: List[str]) -> None:
+    from megatron_patches.megatron_lm import compat
+
+    path, reuse, rest = split_argv(argv)
+    compat.enable_python311_support()
+    compat.enable_megatron_lm_cpu_support()  # a no-op where CUDA exists
+    if reuse:
+        import megatron.training
+
+        megatron.training.pretrain = _with_prefix_reuse(megatron.training.pretrain)
+    sys.argv = [path, *rest]
+    sys.path.insert(0, str(Path(path).resolve().parent))  # train_rl's gpt_builders, ...
+    runpy.run_path(path, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

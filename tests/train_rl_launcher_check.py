@@ -1,0 +1,65 @@
+"""Plumbing of examples/megatron_lm/train_rl_prefix_reuse.py with a stand-in train_rl.py (run by
+tests/test_megatron_rl_train_rl.py on the Megatron-LM main checkout): `--prefix-reuse` is taken
+out of train_rl's arguments, and when train_rl calls `pretrain` the TrainRLReuse hooks are in
+place for its forward_step / loss_func; bad arguments are refused before pretrain runs. The real
+`pretrain` is replaced by a recorder (a whole train_rl run needs CUDA inference for rollouts)."""
+import sys
+from pathlib import Path
+
+STAND_IN = '''
+import sys
+from argparse import Namespace as NAMESPACE
+from megatron.training import pretrain
+from megatron.training.global_vars import set_args
+def loss_func(*args): pass
+def forward_step(data_iterator, model): pass
+set_args(NAMESPACE(rl_use_sequence_packing=False, rl_inference_logprobs_is_correction=False,
+                   calculate_per_token_loss="--calculate-per-token-loss" in sys.argv,
+                   pipeline_model_parallel_size=1, context_parallel_size=1, grpo_group_size=4))
+pretrain(None, None, None, forward_step, None)
+'''
+
+
+def main(tmp: str) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "megatron_lm"))
+    import train_rl_prefix_reuse as launcher
+    from megatron_patches.megatron_lm import compat
+
+    compat.enable_python311_support()
+    compat.enable_megatron_lm_cpu_support()
+    from train_rl_replay import _stub_missing_modules
+
+    _stub_missing_modules()  # wandb when absent (train_rl_replay.py says why)
+    import megatron.training
+    from megatron.rl import rl_utils
+    from megatron.training import training
+
+    script = Path(tmp) / "train_rl.py"
+    script.write_text(STAND_IN)
+    seen = {}
+    stock = (training.get_forward_backward_func, rl_utils.compute_logprobs_batch)
+
+    def recorder(full_config, datasets_provider, model_type, forward_step_func, provider):
+        seen.update(argv=list(sys.argv), hooked=(training.get_forward_backward_func,
+                                                 rl_utils.compute_logprobs_batch),
+                    step=forward_step_func)
+    megatron.training.pretrain = recorder
+    launcher.main(["--train-rl", str(script), "--calculate-per-token-loss", "--prefix-reuse"])
+    assert seen["argv"] == [str(script), "--calculate-per-token-loss"], seen["argv"]
+    assert seen["hooked"][0] is not stock[0] and seen["hooked"][1] is not stock[1]
+    hook = seen["hooked"][1].__self__
+    assert hook.train_forward_step is seen["step"] and hook.group_size == 4
+    assert hook.loss_func.__name__ == "loss_func"
+    training.get_forward_backward_func, rl_utils.compute_logprobs_batch = stock
+    seen.clear()
+    try:
+        launcher.main(["--train-rl", str(script), "--prefix-reuse"])
+    except ValueError as error:
+        assert "--calculate-per-token-loss" in str(error) and not seen, error
+    else:
+        raise AssertionError("no --calculate-per-token-loss was not refused")
+    print("launcher ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
