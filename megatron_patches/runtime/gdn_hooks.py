@@ -28,7 +28,7 @@ from prefix_schedule.runtime.context import (
     current_context,
 )
 
-__all__ = ["gdn_state_hook", "CONV_STATE", "RULE_STATE"]
+__all__ = ["gdn_state_hook", "conv_window", "CONV_STATE", "RULE_STATE"]
 
 CONV_STATE = "conv"
 """Cache name of a GDN layer's conv tail: [B=1, kernel_size - 1, conv channels] raw inputs."""
@@ -110,6 +110,21 @@ def _read(context, layer: int, read: Optional[dict], name: str) -> Optional[torc
                                     chunks=read.get("chunks"), length=read.get("length"))
 
 
+def conv_window(context, layer: int, segment, x: torch.Tensor, width: int) -> torch.Tensor:
+    """[cached conv tail (zeros without one); x] for a depthwise causal conv of `width` over the
+    segment x [1, T, D]; a prefix segment's last W-1 raw inputs go to the cache as its tail
+    ("conv", [Note: recurrent prefix state]). Shared by the GDN and Mamba hooks."""
+    tail = _read(context, layer, segment.read, CONV_STATE)
+    if tail is None:
+        tail = x.new_zeros((1, width - 1, x.shape[-1]))
+    window = torch.cat([tail.to(x.dtype), x], dim=1)  # [1, W-1+T, D]
+    if segment.store and not context.recomputing:
+        context.cache.store_state(context.group, layer, CONV_STATE,
+                                  window[:, window.shape[1] - (width - 1):],
+                                  chunk=context.chunk, num_tokens=x.shape[1])
+    return window
+
+
 def _conv(module, context, segments, qkv, weight, bias):
     """The GDN short causal conv + activation over qkv [1, T, D], per segment."""
     if qkv.shape[0] != 1:
@@ -117,17 +132,9 @@ def _conv(module, context, segments, qkv, weight, bias):
     layer, width = module.layer_number, weight.shape[-1]
     outs = []
     for segment, a, b in _bounds(context, segments, qkv.shape[1]):
-        x = qkv[:, a:b]
-        tail = _read(context, layer, segment.read, CONV_STATE)
-        if tail is None:
-            tail = x.new_zeros((1, width - 1, x.shape[-1]))
-        window = torch.cat([tail.to(x.dtype), x], dim=1)  # [1, W-1+T, D]
-        y = F.conv1d(window.transpose(1, 2), weight, bias, groups=x.shape[-1])
+        window = conv_window(context, layer, segment, qkv[:, a:b], width)
+        y = F.conv1d(window.transpose(1, 2), weight, bias, groups=qkv.shape[-1])
         outs.append(module.act_fn(y).transpose(1, 2))
-        if segment.store and not context.recomputing:
-            context.cache.store_state(context.group, layer, CONV_STATE,
-                                      window[:, window.shape[1] - (width - 1):],
-                                      chunk=context.chunk, num_tokens=b - a)
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 

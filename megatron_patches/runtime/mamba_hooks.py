@@ -28,12 +28,11 @@ from prefix_schedule.runtime.context import (
     current_context,
 )
 
-from megatron_patches.runtime.gdn_hooks import _bounds, _read, _segments
+from megatron_patches.runtime.gdn_hooks import CONV_STATE, _bounds, _read, _segments, conv_window
 
 __all__ = ["mamba_state_hook", "CONV_STATE", "SSM_STATE"]
+# CONV_STATE ("conv": [1, kernel_size - 1, conv channels] raw xBC inputs) is the GDN hooks'
 
-CONV_STATE = "conv"
-"""Cache name of a Mamba layer's conv tail: [1, kernel_size - 1, conv channels] raw inputs."""
 SSM_STATE = "ssm"
 """Cache name of a Mamba layer's SSD state: [1, heads, head_dim, d_state]."""
 
@@ -75,11 +74,7 @@ def _split_conv_scan(module, context, segments, zxbcdt, conv1d_weight, conv1d_bi
     layer, width = module.layer_number, conv1d_weight.shape[-1]
     outs = []
     for segment, a, b in _bounds(context, segments, zxbcdt.shape[1]):
-        seg = xbc[:, a:b]
-        tail = _read(context, layer, segment.read, CONV_STATE)
-        if tail is None:
-            tail = seg.new_zeros((1, width - 1, seg.shape[-1]))
-        window = torch.cat([tail.to(seg.dtype), seg], dim=1)  # [1, W-1+L, channels]
+        window = conv_window(context, layer, segment, xbc[:, a:b], width)  # [1, W-1+L, ch]
         conv = mamba_mixer.causal_conv1d_fn(window.transpose(1, 2), conv1d_weight, conv1d_bias,
                                             activation=activation)
         conv = conv[..., width - 1:].transpose(1, 2)  # [1, L, channels]
@@ -95,9 +90,6 @@ def _split_conv_scan(module, context, segments, zxbcdt, conv1d_weight, conv1d_bi
         y, final = result if segment.store else (result, None)
         outs.append(y.reshape(1, length, dim))
         if segment.store and not context.recomputing:
-            context.cache.store_state(context.group, layer, CONV_STATE,
-                                      window[:, window.shape[1] - (width - 1):],
-                                      chunk=context.chunk, num_tokens=length)
             context.cache.store_state(context.group, layer, SSM_STATE, final,
                                       chunk=context.chunk, num_tokens=length)
     if (isinstance(context, PrefixForwardContext) and not context.recomputing
