@@ -1,7 +1,8 @@
 """`python -m megatron_patches {apply,revert,check,report,diff} [--root PATH] [--write]`.
 
 Exit status: 0 done / all applied; 1 `check` found a patch not applied, or a patch conflicts
-(nothing was written); 2 usage error (no megatron-core found, unsupported version, bad --root,
+(nothing was written), or `check` / `report` found a mixed tree (files of another release left
+behind by unpacking one Megatron-LM over another); 2 usage error (no megatron-core found, unsupported version, bad --root,
 a target that cannot be written: nothing was written).
 """
 
@@ -43,6 +44,17 @@ def _print_states(states) -> None:
         print(f"{state.patch_id}: {state.state}" + (f" ({state.detail})" if state.detail else ""))
 
 
+def _mixed_tree(root: Path) -> bool:
+    """Print (stderr) whether root mixes two releases; True if it does."""
+    stray = registry.stray_files(root)
+    if stray:
+        print(f"mixed tree: {len(stray)} file(s) under {root} belong to another Megatron release "
+              f"than megatron-core {registry.megatron_version(root)} (e.g. {', '.join(stray[:3])}): "
+              "one release was unpacked over another; unpack or install it into an empty "
+              "directory and apply the patches there", file=sys.stderr)
+    return bool(stray)
+
+
 def _report(root: Path) -> int:
     patches = registry.patches_at(root)
     states = registry.status(root, patches)
@@ -60,12 +72,15 @@ def _report(root: Path) -> int:
     for state in states:
         if state.state == registry.CONFLICT:
             print(f"{state.patch_id}: {state.detail}", file=sys.stderr)
-    return _EXIT_FAILED if any(s.state == registry.CONFLICT for s in states) else _EXIT_OK
+    mixed = _mixed_tree(root)
+    return _EXIT_FAILED if mixed or any(s.state == registry.CONFLICT for s in states) else _EXIT_OK
 
 
 def _check(root: Path) -> int:
     states = registry.status(root)
     missing = [s for s in states if s.state != registry.APPLIED]
+    if _mixed_tree(root):
+        return _EXIT_FAILED
     if not missing:
         print(f"all {len(states)} megatron patches are applied under {root}")
         return _EXIT_OK

@@ -355,3 +355,34 @@ def test_in_process_check_requires_the_patched_code(tmp_path, monkeypatch):
     finally:
         for name in [package, f"{package}.mod"]:
             sys.modules.pop(name, None)
+
+
+def test_mixed_tree_is_flagged(release_root):
+    """One release unpacked over another leaves the other's own files: report and check say so."""
+    root = release_root
+    assert registry.stray_files(root) == []
+    family = ".".join(registry.megatron_version(root).split(".")[:2])
+    from megatron_patches.patching.tree_files import ONLY_IN
+
+    other = next(f for f in ONLY_IN if f != family)
+    stray = root / ONLY_IN[other][0]
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    stray.write_text("# left behind\n")
+    assert registry.stray_files(root) == [ONLY_IN[other][0]]
+    for command in ("report", "check"):
+        result = _cli(command, "--root", str(root))
+        assert result.returncode == 1 and "mixed tree" in result.stderr, result.stderr
+        assert ONLY_IN[other][0] in result.stderr
+
+
+def test_tree_files_match_the_offline_tarballs(tmp_path):
+    """The generated list (tools/tree_files.py) is what the tarballs hold today."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import tree_files
+
+    from megatron_trees import TARBALLS, find_tarball  # skips naming the places looked at
+
+    assert tree_files.TARBALLS == {"0.19": TARBALLS["0.19.1"], "0.20": TARBALLS["0.20.0"]}
+    paths = {"0.19": find_tarball("0.19.1"), "0.20": find_tarball("0.20.0")}
+    rendered = tree_files.render({f: tree_files.core_files(p) for f, p in paths.items()})
+    assert rendered == tree_files.OUT.read_text(encoding="utf-8"), "run tools/tree_files.py"

@@ -32,7 +32,7 @@ __all__ = [
     "SUPPORTED_VERSIONS", "Hunk", "PatchConflictError", "PatchStatus", "SourcePatch", "apply",
     "check", "default_root", "imported_version", "is_applied_in_process", "megatron_version",
     "patch_set_name", "patches_at", "patches_for", "require_patched", "revert", "status",
-    "supported_range", "unified_diff",
+    "stray_files", "supported_range", "unified_diff",
 ]
 
 APPLIED = "applied"
@@ -103,6 +103,16 @@ def patches_at(root: Path | str) -> tuple[SourcePatch, ...]:
             + _INSTALL_HINT
         )
     return patches_for(version)
+
+
+def stray_files(root: Path | str) -> list[str]:
+    """Files under root that belong to another supported release family than root's version
+    (patching/tree_files.py): a mixed tree, one Megatron-LM unpacked over another. Empty if none."""
+    from megatron_patches.patching.tree_files import ONLY_IN
+
+    family = ".".join(megatron_version(root).split(".")[:2])
+    return [path for other, paths in sorted(ONLY_IN.items()) if other != family
+            for path in paths if (Path(root) / path).is_file()]
 
 
 def _require_supported(root: Path, patches: tuple[SourcePatch, ...]) -> None:
