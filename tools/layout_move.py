@@ -82,9 +82,6 @@ SPLITS = {  # files over MAX_LINES today, and how to split them (by hand; not do
         "runtime/cp_layout.py (pure index arithmetic); CPGroup, _GatherRows, CPRow stay "
         "(re-export ZigzagLayout and balance_owners, which tests and the bench import from "
         "runtime.cp)",
-    "prefix_schedule/runtime/cache.py": "the autograd Functions _AccumulateInto and "
-        "_InjectGrads with _Entry and _compact -> runtime/cache_grads.py; PrefixKVCache and "
-        "[Note: CP prefix cache] stay",
     "prefix_schedule/runtime/step.py": "the attention contexts ReuseStep hands the hooks "
         "(prefix_context, suffix_context and their helpers _chain, _ancestors, "
         "_build_suffix_context, ~85 lines) -> runtime/step_contexts.py as functions of the step; "
