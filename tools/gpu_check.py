@@ -58,6 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchlib, gpu_check_e2e
 import gpu_check_te_cp  # noqa: E402
+from gpu_check_report import claims, exit_status, library_versions, not_run  # noqa: E402,F401
 from benchlib.timing import PhaseMemory, RegionTimer  # noqa: E402
 from prefix_schedule.attention import PackedMeta, reference_attention, shared_prefix_attention  # noqa: E402
 from prefix_schedule.attention.backends import availability  # noqa: E402
@@ -228,71 +229,6 @@ def _mib(value):
     return None if value is None else value / 2**20
 
 
-def library_versions() -> dict:
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
-    for module, attr in (("transformer_engine", "__version__"), ("flash_attn", "__version__"),
-                         ("megatron.core", "__version__")):
-        try:
-            out[module] = str(getattr(__import__(module, fromlist=["_"]), attr))
-        except Exception as e:  # noqa: BLE001 -- absent or broken: say which
-            out[module] = f"unavailable ({type(e).__name__})"
-    if torch.backends.cudnn.is_available():
-        out["cudnn"] = torch.backends.cudnn.version()
-    return out
-
-
-def claims(report, checked_backends, dry_run) -> list[dict]:
-    """What this run proves, per claim: proved / failed / not run (reason)."""
-    rows = report["correctness"]
-    out = []
-    for name in (DRY.backends if dry_run else GPU_BACKENDS):
-        mine = [r for r in rows if r["backend"] == name]
-        what = (f"{name}: two_part and copy match the float64 oracle (out, dq, dk, dv, prefix gK/gV) "
-                f"in {', '.join(report['sizes']['dtypes'])} on {len(report['sizes']['layouts'])} "
-                "layouts (GQA, empty prefix slot, 1-token suffixes"
-                + ("" if dry_run else ", > 1024 query rows") + "), with the installed version's "
-                "call signatures")
-        status = ("not run: " + report["availability"][name] if name not in checked_backends
-                  else "proved" if all(r["ok"] for r in mine) else "failed")
-        out.append(dict(claim=what, status=status))
-    cp_rows = report["cp_correctness"]
-    out.append(dict(claim="context parallelism: every CP rank's zigzag pieces (CP "
-                    f"{sorted({r['cp'] for r in cp_rows})}) on "
-                    f"{sorted({r['backend'] for r in cp_rows})} match the float64 oracle",
-                    status="proved" if cp_rows and all(r["ok"] for r in cp_rows)
-                    else "failed" if cp_rows else "not run: no backend available"))
-    te_cp = report["te_cp_filter"]
-    out.append(dict(claim=te_cp.get("claim", "Transformer Engine's CP attention backend filter"),
-                    status=f"not run: {te_cp['skipped']}" if "skipped" in te_cp
-                    else "proved" if te_cp["ok"] else "failed"))
-    timing = report["timing"]
-    out.append(dict(claim="attention fwd+bwd time (synchronized) and peak memory per backend x mode",
-                    status="proved" if timing and all(t["ok"] for t in timing)
-                    else "failed" if timing else "not run"))
-    for key, label in (("e2e", "end-to-end step"), ("moe_e2e", "MoE end-to-end step"),
-                       ("predict_device", "predictor microbenchmark"),
-                       ("gdn_e2e", "Gated DeltaNet kernel and end-to-end step")):
-        e2e = report.get(key)
-        if e2e is None or "skipped" in (e2e or {}):
-            out.append(dict(claim=label, status=f"not run: {(e2e or {}).get('skipped')}"))
-        else:
-            out.append(dict(claim=e2e["claim"], status="proved" if e2e["ok"] else "failed"))
-    return out
-
-
-def not_run(report) -> list[str]:
-    """The claims of requested phases that did not run (--skip-e2e ones were not requested)."""
-    return [c["claim"] for c in report["claims"]
-            if c["status"].startswith("not run") and "--skip-e2e" not in c["status"]]
-
-
-def exit_status(report, allow_partial: bool) -> int:
-    """1 on a failure; 4 when a requested phase did not run, unless `allow_partial`; else 0."""
-    if report["failures"]:
-        return 1
-    return 4 if report["not_run"] and not allow_partial else 0
-
-
 def _moe_e2e(args, device, cuda, started, report) -> dict:
     """Phase 4 (tools/gpu_check_moe.py): MoE with grouped experts (TEGroupedMLP)."""
     if args.skip_e2e:
@@ -397,7 +333,8 @@ def main(argv=None) -> int:
     report["gdn_e2e"] = _gdn_e2e(args, device, cuda, started, report)
     report["env"] = {k: os.environ.get(k) for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN",
                                                      "NVTE_UNFUSED_ATTN")}  # as the run left them
-    report["claims"] = claims(report, names, dry_run=not cuda)
+    report["claims"] = claims(report, names, GPU_BACKENDS if cuda else DRY.backends,
+                                dry_run=not cuda)
     failures = sum(not r.get("ok", True) for r in report["correctness"] + report["timing"]
                    + report["cp_correctness"])
     failures += sum(int(bool(report[k]) and report[k].get("ok") is False)
