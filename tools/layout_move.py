@@ -25,8 +25,8 @@ tools/snapshot_signatures.py name them).
 It refuses when the tree has modules MOVES does not place (a merged branch added one: add it
 to MOVES first), a subpackage folder exists already, or the work tree is not clean. Afterwards:
 `make test-fast`, then `make test` (tests/test_import_graph.py checks for import circles).
-Files over ~400 lines are listed with a split plan (SPLITS) to do by hand: they sit in
-prefix_schedule/runtime/, where other branches work.
+Files over ~400 lines are listed with a split plan (SPLITS) to do by hand (the last three,
+runtime/cp.py, cache.py and step.py, are split).
 """
 from __future__ import annotations
 
@@ -77,17 +77,7 @@ MOVES = {  # old module -> new module, both under megatron_patches
     "mamba_cpu": "support.mamba_cpu",
 }
 STAYS = {"__init__", "__main__", "rl", "training"}  # the public entry points
-SPLITS = {  # files over MAX_LINES today, and how to split them (by hand; not done by --apply)
-    "prefix_schedule/runtime/cp.py": "ZigzagLayout, balance_owners and their three notes -> "
-        "runtime/cp_layout.py (pure index arithmetic); CPGroup, _GatherRows, CPRow stay "
-        "(re-export ZigzagLayout and balance_owners, which tests and the bench import from "
-        "runtime.cp)",
-    "prefix_schedule/runtime/step.py": "the attention contexts ReuseStep hands the hooks "
-        "(prefix_context, suffix_context and their helpers _chain, _ancestors, "
-        "_build_suffix_context, ~85 lines) -> runtime/step_contexts.py as functions of the step; "
-        "ReuseStep keeps the data-iterator protocol, the CP layouts and thin methods that call "
-        "them",
-}
+SPLITS: dict = {}  # files over MAX_LINES today -> how to split them by hand (none left)
 MAX_LINES = 400
 TEXT_GLOBS = ("**/*.py", "**/*.md", "Makefile", "setup.py", "pytest.ini", ".ci/*")
 SKIP_DIRS = {".venv", ".git", "build", "__pycache__"}

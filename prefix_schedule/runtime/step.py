@@ -14,13 +14,12 @@ planner.py); `prefix_length` / `microbatch_length` are the padded lengths every 
 
 from __future__ import annotations
 
-from itertools import accumulate
 from typing import Dict, Optional, Tuple
 
 import torch
 
-from prefix_schedule.attention import PackedMeta
 from prefix_schedule.runtime.cache import PrefixKVCache
+from prefix_schedule.runtime import step_contexts
 from prefix_schedule.runtime.context import PrefixForwardContext, SuffixForwardContext
 from prefix_schedule.runtime.cp import CPGroup, CPRow, ZigzagLayout, balance_owners
 from prefix_schedule.planning.batch_checks import (batch_digest, check_batch_arrays,
@@ -318,91 +317,24 @@ class ReuseStep:
         item, self._pending = self._pending, None
         return item
 
-    # ---- contexts for the hooks
+    # ---- contexts for the hooks (built in runtime/step_contexts.py)
     def prefix_context(self, unit: int, *, stop_after_layer: Optional[int],
                        recomputing: bool = False, replay: bool = False,
                        inject: bool = False, model_chunk: int = 0,
                        stop_in_router: bool = False) -> PrefixForwardContext:
         """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
         chunk `model_chunk` of this rank."""
-        chunk = self.prefix_unit(unit)
-        reads = None
-        if chunk.group in self._trees and chunk.chunk > 0:  # its ancestors ([Note: prefix trees])
-            reads = self._ancestors(chunk)
-        members = self.prefix_members(unit)
-        cp = (None if self.cp is None
-              else self._cp_row(self.prefix_layout(unit), [c.start for c in members]))
-        packed = ()
-        if len(members) > 1:  # [Note: packed CP prefix rows]: each member's real rows
-            real = [0, *accumulate(c.length for c in members)]
-            packed = tuple((c.group, real[i], real[i + 1]) for i, c in enumerate(members))
-        return PrefixForwardContext(group=chunk.group, chunk=chunk.chunk,
-                                    position_offset=chunk.start, cache=self.caches[model_chunk],
-                                    stop_after_layer=stop_after_layer, recomputing=recomputing,
-                                    padding=chunk.padding, reads=reads,
-                                    multiplicity=self.prefix_multiplicity(chunk.group),
-                                    stop_in_router=stop_in_router, cp=cp,
-                                    replay=replay, inject=inject, packed=packed)
-
-    def _chain(self, group: int, node: int) -> tuple:
-        """The chunks a reader after tree node `node` attends to (memoised per step)."""
-        key = (group, node)
-        if key not in self._chains:
-            self._chains[key] = self.plan.chain_chunks(group, node)
-        return self._chains[key]
-
-    def _ancestors(self, chunk: PrefixChunk) -> tuple:
-        by_chunk = {c.chunk: c for c in self._units.values() if c.group == chunk.group}
-        chain, parent = [], chunk.parent_chunk
-        while parent is not None:
-            chain.append(parent)
-            parent = by_chunk[parent].parent_chunk
-        return tuple(reversed(chain))
+        return step_contexts.prefix_context(
+            self, unit, stop_after_layer=stop_after_layer, recomputing=recomputing, replay=replay,
+            inject=inject, model_chunk=model_chunk, stop_in_router=stop_in_router)
 
     def suffix_context(self, microbatch: int, model_chunk: int = 0) -> SuffixForwardContext:
         """Context of suffix microbatch `microbatch` (its forward and its backward) on model
         chunk `model_chunk` of this rank."""
         key = (microbatch, model_chunk)
         if key not in self._suffix_contexts:
-            self._suffix_contexts[key] = self._build_suffix_context(microbatch, model_chunk)
+            self._suffix_contexts[key] = step_contexts.suffix_context(self, microbatch, model_chunk)
         return self._suffix_contexts[key]
-
-    def _build_suffix_context(self, microbatch: int, model_chunk: int) -> SuffixForwardContext:
-        mb = self.plan.microbatches[microbatch]
-        # (group, cached_len, length, node) of each sequence; padding: one more, no prefix
-        sequences = [(s.group, s.cached_len, s.length, s.node) for s in mb.segments]
-        if mb.padding:  # [Note: row padding] in planner.py
-            sequences.append((None, 0, mb.padding, 0))
-        slot_groups, slot_keys, slot_reads, slots, lengths, positions = [], [], [], [], [], []
-        sequence_groups = []
-        for group, cached_len, length, node in sequences:
-            group = group if cached_len > 0 else None
-            sequence_groups.append(group)
-            tree = group in self._trees
-            key = (group, node, cached_len) if tree else group
-            # consecutive sequences reading one cache slot (a group; in a tree: one node's chain,
-            # same length) share a slot; a dense row has its own
-            if group is None or not slot_keys or slot_keys[-1] != key:
-                slot_groups.append(group)
-                slot_keys.append(key)
-                slot_reads.append((self._chain(group, node), cached_len) if tree
-                                  else None)
-            slots.append(len(slot_groups) - 1)
-            lengths.append(length)
-            positions.append(torch.arange(cached_len, cached_len + length))
-        return SuffixForwardContext(
-            microbatch=microbatch,
-            cache=self.caches[model_chunk],
-            slot_groups=tuple(slot_groups),
-            meta=PackedMeta.from_lengths(lengths, slots),
-            position_ids=torch.cat(positions),
-            max_position=max(cached_len + length - 1 for _, cached_len, length, _ in sequences),
-            slot_reads=tuple(slot_reads) if self._trees else None,
-            sequence_groups=tuple(sequence_groups),
-            num_padding=mb.padding,
-            cp=(None if self.cp is None else self._cp_row(
-                self.microbatch_layout(microbatch), [s.cached_len for s in mb.segments])),
-        )
 
     def prefix_multiplicity(self, group: int) -> int:
         """Trajectories of the step that read `group`'s cached prefix: dense training routes
