@@ -13,12 +13,13 @@ small integers, exact in float32 (positions < 2^24; checked).
 """
 from __future__ import annotations
 
+import copy
 from typing import Dict, List
 
 import torch
 
 from prefix_schedule.pipeline import ActionKind
-from prefix_schedule.planning.data import Group, GroupBatch
+from prefix_schedule.planning.data import Group, GroupBatch, Trajectory
 from prefix_schedule.planning.detect import Detection, FlatTrajectory
 from prefix_schedule.planning.inputs import build_prefix_loss, build_suffix_inputs
 from prefix_schedule.runtime.step import ReuseStep
@@ -31,21 +32,41 @@ _EXACT = 2 ** 24
 
 
 def shadow_batch(detection: Detection, flats: List[FlatTrajectory]) -> GroupBatch:
-    """The batch of [Note: shadow index batch] for `detection` of `flats`."""
+    """The batch of [Note: shadow index batch] for `detection` of `flats`: each trajectory a
+    copy of the detected one (the same token, loss-mask and node objects) with the index arrays
+    in place of advantages / old log-probs (no ref log-probs), split where it was split."""
     if max(f.tokens.numel() for f in flats) >= _EXACT or len(flats) >= 10 ** 6:
         raise ValueError("the adapter indexes rows in float32: give sequences shorter than "
                          f"{_EXACT} tokens and fewer than 10^6 sequences per step")
+    longest = max(f.tokens.numel() for f in flats)
+    positions = -torch.arange(longest, dtype=torch.float32)  # shared: the rows only read it
+    sequences = torch.arange(1, len(flats) + 1, dtype=torch.float32)
     groups = []
     for group, sources in zip(detection.batch.groups, detection.sources):
+        context = {}  # node -> context length, once per node
         split = []
-        for t, i in enumerate(sources):
+        for tr, i in zip(group.trajectories, sources):
+            if tr.node not in context:
+                context[tr.node] = sum(group.node_tokens(n).numel() for n in group.chain(tr.node))
             n = flats[i].tokens.numel()
-            shadow = FlatTrajectory(tokens=flats[i].tokens, loss_mask=flats[i].loss_mask,
-                                    advantages=torch.full((n,), float(i + 1)),
-                                    old_logprobs=-torch.arange(n, dtype=torch.float32))
-            split.append(shadow.split(group.context_len(t), group.trajectories[t].node))
+            split.append(_shadow(tr, sequences[i].expand(n), positions[:n], context[tr.node]))
         groups.append(Group(prefix=group.prefix, nodes=list(group.nodes), trajectories=split))
     return GroupBatch(groups=groups)
+
+
+def _shadow(trajectory: Trajectory, seq: torch.Tensor, pos: torch.Tensor,
+            context_len: int) -> Trajectory:
+    """`trajectory` with advantages `seq` (its sequence index + 1) and old log-probs `pos`
+    (-position), its suffix's and its context loss's part."""
+    shadow = copy.copy(trajectory)  # validated arrays, replaced below by the same checked kinds
+    shadow.advantages, shadow.old_logprobs = seq[context_len:], pos[context_len:]
+    shadow.ref_logprobs = None
+    if trajectory.context_loss is not None:
+        inside = copy.copy(trajectory.context_loss)
+        inside.advantages, inside.old_logprobs = seq[:context_len], pos[:context_len]
+        inside.ref_logprobs = None
+        shadow.context_loss = inside
+    return shadow
 
 
 def _index(arrays: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:

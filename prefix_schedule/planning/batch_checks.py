@@ -9,13 +9,18 @@ weights tokens silently, and a plan that misses a trajectory trains on part of t
 step re-checks the batch when it is built (`check_batch_arrays`: GroupBatch.validate, which the
 dense path and the planner call, and ReuseStep) and checks that its plan covers exactly the
 batch's trajectories and tokens (`check_plan_covers`). Both are linear in the batch's tokens,
-with no copy kept.
+with no copy kept. `check_batch_arrays` first checks every array of the batch at once
+(`_arrays_pass`: a few whole-batch tensor ops, the per-trajectory work is attribute reads) and
+walks the batch array by array only when that finds something wrong, to raise the per-array
+message: the same refusals, at thousands of trajectories per step.
 """
 from __future__ import annotations
 
 import math
 import zlib
 
+
+import torch
 
 from prefix_schedule.planning.data import (MAX_ABS_ADVANTAGE, GroupBatch, Group, Trajectory,
                                            _as_floats, _as_tokens, _check_range)
@@ -39,6 +44,8 @@ def check_batch_arrays(batch: GroupBatch) -> None:
         raise ValueError(f"expected a GroupBatch, got {type(batch).__name__}")
     if not batch.groups:
         raise ValueError("GroupBatch has no groups; give at least one Group")
+    if _arrays_pass(batch.groups):
+        return
     for g, group in enumerate(batch.groups):
         if not isinstance(group, Group):
             raise ValueError(f"group {g}: expected a Group, got {type(group).__name__}")
@@ -46,6 +53,85 @@ def check_batch_arrays(batch: GroupBatch) -> None:
             _check_group(group)
         except ValueError as exc:
             raise ValueError(f"group {g}: {exc}") from None
+
+
+def _is_row(value, dtype, length=None) -> bool:
+    return (torch.is_tensor(value) and value.dtype == dtype and value.dim() == 1
+            and value.device.type == "cpu" and (length is None or value.numel() == length))
+
+
+class _Gathered:
+    """The arrays of a batch by check (`_arrays_pass`), or `ok = False` when one is not a plain
+    1-D CPU tensor of its dtype and length (then the per-array walk decides)."""
+
+    def __init__(self) -> None:
+        self.ok = True
+        self.tokens, self.masks, self.advantages, self.logprobs = [], [], [], []
+        self.context_masks, self.context_advantages, self.context_logprobs = [], [], []
+
+    def add_group(self, group) -> None:
+        if not isinstance(group, Group) or not _is_row(group.prefix, torch.int64) \
+                or group.prefix.numel() < 1 or not group.trajectories:
+            self.ok = False
+            return
+        self.tokens.append(group.prefix)
+        for t, tr in enumerate(group.trajectories):
+            if self.ok:
+                self.add_trajectory(group, t, tr)
+
+    def add_trajectory(self, group, t: int, tr) -> None:
+        if not isinstance(tr, Trajectory) or not _is_row(tr.suffix, torch.int64) \
+                or tr.suffix.numel() < 1:
+            self.ok = False
+            return
+        n = tr.suffix.numel()
+        self.tokens.append(tr.suffix)
+        self.ok = self.add_floats(n, tr.loss_mask, tr.advantages, tr.old_logprobs,
+                                  tr.ref_logprobs, self.masks, self.advantages)
+        loss = tr.context_loss
+        if loss is not None and self.ok:
+            node = tr.node
+            if isinstance(node, bool) or not isinstance(node, int) \
+                    or not 0 <= node < group.num_nodes:
+                self.ok = False
+                return
+            length = group.context_len(t)
+            self.ok = self.add_floats(length, loss.loss_mask, loss.advantages, loss.old_logprobs,
+                                      loss.ref_logprobs, self.context_masks,
+                                      self.context_advantages, context=True)
+
+    def add_floats(self, n: int, mask, advantages, old, ref, masks, advs, context=False) -> bool:
+        arrays = [a for a in (old, ref) if a is not None]
+        if not all(_is_row(a, torch.float32, n) for a in (mask, advantages, *arrays)):
+            return False
+        if context and mask[0] != 0:
+            return False
+        masks.append(mask)
+        advs.append(advantages)
+        (self.context_logprobs if context else self.logprobs).extend(arrays)
+        return True
+
+
+def _all(rows, test) -> bool:
+    return not rows or bool(test(torch.cat(rows)).all())
+
+
+def _arrays_pass(groups) -> bool:
+    """True when every array of the batch passes `_check_group`'s checks (whole-batch tensor
+    ops, [Note: checks at step build]); False sends the caller to the per-array walk, which
+    finds the first failing array and raises its message."""
+    gathered = _Gathered()
+    for group in groups:
+        gathered.add_group(group)
+        if not gathered.ok:
+            return False
+    g = gathered
+    in_range = lambda a: torch.isfinite(a) & (a.abs() <= MAX_ABS_ADVANTAGE)  # noqa: E731
+    return (_all(g.tokens, lambda t: t >= 0)
+            and _all(g.masks + g.context_masks, lambda m: (m == 0) | (m == 1))
+            and _all(g.advantages + g.context_advantages, in_range)
+            and _all(g.logprobs, lambda a: torch.isfinite(a) & (a <= 0))
+            and _all(g.context_logprobs, torch.isfinite))
 
 
 def _check_group(group: Group) -> None:

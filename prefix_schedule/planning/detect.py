@@ -25,13 +25,14 @@ not share through common nodes is shorter than `min_shared_len`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+import numpy
 import torch
 
-from prefix_schedule.planning.data import (ContextLoss, Group, GroupBatch, PrefixNode,
-                                           Trajectory, _as_1d, _as_tokens, _prefixed)
+from prefix_schedule.planning.data import (MAX_ABS_ADVANTAGE, ContextLoss, Group, GroupBatch,
+                                           PrefixNode, Trajectory, _as_1d, _as_tokens, _prefixed)
 
 __all__ = ["FlatTrajectory", "Detection", "detect_prefix_trees", "DEFAULT_MIN_SHARED_LEN",
            "DEFAULT_NODE_OVERHEAD_TOKENS"]
@@ -82,9 +83,10 @@ class FlatTrajectory:
             return self.tokens.numel() - 1
         return min(int(loss[0, 0]), self.tokens.numel() - 1)
 
-    def split(self, context_len: int, node: int) -> Trajectory:
+    def split(self, context_len: int, node: int, *, checked: bool = False) -> Trajectory:
         """The Trajectory of the tokens after the first `context_len` (per-suffix-token arrays),
-        with the loss inside the context as its ContextLoss."""
+        with the loss inside the context as its ContextLoss. `checked`: `_splits_pass` found
+        every array valid, so the Trajectory is stored without re-checking (the same values)."""
         def part(values, context):
             if values is None:
                 return None
@@ -98,11 +100,54 @@ class FlatTrajectory:
                                  advantages=part(self.advantages, True),
                                  old_logprobs=part(self.old_logprobs, True),
                                  ref_logprobs=part(self.ref_logprobs, True))
-        return Trajectory(suffix=self.tokens[context_len:], loss_mask=self.loss_mask[context_len:],
-                          advantages=part(self.advantages, False),
-                          old_logprobs=part(self.old_logprobs, False),
-                          ref_logprobs=part(self.ref_logprobs, False), node=node,
-                          context_loss=inside)
+        arrays = dict(suffix=self.tokens[context_len:], loss_mask=self.loss_mask[context_len:],
+                      advantages=part(self.advantages, False),
+                      old_logprobs=part(self.old_logprobs, False),
+                      ref_logprobs=part(self.ref_logprobs, False), node=node,
+                      context_loss=inside)
+        if checked and context_len < self.tokens.numel():
+            return _checked_trajectory(arrays)
+        return Trajectory(**arrays)
+
+
+_STORED = ("suffix", "loss_mask", "advantages", "old_logprobs", "ref_logprobs", "node",
+           "context_loss")
+
+
+def _checked_trajectory(arrays: dict) -> Trajectory:
+    """A Trajectory of arrays `_splits_pass` checked, stored as `Trajectory.__post_init__`
+    stores them (int64 / float32 copies) without checking each again."""
+    assert tuple(f.name for f in fields(Trajectory)) == _STORED, "Trajectory gained a field"
+    trajectory = Trajectory.__new__(Trajectory)
+    for name in _STORED:
+        value = arrays[name]
+        if torch.is_tensor(value):
+            value = value.detach().clone()
+        setattr(trajectory, name, value)
+    return trajectory
+
+
+def _splits_pass(trajectories: list) -> bool:
+    """True when every split of every trajectory passes Trajectory's checks (whole-batch tensor
+    ops): per-token float32 arrays, 0/1 loss masks, finite advantages within
+    +-MAX_ABS_ADVANTAGE, finite log-probs <= 0. False: each split checks itself (the same
+    refusals, one trajectory at a time)."""
+    masks, advantages, logprobs = [], [], []
+    for t in trajectories:
+        n = t.tokens.numel()
+        rows = [a for a in (t.old_logprobs, t.ref_logprobs) if a is not None]
+        if not all(torch.is_tensor(a) and a.dtype == torch.float32 and a.dim() == 1
+                   and a.numel() == n and a.device.type == "cpu"
+                   for a in (t.loss_mask, t.advantages, *rows)):
+            return False
+        masks.append(t.loss_mask)
+        advantages.append(t.advantages)
+        logprobs += rows
+    mask, adv = torch.cat(masks), torch.cat(advantages)
+    lp = torch.cat(logprobs) if logprobs else torch.zeros(0)
+    return bool(((mask == 0) | (mask == 1)).all() and torch.isfinite(adv).all()
+                and (adv.abs() <= MAX_ABS_ADVANTAGE).all() and torch.isfinite(lp).all()
+                and (lp <= 0).all())
 
 
 @dataclass
@@ -115,20 +160,20 @@ class _Span:
 
 
 def _radix(keys: list, members: list, start: int) -> list:
-    """Maximal spans shared by the same members, from position `start` (step 2)."""
+    """Maximal spans shared by the same members, from position `start` (step 2); `keys` are
+    1-D int64 numpy arrays (whole-array comparisons, no per-token Python loop)."""
     by_token: dict = {}
     for i in members:
         if len(keys[i]) > start:
-            by_token.setdefault(keys[i][start], []).append(i)
+            by_token.setdefault(int(keys[i][start]), []).append(i)
     spans = []
     for group in by_token.values():
         end = min(len(keys[i]) for i in group)
         first = keys[group[0]]
-        for i in group[1:]:
-            key, e = keys[i], start + 1
-            while e < end and key[e] == first[e]:
-                e += 1
-            end = e
+        for i in group[1:]:  # end = start + 1 + the common run of key and first after start
+            differ = numpy.flatnonzero(keys[i][start + 1:end] != first[start + 1:end])
+            if differ.size:
+                end = start + 1 + int(differ[0])
         span = _Span(start, end, group, [i for i in group if len(keys[i]) == end])
         span.children = _radix(keys, group, end)
         spans.append(span)
@@ -183,19 +228,20 @@ def detect_prefix_trees(trajectories, *, min_shared_len: int = DEFAULT_MIN_SHARE
     for i, t in enumerate(trajectories):
         if not isinstance(t, FlatTrajectory):
             raise ValueError(f"trajectory {i}: expected a FlatTrajectory, got {type(t).__name__}")
-    keys = [t.tokens[:t.shareable(cache_loss_tokens)].tolist() for t in trajectories]
+    keys = [t.tokens[:t.shareable(cache_loss_tokens)].numpy() for t in trajectories]
     roots = _radix(keys, list(range(len(trajectories))), 0)
     keep = _Pruner(min_shared_len, node_overhead_tokens)
     kept_roots = keep.roots(roots)
+    checked = _splits_pass(trajectories)
     groups, sources = [], []
     for root in kept_roots:
-        group, members = _build_group(root, trajectories)
+        group, members = _build_group(root, trajectories, checked)
         groups.append(group)
         sources.append(members)
     for i in sorted(keep.alone):
         try:
             groups.append(Group(prefix=trajectories[i].tokens[:1],
-                                trajectories=[trajectories[i].split(1, 0)]))
+                                trajectories=[trajectories[i].split(1, 0, checked=checked)]))
         except ValueError as exc:
             raise _prefixed(f"trajectory {i}", exc) from None
         sources.append((i,))
@@ -245,7 +291,7 @@ class _Pruner:
         return kept
 
 
-def _build_group(root: _Span, trajectories: list) -> tuple:
+def _build_group(root: _Span, trajectories: list, checked: bool) -> tuple:
     tokens = trajectories[root.members[0]].tokens
     nodes, order, attach = [], [(root, 0)], {}
     while order:  # parents first
@@ -261,7 +307,7 @@ def _build_group(root: _Span, trajectories: list) -> tuple:
     for i in members:
         node, context_len = attach[i]
         try:
-            split.append(trajectories[i].split(context_len, node))
+            split.append(trajectories[i].split(context_len, node, checked=checked))
         except ValueError as exc:
             raise _prefixed(f"trajectory {i}", exc) from None
     return Group(prefix=tokens[root.start:root.end], nodes=nodes, trajectories=split), members

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
 
@@ -182,6 +183,7 @@ def _layer_forward(dims: ModelDims, layer: int, length: int, cached: int) -> int
         _attention_pairs(length, cached)
 
 
+@lru_cache(maxsize=65536)  # a step's rows repeat a few (length, cached) pairs thousands of times
 def _row_forward(dims: ModelDims, length: int, cached: int) -> int:
     """Forward FLOPs of a row of `length` tokens over `cached` cached keys, whole model."""
     return sum(_layer_forward(dims, i, length, cached) for i in range(dims.num_layers)) + \
