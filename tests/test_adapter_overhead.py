@@ -72,10 +72,10 @@ def test_detection_equals_the_per_token_detection_it_replaced(data, min_len, ove
     flat = [_flat(s, f, i) for i, (s, f) in enumerate(zip(seqs, firsts))]
     kwargs = dict(min_shared_len=min_len, node_overhead_tokens=overhead, cache_loss_tokens=cache)
     fast = detect_prefix_trees(flat, **kwargs)
-    assert detect._splits_pass(flat)  # the batch-checked splits ran
+    assert detect._checked_splits(flat) is not None  # the batch-checked splits ran
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(detect, "_radix", _radix_per_token)
-        patch.setattr(detect, "_splits_pass", lambda trajectories: False)
+        patch.setattr(detect, "_checked_splits", lambda trajectories: None)
         slow = detect_prefix_trees(flat, **kwargs)
     _assert_same_detection(fast, slow)
 
@@ -89,7 +89,7 @@ def test_detection_equals_the_per_token_detection_it_replaced(data, min_len, ove
 def test_a_bad_array_still_gets_its_per_trajectory_message(field, value, message):
     flat = [_flat([5, 6, 7, 8, 9, 1], 4, 0), _flat([5, 6, 7, 8, 9, 2], 4, 1)]
     getattr(flat[1], field)[5] = value  # in the suffix (the shared span is tokens 0..4)
-    assert not detect._splits_pass(flat)
+    assert detect._checked_splits(flat) is None
     with pytest.raises(ValueError, match=f"^trajectory 1: .*{message}"):
         detect_prefix_trees(flat, min_shared_len=2, node_overhead_tokens=0)
 

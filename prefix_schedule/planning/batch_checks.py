@@ -56,8 +56,8 @@ def check_batch_arrays(batch: GroupBatch) -> None:
 
 
 def _is_row(value, dtype, length=None) -> bool:
-    return (torch.is_tensor(value) and value.dtype == dtype and value.dim() == 1
-            and value.device.type == "cpu" and (length is None or value.numel() == length))
+    return (isinstance(value, torch.Tensor) and value.dtype is dtype and value.is_cpu
+            and (value.dim() == 1 if length is None else value.shape == (length,)))
 
 
 class _Gathered:

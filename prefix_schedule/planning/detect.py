@@ -26,7 +26,7 @@ not share through common nodes is shorter than `min_shared_len`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import numpy
 import torch
@@ -83,10 +83,9 @@ class FlatTrajectory:
             return self.tokens.numel() - 1
         return min(int(loss[0, 0]), self.tokens.numel() - 1)
 
-    def split(self, context_len: int, node: int, *, checked: bool = False) -> Trajectory:
+    def split(self, context_len: int, node: int) -> Trajectory:
         """The Trajectory of the tokens after the first `context_len` (per-suffix-token arrays),
-        with the loss inside the context as its ContextLoss. `checked`: `_splits_pass` found
-        every array valid, so the Trajectory is stored without re-checking (the same values)."""
+        with the loss inside the context as its ContextLoss."""
         def part(values, context):
             if values is None:
                 return None
@@ -100,54 +99,81 @@ class FlatTrajectory:
                                  advantages=part(self.advantages, True),
                                  old_logprobs=part(self.old_logprobs, True),
                                  ref_logprobs=part(self.ref_logprobs, True))
-        arrays = dict(suffix=self.tokens[context_len:], loss_mask=self.loss_mask[context_len:],
-                      advantages=part(self.advantages, False),
-                      old_logprobs=part(self.old_logprobs, False),
-                      ref_logprobs=part(self.ref_logprobs, False), node=node,
-                      context_loss=inside)
-        if checked and context_len < self.tokens.numel():
-            return _checked_trajectory(arrays)
-        return Trajectory(**arrays)
+        return Trajectory(suffix=self.tokens[context_len:], loss_mask=self.loss_mask[context_len:],
+                          advantages=part(self.advantages, False),
+                          old_logprobs=part(self.old_logprobs, False),
+                          ref_logprobs=part(self.ref_logprobs, False), node=node,
+                          context_loss=inside)
 
 
 _STORED = ("suffix", "loss_mask", "advantages", "old_logprobs", "ref_logprobs", "node",
            "context_loss")
+assert tuple(f.name for f in fields(Trajectory)) == _STORED, "_split stores every field"
 
 
-def _checked_trajectory(arrays: dict) -> Trajectory:
-    """A Trajectory of arrays `_splits_pass` checked, stored as `Trajectory.__post_init__`
-    stores them (int64 / float32 copies) without checking each again."""
-    assert tuple(f.name for f in fields(Trajectory)) == _STORED, "Trajectory gained a field"
+def _split(flat: FlatTrajectory, context_len: int, node: int, first_loss) -> Trajectory:
+    """`flat.split(context_len, node)`; where `_checked_splits` passed the batch (`first_loss`:
+    the index of flat's first loss token, else None) the same Trajectory is stored as
+    `Trajectory.__post_init__` stores it (int64 / float32 copies) without checking each array
+    again."""
+    if first_loss is None or context_len >= flat.tokens.numel():
+        return flat.split(context_len, node)
+    arrays = [flat.old_logprobs, flat.ref_logprobs]
+    inside = None
+    if first_loss < context_len:
+        inside = ContextLoss(loss_mask=flat.loss_mask[:context_len],
+                             advantages=flat.advantages[:context_len],
+                             **{n: None if a is None else a[:context_len]
+                                for n, a in zip(_STORED[3:5], arrays)})
     trajectory = Trajectory.__new__(Trajectory)
-    for name in _STORED:
-        value = arrays[name]
-        if torch.is_tensor(value):
-            value = value.detach().clone()
-        setattr(trajectory, name, value)
+    trajectory.__dict__.update(
+        suffix=flat.tokens[context_len:].clone(),
+        loss_mask=flat.loss_mask[context_len:].detach().clone(),
+        advantages=flat.advantages[context_len:].detach().clone(), node=node,
+        context_loss=inside,
+        **{n: None if a is None else a[context_len:].detach().clone()
+           for n, a in zip(_STORED[3:5], arrays)})
     return trajectory
 
 
-def _splits_pass(trajectories: list) -> bool:
-    """True when every split of every trajectory passes Trajectory's checks (whole-batch tensor
-    ops): per-token float32 arrays, 0/1 loss masks, finite advantages within
-    +-MAX_ABS_ADVANTAGE, finite log-probs <= 0. False: each split checks itself (the same
-    refusals, one trajectory at a time)."""
-    masks, advantages, logprobs = [], [], []
+def _checked_splits(trajectories: list) -> Optional[List[int]]:
+    """Per trajectory the index of its first loss token (its length if none) when every split
+    of every trajectory passes Trajectory's checks, found with whole-batch tensor ops:
+    per-token float32 arrays, 0/1 loss masks, finite advantages within +-MAX_ABS_ADVANTAGE,
+    finite log-probs <= 0. None otherwise: each split then checks itself (the same refusals,
+    one trajectory at a time)."""
+    masks, advantages, logprobs, lengths = [], [], [], []
+    f32 = torch.float32
     for t in trajectories:
         n = t.tokens.numel()
         rows = [a for a in (t.old_logprobs, t.ref_logprobs) if a is not None]
-        if not all(torch.is_tensor(a) and a.dtype == torch.float32 and a.dim() == 1
-                   and a.numel() == n and a.device.type == "cpu"
-                   for a in (t.loss_mask, t.advantages, *rows)):
-            return False
+        for a in (t.loss_mask, t.advantages, *rows):
+            if not (isinstance(a, torch.Tensor) and a.dtype is f32 and a.shape == (n,)
+                    and a.is_cpu):
+                return None
         masks.append(t.loss_mask)
         advantages.append(t.advantages)
         logprobs += rows
+        lengths.append(n)
     mask, adv = torch.cat(masks), torch.cat(advantages)
     lp = torch.cat(logprobs) if logprobs else torch.zeros(0)
-    return bool(((mask == 0) | (mask == 1)).all() and torch.isfinite(adv).all()
+    if not bool(((mask == 0) | (mask == 1)).all() and torch.isfinite(adv).all()
                 and (adv.abs() <= MAX_ABS_ADVANTAGE).all() and torch.isfinite(lp).all()
-                and (lp <= 0).all())
+                and (lp <= 0).all()):
+        return None
+    return _first_loss(mask, lengths)
+
+
+def _first_loss(mask: torch.Tensor, lengths: List[int]) -> List[int]:
+    """Per segment of `mask` (concatenated rows of `lengths`), the index of its first 1 (the
+    segment's length if none)."""
+    ends = torch.tensor(lengths).cumsum(0)
+    starts = ends - torch.tensor(lengths)
+    ones = mask.nonzero().reshape(-1)
+    first = torch.searchsorted(ones, starts)  # the first 1 at or after each start
+    at = ones[first.clamp(max=max(ones.numel() - 1, 0))] if ones.numel() else ends
+    found = (first < ones.numel()) & (at < ends)
+    return torch.where(found, at - starts, torch.tensor(lengths)).tolist()
 
 
 @dataclass
@@ -232,16 +258,17 @@ def detect_prefix_trees(trajectories, *, min_shared_len: int = DEFAULT_MIN_SHARE
     roots = _radix(keys, list(range(len(trajectories))), 0)
     keep = _Pruner(min_shared_len, node_overhead_tokens)
     kept_roots = keep.roots(roots)
-    checked = _splits_pass(trajectories)
+    firsts = _checked_splits(trajectories)
     groups, sources = [], []
     for root in kept_roots:
-        group, members = _build_group(root, trajectories, checked)
+        group, members = _build_group(root, trajectories, firsts)
         groups.append(group)
         sources.append(members)
     for i in sorted(keep.alone):
         try:
             groups.append(Group(prefix=trajectories[i].tokens[:1],
-                                trajectories=[trajectories[i].split(1, 0, checked=checked)]))
+                                trajectories=[_split(trajectories[i], 1, 0,
+                                                     None if firsts is None else firsts[i])]))
         except ValueError as exc:
             raise _prefixed(f"trajectory {i}", exc) from None
         sources.append((i,))
@@ -291,7 +318,7 @@ class _Pruner:
         return kept
 
 
-def _build_group(root: _Span, trajectories: list, checked: bool) -> tuple:
+def _build_group(root: _Span, trajectories: list, firsts: Optional[List[int]]) -> tuple:
     tokens = trajectories[root.members[0]].tokens
     nodes, order, attach = [], [(root, 0)], {}
     while order:  # parents first
@@ -307,7 +334,8 @@ def _build_group(root: _Span, trajectories: list, checked: bool) -> tuple:
     for i in members:
         node, context_len = attach[i]
         try:
-            split.append(trajectories[i].split(context_len, node, checked=checked))
+            first = None if firsts is None else firsts[i]
+            split.append(_split(trajectories[i], context_len, node, first))
         except ValueError as exc:
             raise _prefixed(f"trajectory {i}", exc) from None
     return Group(prefix=tokens[root.start:root.end], nodes=nodes, trajectories=split), members
