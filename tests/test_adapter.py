@@ -207,4 +207,4 @@ def test_bench_adapter_generic(tmp_path):
     assert result["efficiency"] == pytest.approx(result["speedup"] / result["ideal_speedup"])
     bad = subprocess.run([sys.executable, str(root / "tools" / "bench.py"), "--adapter", "nope"],
                          env=env, capture_output=True, text=True, timeout=600)
-    assert bad.returncode == 2 and "choose one of generic, verl" in bad.stderr
+    assert bad.returncode == 2 and "choose one of generic, verl, megatron-rl" in bad.stderr

@@ -6,20 +6,14 @@ with the `x num_micro_batch` factor) for dense, and `verl.workers.utils.losses.p
 `postprocess_micro_batch_func` inside the prefix-reuse step for reuse; same TinyLlama GPTModel
 (megatron-core, local layer spec), same batch. fp32, gradients within 1e-5.
 
-Stubbed, because it needs CUDA or a checkpoint on disk (named here, nothing else):
-- TE attention's padding mask: verl's BSHD path passes a [b, s] padding mask that only
-  Transformer Engine's attention reads; the local attention gets the causal mask alone (verl pads
-  on the right, so no real token attends to padding: the same computation);
-- verl's accelerator platform: verl ships CUDA/NPU/ROCm platforms only; a CPU one (device
-  "cpu", gloo) is set through verl's own `set_platform` hook, the CUDA platform's other methods
-  kept;
-- verl's engine construction (`MegatronEngine.__init__`/`initialize`: HF checkpoint, mbridge, CUDA
-  device mesh): the engine object gets its config (a real `McoreEngineConfig`), the model and a
-  stand-in for `HFModelConfig` (mtp off, a LlamaConfig, pad id 0) directly.
+The engine objects, verl's batch and loss, and the stubs (named there: TE attention's padding
+mask, a CPU platform through verl's `set_platform` hook, the engine's construction without a
+checkpoint or CUDA mesh) are tools/benchlib/verl_harness.py's, shared with
+`tools/bench.py --adapter verl`.
 """
 import os
-import types
-from functools import partial
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,28 +25,16 @@ else:
 
 from framework_data import SMALL, assert_grads_equal, grads_of  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from benchlib import verl_harness as harness  # noqa: E402
+
 pytestmark = pytest.mark.megatron
 
 
 @pytest.fixture(scope="module", autouse=True)
 def cpu_platform():
-    from verl.plugin.platform import platform_manager
-    from verl.plugin.platform.platform_cuda import PlatformCUDA
-
-    class PlatformCPU(PlatformCUDA):  # see the module docstring
-        @property
-        def device_name(self) -> str:
-            return "cpu"
-
-        def current_device(self):
-            return "cpu"
-
-        def communication_backend_name(self) -> str:
-            return "gloo"
-    previous = platform_manager._current_platform
-    platform_manager.set_platform(PlatformCPU())
-    yield
-    platform_manager._current_platform = previous
+    with harness.cpu_platform():
+        yield
 
 
 def _model():
@@ -61,75 +43,20 @@ def _model():
     model = build_model(TinyLlamaConfig(**SMALL))
     model.config.finalize_model_grads_func = scale_grads_by_token_count
     model.config.calculate_per_token_loss = False  # verl's default regime
-
-    def te_padding_mask_stub(module, args, kwargs):  # see the module docstring
-        mask = kwargs.get("attention_mask")
-        if mask is not None and mask.dim() == 2:
-            kwargs["attention_mask"] = None
-        return args, kwargs
-    model.register_forward_pre_hook(te_padding_mask_stub, with_kwargs=True)
+    harness.stub_te_padding_mask(model)
     return model
 
 
 def _engine(cls, model):
-    from transformers import LlamaConfig
-    from verl.workers.config import McoreEngineConfig
-    engine = cls.__new__(cls)  # see the module docstring: no checkpoint, no CUDA mesh
-    engine.engine_config = McoreEngineConfig(use_remove_padding=False)
-    engine.model_config = types.SimpleNamespace(
-        mtp=types.SimpleNamespace(enable=False, enable_train=False),
-        hf_config=LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=256),
-        tokenizer=types.SimpleNamespace(pad_token_id=0))
-    engine.tf_config, engine.module = model.config, [model]
-    engine.enable_routing_replay, engine.mini_layer_topk_idx_list = False, []
-    return engine
+    return harness.verl_engine(cls, model, vocab_size=SMALL["vocab_size"])
 
 
 def _verl_batch(seed, groups=((36, 4), (30, 4), (44, 3))):  # 11 samples
-    """verl's actor batch as the trainer hands it (left-padded prompts, right-padded responses,
-    per response token masks/log-probs/advantages, `uid` per sample), in verl's no-padding form."""
-    from tensordict import TensorDict
-    from tensordict.tensorclass import NonTensorStack
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
-    gen = torch.Generator().manual_seed(seed)
-    samples = []
-    for g, (p, n) in enumerate(groups):
-        prompt = torch.randint(1, 256, (p,), generator=gen)
-        adv = torch.randn(n, generator=gen)
-        for k in range(n):
-            r = int(torch.randint(5, 11, (1,), generator=gen))
-            samples.append((prompt, torch.randint(1, 256, (r,), generator=gen), float(adv[k]), f"uid{g}"))
-    B, P = len(samples), max(s[0].numel() for s in samples)
-    R = max(s[1].numel() for s in samples)
-    prompts, responses = torch.zeros(B, P, dtype=torch.int64), torch.zeros(B, R, dtype=torch.int64)
-    attn = torch.zeros(B, P + R, dtype=torch.int64)
-    resp_mask, adv = torch.zeros(B, R), torch.zeros(B, R)
-    for b, (prompt, resp, a, _) in enumerate(samples):
-        prompts[b, P - prompt.numel():], responses[b, :resp.numel()] = prompt, resp
-        attn[b, P - prompt.numel():P + resp.numel()] = 1
-        resp_mask[b, :resp.numel()] = (torch.rand(resp.numel(), generator=gen) > 0.1).float()
-        adv[b] = a * resp_mask[b]
-    data = TensorDict({
-        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
-        "attention_mask": attn, "response_mask": resp_mask,
-        "position_ids": (attn.cumsum(1) - 1).clamp(min=0),
-        "old_log_probs": -torch.rand(B, R, generator=gen) * 3 - 0.5, "advantages": adv,
-        "ref_log_prob": -torch.rand(B, R, generator=gen) * 3 - 0.5,
-        "temperature": torch.ones(B)}, batch_size=[B])
-    data["uid"] = NonTensorStack(*[s[3] for s in samples])
-    data = left_right_2_no_padding(data)
-    # verl's default: dynamic batch size, micro-batches balanced by token count
-    tu.assign_non_tensor(data, use_dynamic_bsz=True, global_batch_size=B, max_token_len_per_gpu=120)
-    return data
+    return harness.verl_batch(groups, seed=seed, vocab_size=SMALL["vocab_size"])
 
 
 def _loss_function():
-    from verl.workers.config import McoreActorConfig
-    from verl.workers.utils.losses import ppo_loss
-    config = McoreActorConfig(strategy="megatron", ppo_micro_batch_size_per_gpu=2,
-                              ppo_mini_batch_size=4, rollout_n=1, use_kl_loss=True)
-    return partial(ppo_loss, config)
+    return harness.ppo_loss_function()
 
 
 def test_verl_version_is_pinned():
