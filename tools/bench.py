@@ -50,6 +50,8 @@ bounds the whole multi-process run.
     python tools/bench.py [--prefix-len 1024 --suffix-len 64 --group-size 8 --num-groups 2 ...]
     python tools/bench.py --pp 2 --json out.json
     python tools/bench.py --adapter generic   # through the framework adapter (benchlib/adapter_bench.py)
+    .venv-frameworks/bin/python tools/bench.py --adapter verl   # verl's engine step (make test-frameworks)
+    python tools/bench.py --adapter megatron-rl --timeout 3600  # Megatron-LM RL's train step
 
 Exit status: 2 bad arguments, 1 a rank failed, 3 the untimed check saw a NaN or inf loss or
 gradient difference (on the dense or the reuse side; printed), else 0.

@@ -119,8 +119,9 @@ class BenchConfig:
     prefix chunks, offload), dense the most rows per microbatch that fit; the JSON's
     memory_budget reports both and the speedup at equal memory."""
     adapter: Optional[str] = None
-    """Run the step through a framework adapter: generic or verl (benchlib/adapter_bench.py;
-    one process): the framework's dense step vs the adapter, and the adapter's own overhead."""
+    """Run the step through a framework adapter: generic, verl or megatron-rl
+    (benchlib/adapter_bench.py; one process): the framework's dense step vs the adapter, and
+    the adapter's own overhead."""
     overhead_groups: int = 512
     """--adapter: groups of the adapter-overhead measurement (detection + planning, no model)."""
     overhead_group_size: int = 16
