@@ -187,6 +187,8 @@ class Group:
     def context_len(self, trajectory: int) -> int:
         """Tokens before trajectory `trajectory`'s suffix (P for a one-level group)."""
         node = self.trajectories[trajectory].node
+        if node == 0:  # the root's chain is the prompt alone (planning asks this per trajectory)
+            return self.prefix.numel()
         return sum(self.node_tokens(n).numel() for n in self.chain(node))
 
     def has_children(self, node: int) -> bool:
@@ -332,8 +334,9 @@ class GroupBatch:
             raise ValueError(f"max_seq_len={max_seq_len!r}; give the model's maximum length as an int >= 2")
         if vocab_size is not None and (not isinstance(vocab_size, int) or vocab_size < 1):
             raise ValueError(f"vocab_size={vocab_size!r}; give the model's vocabulary size as an int >= 1")
+        vocab_checked = vocab_size is None or _all_in_vocab(self.groups, vocab_size)
         for g, group in enumerate(self.groups):
-            if vocab_size is not None:
+            if not vocab_checked:
                 _check_vocab(group.prefix, vocab_size, where=f"group {g}, prefix")
                 for i, node in enumerate(group.nodes, start=1):
                     _check_vocab(node.tokens, vocab_size, where=f"group {g}, node {i}")
@@ -346,7 +349,7 @@ class GroupBatch:
                         f"tokens) = {total} tokens is longer than max_seq_len={max_seq_len}; truncate "
                         f"the trajectory or use a model with max_seq_len >= {total}"
                     )
-                if vocab_size is not None:
+                if not vocab_checked:
                     _check_vocab(trajectory.suffix, vocab_size, where=f"{where}, suffix")
         self._check_logprob_presence()
 
@@ -362,6 +365,17 @@ class GroupBatch:
                             f"{has} has {name} but {lacks} does not; give {name} for every "
                             "trajectory of the batch or for none"
                         )
+
+
+def _all_in_vocab(groups, vocab_size: int) -> bool:
+    """Every token id of the batch in [0, vocab_size), checked at once (False: `validate` walks
+    the arrays to name the first bad one)."""
+    arrays = [a for g in groups for a in (g.prefix, *(n.tokens for n in g.nodes),
+                                          *(t.suffix for t in g.trajectories))]
+    if not all(isinstance(a, torch.Tensor) and a.dim() == 1 for a in arrays):
+        return False
+    tokens = torch.cat(arrays)
+    return bool(((tokens >= 0) & (tokens < vocab_size)).all())
 
 
 def _check_vocab(tokens: torch.Tensor, vocab_size: int, *, where: str) -> None:
