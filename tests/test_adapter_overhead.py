@@ -179,3 +179,31 @@ def test_shadow_rows_index_their_tokens(megatron_env):
                 seen.append((s, p))
     wanted = sorted((s, p) for s in range(6) for p in masks[s].nonzero().reshape(-1).tolist())
     assert set(wanted) <= set(seen)  # every loss token (suffix rows index all their entries)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_batches(), st.booleans(), st.sampled_from([None, "negative id", "mask at 0", "int32",
+                                                   "short advantages"]))
+def test_checked_flat_trajectories_equal_the_checked_constructor(data, logprobs, bad):
+    from prefix_schedule.planning.detect import checked_flat_trajectories
+    seqs, firsts = data
+    flats = [_flat(s, f, i) for i, (s, f) in enumerate(zip(seqs, firsts))]
+    rows = [[f.tokens for f in flats], [f.loss_mask for f in flats],
+            [f.advantages for f in flats],
+            [f.old_logprobs for f in flats] if logprobs else None, None]
+    if bad == "negative id":
+        rows[0][-1] = rows[0][-1].clone().index_fill_(0, torch.tensor([0]), -1)
+    elif bad == "mask at 0":
+        rows[1][-1] = rows[1][-1].clone().index_fill_(0, torch.tensor([0]), 1.0)
+    elif bad == "int32":
+        rows[0][-1] = rows[0][-1].int()
+    elif bad == "short advantages":
+        rows[2][-1] = rows[2][-1][:-1]
+    checked = checked_flat_trajectories(*rows)
+    if bad is not None:
+        assert checked is None  # the caller builds one by one: FlatTrajectory names the fault
+        return
+    built = [FlatTrajectory(tokens=t, loss_mask=m, advantages=a, old_logprobs=o)
+             for t, m, a, o in zip(rows[0], rows[1], rows[2], rows[3] or [None] * len(flats))]
+    for a, b in zip(checked, built, strict=True):
+        assert _same(vars(a), vars(b))

@@ -36,7 +36,8 @@ import torch
 
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.detect import (DEFAULT_MIN_SHARED_LEN, DEFAULT_NODE_OVERHEAD_TOKENS,
-                                             Detection, FlatTrajectory, detect_prefix_trees)
+                                             Detection, FlatTrajectory,
+                                             checked_flat_trajectories, detect_prefix_trees)
 from prefix_schedule.planning.flops import ModelDims, dense_flops, reuse_flops
 from prefix_schedule.planning.policy import DEFAULT_MIN_GAIN, ReusePolicy, plan_with_policy
 
@@ -114,7 +115,11 @@ def dims_of_model(model) -> ModelDims:
 
 
 def _flats(rollout: RolloutBatch) -> List[FlatTrajectory]:
-    out = []
+    checked = checked_flat_trajectories(rollout.tokens, rollout.loss_mask, rollout.advantages,
+                                        rollout.old_logprobs, rollout.ref_logprobs)
+    if checked is not None:
+        return checked
+    out = []  # one by one: the first sequence that fails is named
     for i in range(rollout.num_sequences):
         try:
             out.append(FlatTrajectory(

@@ -34,8 +34,8 @@ import torch
 from prefix_schedule.planning.data import (MAX_ABS_ADVANTAGE, ContextLoss, Group, GroupBatch,
                                            PrefixNode, Trajectory, _as_1d, _as_tokens, _prefixed)
 
-__all__ = ["FlatTrajectory", "Detection", "detect_prefix_trees", "DEFAULT_MIN_SHARED_LEN",
-           "DEFAULT_NODE_OVERHEAD_TOKENS"]
+__all__ = ["FlatTrajectory", "Detection", "detect_prefix_trees", "checked_flat_trajectories",
+           "DEFAULT_MIN_SHARED_LEN", "DEFAULT_NODE_OVERHEAD_TOKENS"]
 
 DEFAULT_MIN_SHARED_LEN = 16
 """Shorter shared spans are not cached (their tokens run in each child)."""
@@ -104,6 +104,41 @@ class FlatTrajectory:
                           old_logprobs=part(self.old_logprobs, False),
                           ref_logprobs=part(self.ref_logprobs, False), node=node,
                           context_loss=inside)
+
+
+_FLAT_FIELDS = ("tokens", "loss_mask", "advantages", "old_logprobs", "ref_logprobs")
+assert tuple(f.name for f in fields(FlatTrajectory)) == _FLAT_FIELDS
+
+
+def checked_flat_trajectories(tokens, loss_mask, advantages, old_logprobs=None,
+                              ref_logprobs=None) -> Optional[List[FlatTrajectory]]:
+    """One FlatTrajectory per sequence from per-sequence lists (old/ref may be None), checked
+    with whole-batch tensor ops: int64 token rows of >= 2 ids >= 0, and float32 [n] loss masks
+    (0 at entry 0), advantages and log-probs. None where any of that does not hold: then build
+    each `FlatTrajectory(...)`, whose checks name what is wrong. Stored as __post_init__ stores
+    them (tokens copied)."""
+    old = old_logprobs or [None] * len(tokens)
+    ref = ref_logprobs or [None] * len(tokens)
+    lengths = []
+    f32, i64 = torch.float32, torch.int64
+    for t, m, a, o, r in zip(tokens, loss_mask, advantages, old, ref, strict=True):
+        if not (isinstance(t, torch.Tensor) and t.dtype is i64 and t.dim() == 1):
+            return None
+        n = t.numel()
+        if n < 2 or not all(isinstance(x, torch.Tensor) and x.dtype is f32 and x.shape == (n,)
+                            for x in (m, a, *(x for x in (o, r) if x is not None))):
+            return None
+        lengths.append(n)
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    if int(torch.cat(tokens).min()) < 0 or (torch.cat(loss_mask)[starts] != 0).any():
+        return None
+    flats = []
+    for values in zip(tokens, loss_mask, advantages, old, ref):
+        flat = FlatTrajectory.__new__(FlatTrajectory)
+        flat.__dict__.update(zip(_FLAT_FIELDS, values))
+        flat.tokens = flat.tokens.detach().clone()
+        flats.append(flat)
+    return flats
 
 
 _STORED = ("suffix", "loss_mask", "advantages", "old_logprobs", "ref_logprobs", "node",
