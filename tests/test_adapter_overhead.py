@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import prefix_schedule.planning.detect as detect
+import prefix_schedule.planning.flat as flat_module
 from prefix_schedule.planning import batch_checks
 from prefix_schedule.planning.detect import FlatTrajectory, detect_prefix_trees
 from test_detect import _batches, _flat
@@ -38,7 +39,7 @@ def _radix_per_token(keys, members, start):
 
 
 def _stored(tr):
-    out = {name: getattr(tr, name) for name in detect._STORED if name != "context_loss"}
+    out = {name: getattr(tr, name) for name in flat_module._STORED if name != "context_loss"}
     if tr.context_loss is not None:
         out["context_loss"] = vars(tr.context_loss)
     return out
@@ -72,10 +73,10 @@ def test_detection_equals_the_per_token_detection_it_replaced(data, min_len, ove
     flat = [_flat(s, f, i) for i, (s, f) in enumerate(zip(seqs, firsts))]
     kwargs = dict(min_shared_len=min_len, node_overhead_tokens=overhead, cache_loss_tokens=cache)
     fast = detect_prefix_trees(flat, **kwargs)
-    assert detect._checked_splits(flat) is not None  # the batch-checked splits ran
+    assert flat_module.checked_splits(flat) is not None  # the batch-checked splits ran
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(detect, "_radix", _radix_per_token)
-        patch.setattr(detect, "_checked_splits", lambda trajectories: None)
+        patch.setattr(detect, "checked_splits", lambda trajectories: None)
         slow = detect_prefix_trees(flat, **kwargs)
     _assert_same_detection(fast, slow)
 
@@ -89,7 +90,7 @@ def test_detection_equals_the_per_token_detection_it_replaced(data, min_len, ove
 def test_a_bad_array_still_gets_its_per_trajectory_message(field, value, message):
     flat = [_flat([5, 6, 7, 8, 9, 1], 4, 0), _flat([5, 6, 7, 8, 9, 2], 4, 1)]
     getattr(flat[1], field)[5] = value  # in the suffix (the shared span is tokens 0..4)
-    assert detect._checked_splits(flat) is None
+    assert flat_module.checked_splits(flat) is None
     with pytest.raises(ValueError, match=f"^trajectory 1: .*{message}"):
         detect_prefix_trees(flat, min_shared_len=2, node_overhead_tokens=0)
 

@@ -15,7 +15,7 @@ from typing import Dict, List
 
 import torch
 
-from benchlib.adapter_bench import (adapter_result, bench_models, ideal_speedup, overhead_of,
+from benchlib.adapter_common import (adapter_result, bench_models, ideal_speedup, overhead_of,
                                     time_paths)
 from benchlib.config import BenchConfig
 from benchlib import verl_harness as harness

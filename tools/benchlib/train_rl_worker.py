@@ -61,7 +61,7 @@ def _setup(tree: Path, config):
     replay.GROUPS, replay.G = config.num_groups, config.group_size  # and by the collection
     replay._rollouts = lambda gen: _rollouts(config, gen)
     args = replay._args()
-    from benchlib.adapter_bench import bench_models
+    from benchlib.adapter_common import bench_models
     models = bench_models(config)
     for model in models.values():
         model.config.calculate_per_token_loss = True  # train_rl's --calculate-per-token-loss
@@ -85,7 +85,7 @@ def _microbatches(replay, args, model, config):
 
 
 def main(tree: str, spec: str, out: str) -> None:
-    from benchlib.adapter_bench import (adapter_result, ideal_speedup, overhead_of, time_paths)
+    from benchlib.adapter_common import (adapter_result, ideal_speedup, overhead_of, time_paths)
     from benchlib.config import BenchConfig
     config = BenchConfig(**json.loads(Path(spec).read_text()))
     replay, args, models = _setup(Path(tree), config)
