@@ -208,3 +208,51 @@ def test_checked_flat_trajectories_equal_the_checked_constructor(data, logprobs,
              for t, m, a, o in zip(rows[0], rows[1], rows[2], rows[3] or [None] * len(flats))]
     for a, b in zip(checked, built, strict=True):
         assert _same(vars(a), vars(b))
+
+
+def _rollout_error(make):
+    try:
+        make()
+    except (ValueError, TypeError) as error:  # a string row: torch's TypeError, as before
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5), st.sampled_from([None, "nan advantage", "half mask", "mask at 0",
+                                           "short log-probs", "inf log-prob", "text"]),
+       st.integers(0, 4))
+def test_rollout_checks_at_once_name_the_same_fault(num, fault, where):
+    from megatron_patches.frameworks import rollout as rollout_module
+    gen = torch.Generator().manual_seed(num)
+    tokens = [torch.randint(1, 50, (int(n),), generator=gen)
+              for n in torch.randint(2, 9, (num,), generator=gen)]
+    masks = [torch.cat([torch.zeros(1), torch.ones(t.numel() - 1)]) for t in tokens]
+    adv = [float(a) for a in torch.randn(num, generator=gen)]
+    old = [-torch.rand(t.numel(), generator=gen) for t in tokens]
+    k = where % num
+    if fault == "nan advantage":
+        adv[k] = float("nan")
+    elif fault == "half mask":
+        masks[k] = masks[k].clone().fill_(0.5)
+    elif fault == "mask at 0":
+        masks[k] = torch.ones(tokens[k].numel())
+    elif fault == "short log-probs":
+        old[k] = old[k][:-1]
+    elif fault == "inf log-prob":
+        old[k] = old[k].clone().fill_(float("-inf"))
+    elif fault == "text":
+        old[k] = "abc"
+
+    def make():
+        return rollout_module.RolloutBatch(tokens=tokens, loss_mask=masks, group_ids=[0] * num,
+                                           advantages=adv, old_logprobs=old)
+    fast = _rollout_error(make)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rollout_module, "_float_rows_at_once", lambda *a: None)
+        patch.setattr(rollout_module, "_bad_masks", lambda masks, lengths: range(len(masks)))
+        walk = _rollout_error(make)
+    assert fast == walk and (fault is None) == (fast is None), (fast, walk)
+    if fault is None:
+        built = make()
+        assert all(torch.equal(a, torch.full_like(a, b)) for a, b in zip(built.advantages, adv))

@@ -27,6 +27,26 @@ def _float_rows(values, lengths: Sequence[int], name: str, scalar_ok: bool = Fal
     if len(values) != len(lengths):
         raise ValueError(f"{name} has {len(values)} entries for {len(lengths)} sequences; "
                          "give one per sequence")
+    rows = _float_rows_at_once(values, lengths, scalar_ok)
+    return rows if rows is not None else _float_rows_walk(values, lengths, name, scalar_ok)
+
+
+def _float_rows_at_once(values, lengths: Sequence[int], scalar_ok: bool) -> Optional[List[torch.Tensor]]:
+    """`_float_rows_walk`'s rows when every row passes, with one finiteness check over the whole
+    batch; None when one fails (or cannot be converted): the walk then names the first."""
+    try:
+        rows = [torch.as_tensor(v, dtype=torch.float32).detach().cpu() for v in values]
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        return None
+    for i, n in enumerate(lengths):
+        if scalar_ok and rows[i].dim() == 0:
+            rows[i] = rows[i].expand(n).clone()
+        elif rows[i].shape != (n,):
+            return None
+    return rows if bool(torch.isfinite(torch.cat(rows)).all()) else None
+
+
+def _float_rows_walk(values, lengths: Sequence[int], name: str, scalar_ok: bool) -> List[torch.Tensor]:
     rows = []
     for i, (value, n) in enumerate(zip(values, lengths)):
         row = torch.as_tensor(value, dtype=torch.float32).detach().cpu()
@@ -40,6 +60,16 @@ def _float_rows(values, lengths: Sequence[int], name: str, scalar_ok: bool = Fal
                              "the loss mask is 0")
         rows.append(row)
     return rows
+
+
+def _bad_masks(masks: List[torch.Tensor], lengths: Sequence[int]):
+    """Indices to check one by one: none when every mask is 0/1 with 0 at entry 0 (checked at
+    once), else all of them, in order (the first bad one is named)."""
+    flat = torch.cat(masks)
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    if bool(((flat == 0) | (flat == 1)).all()) and not bool(flat[starts].any()):
+        return range(0)
+    return range(len(masks))
 
 
 @dataclass(kw_only=True)
@@ -76,7 +106,8 @@ class RolloutBatch:
             raise ValueError(f"group_ids has {len(self.group_ids)} entries for {len(lengths)} "
                              "sequences; give one group id per sequence")
         self.loss_mask = _float_rows(self.loss_mask, lengths, "loss_mask")
-        for i, mask in enumerate(self.loss_mask):
+        for i in _bad_masks(self.loss_mask, lengths):
+            mask = self.loss_mask[i]
             if not ((mask == 0) | (mask == 1)).all() or mask[0] != 0:
                 raise ValueError(f"loss_mask[{i}] must hold only 0/1 and 0 at entry 0 (nothing "
                                  "predicts the first token); shift a response mask by one if it "
