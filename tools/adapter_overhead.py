@@ -2,8 +2,9 @@
 policy, planning, the step's build; no model run) on a synthetic rollout of `--groups` groups x
 `--group-size` sequences (a `--prefix-len` prompt + `--suffix-len` response each), with the
 bench model's shape (tools/benchlib: the same function `tools/bench.py --adapter` reports as
-`adapter_overhead_seconds`). Prints the median of `--repeats` runs (wall seconds);
-`--profile` adds cProfile's top functions by cumulative time.
+`adapter_overhead_seconds`). Prints the median of `--repeats` runs in wall seconds and this
+process's CPU seconds per run (less sensitive to other jobs on a shared machine); `--profile`
+adds cProfile's top functions by cumulative time.
 
 `--checkout DIR` imports prefix_schedule / megatron_patches / benchlib from another checkout
 of this repository (e.g. main, for a before/after on one machine); default: this one.
@@ -16,7 +17,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import statistics
 import sys
+import time
 from pathlib import Path
 
 
@@ -38,6 +41,21 @@ def _args(argv):
     return args
 
 
+def _cpu_of_prepare() -> list:
+    """This process's CPU seconds of each `PrefixReuseAdapter.prepare` call from now on."""
+    from megatron_patches.frameworks import PrefixReuseAdapter
+    prepare, seconds = PrefixReuseAdapter.prepare, []
+
+    def timed(self, rollout):
+        start = time.process_time()
+        try:
+            return prepare(self, rollout)
+        finally:
+            seconds.append(time.process_time() - start)
+    PrefixReuseAdapter.prepare = timed
+    return seconds
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     sys.path[:0] = [str(args.checkout), str(args.checkout / "tools")]
@@ -54,13 +72,15 @@ def main(argv=None) -> int:
     profile = cProfile.Profile() if args.profile else None
     if profile:
         profile.enable()
+    cpu = _cpu_of_prepare()
     seconds = adapter_overhead(num_groups=args.groups, group_size=args.group_size,
                                prefix_len=args.prefix_len, suffix_len=args.suffix_len,
                                model=model, repeats=args.repeats)
     if profile:
         profile.disable()
         pstats.Stats(profile).sort_stats("cumulative").print_stats(30)
-    print(f"adapter overhead: {seconds:.3f} s per step (median of {args.repeats}) at "
+    print(f"adapter overhead: {seconds:.3f} s per step (median of {args.repeats}; CPU "
+          f"{statistics.median(cpu):.3f} s) at "
           f"{args.groups} groups x {args.group_size}, prefix {args.prefix_len}, suffix "
           f"{args.suffix_len}; checkout {args.checkout}")
     return 0
