@@ -60,55 +60,66 @@ def _is_row(value, dtype, length=None) -> bool:
             and (value.dim() == 1 if length is None else value.shape == (length,)))
 
 
-class _Gathered:
-    """The arrays of a batch by check (`_arrays_pass`), or `ok = False` when one is not a plain
-    1-D CPU tensor of its dtype and length (then the per-array walk decides)."""
+def _rows_ok(arrays, shapes, dtype) -> bool:
+    return all(isinstance(a, torch.Tensor) and a.dtype is dtype and a.is_cpu and a.shape == n
+               for a, n in zip(arrays, shapes))
 
-    def __init__(self) -> None:
-        self.ok = True
+
+class _Gathered:
+    """The arrays of a batch by check (`_arrays_pass`), gathered a field at a time over all
+    trajectories, or `ok = False` when one is not a plain 1-D CPU tensor of its dtype and
+    length (then the per-array walk decides)."""
+
+    def __init__(self, groups) -> None:
         self.tokens, self.masks, self.advantages, self.logprobs = [], [], [], []
         self.context_masks, self.context_advantages, self.context_logprobs = [], [], []
-
-    def add_group(self, group) -> None:
-        if not isinstance(group, Group) or not _is_row(group.prefix, torch.int64) \
-                or group.prefix.numel() < 1 or not group.trajectories:
-            self.ok = False
-            return
-        self.tokens.append(group.prefix)
-        for t, tr in enumerate(group.trajectories):
-            if self.ok:
-                self.add_trajectory(group, t, tr)
-
-    def add_trajectory(self, group, t: int, tr) -> None:
-        if not isinstance(tr, Trajectory) or not _is_row(tr.suffix, torch.int64) \
-                or tr.suffix.numel() < 1:
-            self.ok = False
-            return
-        n = tr.suffix.numel()
-        self.tokens.append(tr.suffix)
-        self.ok = self.add_floats(n, tr.loss_mask, tr.advantages, tr.old_logprobs,
-                                  tr.ref_logprobs, self.masks, self.advantages)
-        loss = tr.context_loss
-        if loss is not None and self.ok:
-            node = tr.node
-            if isinstance(node, bool) or not isinstance(node, int) \
-                    or not 0 <= node < group.num_nodes:
+        trajectories, contexts = [], []
+        for group in groups:
+            if not isinstance(group, Group) or not _is_row(group.prefix, torch.int64) \
+                    or group.prefix.numel() < 1 or not group.trajectories:
                 self.ok = False
                 return
-            length = group.context_len(t)
-            self.ok = self.add_floats(length, loss.loss_mask, loss.advantages, loss.old_logprobs,
-                                      loss.ref_logprobs, self.context_masks,
-                                      self.context_advantages, context=True)
+            self.tokens.append(group.prefix)
+            trajectories += group.trajectories
+            contexts += [(group, t) for t, tr in enumerate(group.trajectories)
+                         if getattr(tr, "context_loss", None) is not None]
+        self.ok = self.add_trajectories(trajectories) and all(
+            self.add_context(group, t) for group, t in contexts)
 
-    def add_floats(self, n: int, mask, advantages, old, ref, masks, advs, context=False) -> bool:
-        arrays = [a for a in (old, ref) if a is not None]
-        if not all(_is_row(a, torch.float32, n) for a in (mask, advantages, *arrays)):
+    def add_trajectories(self, trajectories) -> bool:
+        if not all(isinstance(tr, Trajectory) for tr in trajectories):
             return False
-        if context and mask[0] != 0:
+        suffixes = [tr.suffix for tr in trajectories]
+        if not all(_is_row(s, torch.int64) and s.numel() >= 1 for s in suffixes):
             return False
-        masks.append(mask)
-        advs.append(advantages)
-        (self.context_logprobs if context else self.logprobs).extend(arrays)
+        shapes = [s.shape for s in suffixes]
+        self.tokens += suffixes
+        self.masks = [tr.loss_mask for tr in trajectories]
+        self.advantages = [tr.advantages for tr in trajectories]
+        if not (_rows_ok(self.masks, shapes, torch.float32)
+                and _rows_ok(self.advantages, shapes, torch.float32)):
+            return False
+        for name in ("old_logprobs", "ref_logprobs"):
+            present = [(a, n) for a, n in zip((getattr(tr, name) for tr in trajectories), shapes)
+                       if a is not None]
+            if not _rows_ok([a for a, _ in present], [n for _, n in present], torch.float32):
+                return False
+            self.logprobs += [a for a, _ in present]
+        return True
+
+    def add_context(self, group, t: int) -> bool:
+        tr = group.trajectories[t]
+        loss, node = tr.context_loss, tr.node
+        if isinstance(node, bool) or not isinstance(node, int) or not 0 <= node < group.num_nodes:
+            return False
+        shape = (group.context_len(t),)
+        arrays = [a for a in (loss.old_logprobs, loss.ref_logprobs) if a is not None]
+        if not _rows_ok((loss.loss_mask, loss.advantages, *arrays), [shape] * (2 + len(arrays)),
+                        torch.float32) or loss.loss_mask[0] != 0:
+            return False
+        self.context_masks.append(loss.loss_mask)
+        self.context_advantages.append(loss.advantages)
+        self.context_logprobs += arrays
         return True
 
 
@@ -120,12 +131,9 @@ def _arrays_pass(groups) -> bool:
     """True when every array of the batch passes `_check_group`'s checks (whole-batch tensor
     ops, [Note: checks at step build]); False sends the caller to the per-array walk, which
     finds the first failing array and raises its message."""
-    gathered = _Gathered()
-    for group in groups:
-        gathered.add_group(group)
-        if not gathered.ok:
-            return False
-    g = gathered
+    g = _Gathered(groups)
+    if not g.ok:
+        return False
     in_range = lambda a: torch.isfinite(a) & (a.abs() <= MAX_ABS_ADVANTAGE)  # noqa: E731
     return (_all(g.tokens, lambda t: t >= 0)
             and _all(g.masks + g.context_masks, lambda m: (m == 0) | (m == 1))
