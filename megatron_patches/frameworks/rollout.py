@@ -10,10 +10,13 @@ No Megatron import here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+
+from prefix_schedule.planning.flat import all_within, all_zero_one
 
 __all__ = ["RolloutBatch", "TokenBatch"]
 
@@ -43,7 +46,7 @@ def _float_rows_at_once(values, lengths: Sequence[int], scalar_ok: bool) -> Opti
             rows[i] = rows[i].expand(n).clone()
         elif rows[i].shape != (n,):
             return None
-    return rows if bool(torch.isfinite(torch.cat(rows)).all()) else None
+    return rows if all_within(torch.cat(rows), -math.inf, math.inf) else None
 
 
 def _float_rows_walk(values, lengths: Sequence[int], name: str, scalar_ok: bool) -> List[torch.Tensor]:
@@ -67,7 +70,7 @@ def _bad_masks(masks: List[torch.Tensor], lengths: Sequence[int]):
     once), else all of them, in order (the first bad one is named)."""
     flat = torch.cat(masks)
     starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
-    if bool(((flat == 0) | (flat == 1)).all()) and not bool(flat[starts].any()):
+    if all_zero_one(flat) and not bool(flat[starts].any()):
         return range(0)
     return range(len(masks))
 

@@ -24,6 +24,7 @@ import torch
 
 from prefix_schedule.planning.data import (MAX_ABS_ADVANTAGE, GroupBatch, Group, Trajectory,
                                            _as_floats, _as_tokens, _check_range)
+from prefix_schedule.planning.flat import all_within, all_zero_one
 
 __all__ = ["check_batch_arrays", "check_plan_covers", "batch_digest", "validate_batch"]
 
@@ -123,8 +124,8 @@ class _Gathered:
         return True
 
 
-def _all(rows, test) -> bool:
-    return not rows or bool(test(torch.cat(rows)).all())
+def _cat(rows) -> torch.Tensor:
+    return torch.cat(rows) if rows else torch.zeros(0)
 
 
 def _arrays_pass(groups) -> bool:
@@ -134,12 +135,12 @@ def _arrays_pass(groups) -> bool:
     g = _Gathered(groups)
     if not g.ok:
         return False
-    in_range = lambda a: torch.isfinite(a) & (a.abs() <= MAX_ABS_ADVANTAGE)  # noqa: E731
-    return (_all(g.tokens, lambda t: t >= 0)
-            and _all(g.masks + g.context_masks, lambda m: (m == 0) | (m == 1))
-            and _all(g.advantages + g.context_advantages, in_range)
-            and _all(g.logprobs, lambda a: torch.isfinite(a) & (a <= 0))
-            and _all(g.context_logprobs, torch.isfinite))
+    return (not g.tokens or int(torch.cat(g.tokens).min()) >= 0)\
+        and all_zero_one(_cat(g.masks + g.context_masks))\
+        and all_within(_cat(g.advantages + g.context_advantages), -MAX_ABS_ADVANTAGE,
+                       MAX_ABS_ADVANTAGE)\
+        and all_within(_cat(g.logprobs), -math.inf, 0.0)\
+        and all_within(_cat(g.context_logprobs), -math.inf, math.inf)
 
 
 def _check_group(group: Group) -> None:

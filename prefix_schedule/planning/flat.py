@@ -12,6 +12,7 @@ with the same message as before (tests/test_adapter_overhead.py holds both to th
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, List, Optional
 
@@ -20,7 +21,8 @@ import torch
 from prefix_schedule.planning.data import (MAX_ABS_ADVANTAGE, ContextLoss, Trajectory, _as_1d,
                                            _as_tokens)
 
-__all__ = ["FlatTrajectory", "checked_flat_trajectories", "checked_splits", "split_checked"]
+__all__ = ["FlatTrajectory", "checked_flat_trajectories", "checked_splits", "split_checked",
+           "all_within", "all_zero_one"]
 
 
 @dataclass(kw_only=True)
@@ -58,8 +60,10 @@ class FlatTrajectory:
 
     def shareable(self, cache_loss_tokens: bool = True) -> int:
         """Leading tokens this trajectory may take from a cache (step 1 of the note)."""
+        if cache_loss_tokens:
+            return self.tokens.numel() - 1
         loss = self.loss_mask.nonzero()
-        if cache_loss_tokens or not loss.numel():
+        if not loss.numel():
             return self.tokens.numel() - 1
         return min(int(loss[0, 0]), self.tokens.numel() - 1)
 
@@ -110,7 +114,8 @@ def checked_flat_trajectories(tokens, loss_mask, advantages, old_logprobs=None,
             return None
         lengths.append(n)
     starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
-    if int(torch.cat(tokens).min()) < 0 or (torch.cat(loss_mask)[starts] != 0).any():
+    lowest = torch.stack([t.min() for t in tokens]).min()  # no copy of every token
+    if int(lowest) < 0 or (torch.cat(loss_mask)[starts] != 0).any():
         return None
     flats = []
     for values in zip(tokens, loss_mask, advantages, old, ref):
@@ -171,20 +176,35 @@ def checked_splits(trajectories: list) -> Optional[List[int]]:
         logprobs += rows
         lengths.append(n)
     mask, adv = torch.cat(masks), torch.cat(advantages)
-    lp = torch.cat(logprobs) if logprobs else torch.zeros(0)
-    if not bool(((mask == 0) | (mask == 1)).all() and torch.isfinite(adv).all()
-                and (adv.abs() <= MAX_ABS_ADVANTAGE).all() and torch.isfinite(lp).all()
-                and (lp <= 0).all()):
+    if not (all_within(adv, -MAX_ABS_ADVANTAGE, MAX_ABS_ADVANTAGE)
+            and (not logprobs or all_within(torch.cat(logprobs), -math.inf, 0.0))
+            and all_within(mask, 0.0, 1.0)):
         return None
-    return _first_loss(mask, lengths)
+    ones = mask.nonzero().reshape(-1)
+    if not bool((mask[ones] == 1).all()):  # in [0, 1]: a 0/1 mask iff its nonzeros are 1
+        return None
+    return _first_loss(ones, lengths)
 
 
-def _first_loss(mask: torch.Tensor, lengths: List[int]) -> List[int]:
-    """Per segment of `mask` (concatenated rows of `lengths`), the index of its first 1 (the
-    segment's length if none)."""
+def all_within(values: torch.Tensor, low: float, high: float) -> bool:
+    """Every entry finite and in [low, high] (NaN fails), in one pass (aminmax; isfinite and
+    comparisons over millions of entries cost several)."""
+    if not values.numel():
+        return True
+    least, most = torch.aminmax(values)
+    return bool(torch.isfinite(least) & torch.isfinite(most) & (least >= low) & (most <= high))
+
+
+def all_zero_one(values: torch.Tensor) -> bool:
+    """Every entry 0 or 1 (what `(values == 0) | (values == 1)` checks), in about two passes."""
+    return all_within(values, 0.0, 1.0) and bool((values[values.nonzero(as_tuple=True)] == 1).all())
+
+
+def _first_loss(ones: torch.Tensor, lengths: List[int]) -> List[int]:
+    """Per segment of a mask (concatenated rows of `lengths`; `ones` the sorted indices of its
+    nonzeros), the index of its first 1 (the segment's length if none)."""
     ends = torch.tensor(lengths).cumsum(0)
     starts = ends - torch.tensor(lengths)
-    ones = mask.nonzero().reshape(-1)
     first = torch.searchsorted(ones, starts)  # the first 1 at or after each start
     at = ones[first.clamp(max=max(ones.numel() - 1, 0))] if ones.numel() else ends
     found = (first < ones.numel()) & (at < ends)
