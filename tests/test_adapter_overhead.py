@@ -256,3 +256,22 @@ def test_rollout_checks_at_once_name_the_same_fault(num, fault, where):
     if fault is None:
         built = make()
         assert all(torch.equal(a, torch.full_like(a, b)) for a, b in zip(built.advantages, adv))
+
+
+def test_prepare_pauses_the_garbage_collector_and_restores_it(megatron_env):
+    import gc
+    from megatron_patches.frameworks.adapter import _gc_paused
+    assert gc.isenabled()
+    with _gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), _gc_paused():
+        raise ValueError("refused inside prepare")
+    assert gc.isenabled()  # restored on a refusal too
+    gc.disable()
+    try:
+        with _gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own setting is kept
+    finally:
+        gc.enable()
