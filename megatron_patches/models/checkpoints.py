@@ -24,6 +24,7 @@ Layouts (megatron-core 0.19 / 0.20, local and Transformer Engine layer specs):
   `mlp.experts.linear_fc{1,2}.weight{j}` (Transformer Engine's grouped MLP: `te_grouped=True`);
   fc1 = [gate; up] and fc2 = down, split over the expert-tensor-parallel ranks like the dense
   MLP's; `pre_mlp_layernorm` is a separate norm in both layer specs.
+* Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5; dense MLPs): checkpoints_gdn.py.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ class RankLayout:
         if self.padded_vocab_size < spec.vocab_size or self.padded_vocab_size % self.tp_size:
             problems.append(f"padded_vocab_size={self.padded_vocab_size} must be >= "
                             f"vocab_size={spec.vocab_size} and a multiple of TP")
+        if spec.is_gdn:
+            problems += _gdn_problems(spec, self)
         if spec.is_moe:
             problems += _moe_problems(spec, self)
         elif self.ep_size > 1:
@@ -93,6 +96,16 @@ def _moe_problems(spec: ModelSpec, layout: RankLayout) -> List[str]:
     return problems
 
 
+def _gdn_problems(spec: ModelSpec, layout: RankLayout) -> List[str]:
+    problems = [f"{n}={getattr(spec, n)} is not divisible by TP={layout.tp_size}"
+                for n in ("linear_num_key_heads", "linear_num_value_heads")
+                if getattr(spec, n) % layout.tp_size]
+    if spec.is_moe:
+        problems.append(f"{spec.family}: converting the MoE hybrids' experts and gated shared "
+                        "expert is not implemented (dense GDN hybrids are: qwen3.5-27b)")
+    return problems
+
+
 def local_experts(spec: ModelSpec, layout: RankLayout) -> range:
     """Global indices of the experts on `layout`'s expert-parallel rank."""
     per_rank = spec.num_experts // layout.ep_size
@@ -108,6 +121,10 @@ def stage_layers(spec: ModelSpec, layout: RankLayout) -> range:
 def hf_names(spec: ModelSpec, layer: int, experts: Optional[Sequence[int]] = None
              ) -> Dict[str, str]:
     """Short name -> HF tensor name of one decoder layer (MoE: of `experts`, default all)."""
+    if spec.is_gdn:
+        from megatron_patches.models.checkpoints_gdn import gdn_hf_names
+
+        return gdn_hf_names(spec, layer)
     p = f"model.layers.{layer}"
     names = {"input_norm": f"{p}.input_layernorm.weight", "q": f"{p}.self_attn.q_proj.weight",
              "k": f"{p}.self_attn.k_proj.weight", "v": f"{p}.self_attn.v_proj.weight",
@@ -165,6 +182,15 @@ def _cols(t: torch.Tensor, layout: RankLayout) -> torch.Tensor:
     return t.chunk(layout.tp_size, dim=1)[layout.tp_rank]
 
 
+def _norm_to_megatron(spec: ModelSpec, w: torch.Tensor) -> torch.Tensor:
+    """GDN hybrids' HF norms compute (1 + w): Megatron's weight is w + 1 (checkpoints_gdn.py)."""
+    return w + 1.0 if spec.is_gdn else w
+
+
+def _norm_to_hf(spec: ModelSpec, w: torch.Tensor) -> torch.Tensor:
+    return w - 1.0 if spec.is_gdn else w
+
+
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
 
@@ -190,6 +216,10 @@ def _mlp_to_megatron(spec, layout, hf, src, dst, local: int) -> Dict[str, torch.
 
 
 def _layer_to_megatron(spec, layout, hf, layer: int, local: int) -> Dict[str, torch.Tensor]:
+    if spec.is_gdn:
+        from megatron_patches.models.checkpoints_gdn import gdn_layer_to_megatron
+
+        return gdn_layer_to_megatron(spec, layout, hf, layer, local)
     src = hf_names(spec, layer, local_experts(spec, layout) if spec.is_moe else None)
     dst = _megatron_layer_names(local, layout, spec.is_moe)
     qkv = _rows(_qkv_groups(spec, hf[src["q"]], hf[src["k"]], hf[src["v"]]), layout)
@@ -213,7 +243,7 @@ def to_megatron(spec: ModelSpec, hf: Dict[str, torch.Tensor], layout: RankLayout
     for local, layer in enumerate(stage_layers(spec, layout)):
         out.update(_layer_to_megatron(spec, layout, hf, layer, local))
     if last:
-        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        out["decoder.final_layernorm.weight"] = _norm_to_megatron(spec, hf["model.norm.weight"])
         head = hf["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
         if not (spec.tie_word_embeddings and first):  # else the embedding is the output layer
             out["output_layer.weight"] = _rows(_padded(head, layout.padded_vocab_size), layout)
@@ -249,6 +279,10 @@ def _experts_to_hf(spec, layout, experts, dst, local: int) -> Dict[str, torch.Te
 
 def _layer_to_hf(spec, layouts, ranks, layer: int, local: int, experts=None
                  ) -> Dict[str, torch.Tensor]:
+    if spec.is_gdn:
+        from megatron_patches.models.checkpoints_gdn import gdn_layer_to_hf
+
+        return gdn_layer_to_hf(spec, layouts, ranks, layer, local)
     src = [_megatron_layer_names(local, lay, spec.is_moe) for lay in layouts]
     dst = hf_names(spec, layer)
     cat0 = lambda key: torch.cat([r[s[key]] for r, s in zip(ranks, src)], dim=0)  # noqa: E731
@@ -295,7 +329,7 @@ def to_hf(spec: ModelSpec, ranks: Sequence[Sequence[Dict[str, torch.Tensor]]],
             out["model.embed_tokens.weight"] = torch.cat(
                 [r["embedding.word_embeddings.weight"] for r in stage])[:vocab]
         if pp_rank == layout.pp_size - 1:
-            out["model.norm.weight"] = stage[0]["decoder.final_layernorm.weight"]
+            out["model.norm.weight"] = _norm_to_hf(spec, stage[0]["decoder.final_layernorm.weight"])
             if not spec.tie_word_embeddings:
                 out["lm_head.weight"] = torch.cat([r["output_layer.weight"] for r in stage])[:vocab]
     return {name: t.contiguous() for name, t in out.items()}
