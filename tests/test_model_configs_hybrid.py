@@ -63,6 +63,7 @@ def _with(argv, flag, value):
     return argv[:i + 1] + [value] + argv[i + 2:]
 
 
+@pytest.mark.megatron  # starts a fresh interpreter on a Megatron-LM checkout
 @pytest.mark.parametrize("version", ["0.19.1", pytest.param("0.20.0", marks=pytest.mark.slow)])
 def test_megatron_gdn_fields_match_transformers(version, tmp_path_factory):
     tree = stock_tree(version, tmp_path_factory)
