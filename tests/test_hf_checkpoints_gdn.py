@@ -1,7 +1,9 @@
 """Hugging Face checkpoints of the Gated DeltaNet hybrids (megatron_patches/models/
-checkpoints_gdn.py through hf_checkpoints.py): Qwen3.5 (`Qwen3_5ForCausalLM`: separate
-in_proj_qkv / z / b / a) and Qwen3-Next (`Qwen3NextForCausalLM` with dense MLPs: per-key-head
-interleaved in_proj_qkvz / in_proj_ba), the tiny twins' shapes.
+checkpoints_gdn.py through hf_checkpoints.py), the tiny twins' shapes: Qwen3.5
+(`Qwen3_5ForCausalLM`: separate in_proj_qkv / z / b / a), Qwen3-Next with dense MLPs
+(`Qwen3NextForCausalLM`: per-key-head interleaved in_proj_qkvz / in_proj_ba), and the MoE
+hybrids Qwen3.5-MoE and Qwen3-Next (router, experts, sigmoid-gated shared expert; at TP=2 with
+expert TP = TP).
 
 * Round trip: a checkpoint written by transformers (weights at bf16 values, norms away from
   their init) -> Megatron tensors of every rank at TP x PP in {1, 2}^2 -> HF tensors: the same
@@ -28,7 +30,9 @@ QWEN35 = MODELS["qwen3.5-27b-tiny"]
 QWEN3_NEXT_DENSE = dataclasses.replace(  # Qwen3-Next's layout with num_experts=0 (dense MLPs)
     MODELS["qwen3-next-80b-a3b-tiny"], name="qwen3-next-dense-tiny", num_experts=None,
     moe_ffn_hidden_size=None, moe_router_topk=None, moe_shared_expert_intermediate_size=None)
-SPECS = {"qwen3.5": QWEN35, "qwen3-next": QWEN3_NEXT_DENSE}
+SPECS = {"qwen3.5": QWEN35, "qwen3-next": QWEN3_NEXT_DENSE,
+         "qwen3.5-moe": MODELS["qwen3.5-35b-a3b-tiny"],
+         "qwen3-next-moe": MODELS["qwen3-next-80b-a3b-tiny"]}
 
 
 def hf_model(spec, seed: int = 0):
@@ -67,8 +71,10 @@ def test_round_trip_is_bit_identical(checkpoint, tp, pp):
     _, path = checkpoint
     spec, _ = read_hf_config(path)
     hf = read_hf_tensors(path, hf_tensor_names(path))
-    layout = RankLayout(tp_size=tp, pp_size=pp, padded_vocab_size=spec.vocab_size)
-    ranks = [[to_megatron(spec, hf, dataclasses.replace(layout, tp_rank=t, pp_rank=s))
+    layout = RankLayout(tp_size=tp, pp_size=pp, padded_vocab_size=spec.vocab_size,
+                        expert_tp_size=tp if spec.is_moe else 1)  # MoE: expert TP = TP
+    ranks = [[to_megatron(spec, hf, dataclasses.replace(
+        layout, tp_rank=t, pp_rank=s, expert_tp_rank=t if spec.is_moe else 0))
               for t in range(tp)] for s in range(pp)]
     if tp == 2:  # really split: each rank holds half of the GDN heads
         in_proj = ranks[0][0]["decoder.layers.0.self_attention.in_proj.weight"]
@@ -94,6 +100,15 @@ def _megatron_model(spec):
     gdn = {f: getattr(spec, f) for f in ("linear_conv_kernel_dim", "linear_key_head_dim",
                                          "linear_value_head_dim", "linear_num_key_heads",
                                          "linear_num_value_heads")}
+    if spec.is_moe:  # the MoE arguments megatron_args() gives (softmax over the top-k logits)
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+        destroy_moe_metrics_tracker()  # sized by an earlier model's layer count
+        gdn.update(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+                   moe_router_topk=spec.moe_router_topk, moe_router_score_function="softmax",
+                   moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.001,
+                   moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+                   moe_shared_expert_gate=True)
     return build_gdn_model(cfg, linear_attention_freq=spec.linear_attention_freq,
                            attention_output_gate=True, rotary_percent=spec.rotary_percent, **gdn)
 
@@ -106,7 +121,8 @@ def test_loaded_model_gives_transformers_logits_and_exports_the_same_tensors(
     spec, path = checkpoint
     model = _megatron_model(spec)
     assert load_hf_weights(model, path) == dataclasses.replace(spec, name=path.name)
-    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(path).to(torch.float64)
+    theirs_model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, experts_implementation="eager").to(torch.float64)  # grouped_mm has no float64
     tokens = torch.randint(0, spec.vocab_size, (90,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():  # 90 tokens: across the delta rule's 64-token chunks
         ours = model(tokens[None], torch.arange(90)[None], None)[0]

@@ -100,9 +100,6 @@ def _gdn_problems(spec: ModelSpec, layout: RankLayout) -> List[str]:
     problems = [f"{n}={getattr(spec, n)} is not divisible by TP={layout.tp_size}"
                 for n in ("linear_num_key_heads", "linear_num_value_heads")
                 if getattr(spec, n) % layout.tp_size]
-    if spec.is_moe:
-        problems.append(f"{spec.family}: converting the MoE hybrids' experts and gated shared "
-                        "expert is not implemented (dense GDN hybrids are: qwen3.5-27b)")
     return problems
 
 
@@ -124,23 +121,33 @@ def hf_names(spec: ModelSpec, layer: int, experts: Optional[Sequence[int]] = Non
     if spec.is_gdn:
         from megatron_patches.models.checkpoints_gdn import gdn_hf_names
 
-        return gdn_hf_names(spec, layer)
+        return gdn_hf_names(spec, layer, experts)
     p = f"model.layers.{layer}"
     names = {"input_norm": f"{p}.input_layernorm.weight", "q": f"{p}.self_attn.q_proj.weight",
              "k": f"{p}.self_attn.k_proj.weight", "v": f"{p}.self_attn.v_proj.weight",
              "o": f"{p}.self_attn.o_proj.weight",
-             "mlp_norm": f"{p}.post_attention_layernorm.weight"}
-    if spec.is_moe:
-        names["router"] = f"{p}.mlp.gate.weight"
-        for e in range(spec.num_experts) if experts is None else experts:
-            names.update({f"gate.{e}": f"{p}.mlp.experts.{e}.gate_proj.weight",
-                          f"up.{e}": f"{p}.mlp.experts.{e}.up_proj.weight",
-                          f"down.{e}": f"{p}.mlp.experts.{e}.down_proj.weight"})
-    else:
-        names.update(gate=f"{p}.mlp.gate_proj.weight", up=f"{p}.mlp.up_proj.weight",
-                     down=f"{p}.mlp.down_proj.weight")
+             "mlp_norm": f"{p}.post_attention_layernorm.weight", **mlp_hf_names(spec, p, experts)}
     if spec.qk_norm:
         names.update(q_norm=f"{p}.self_attn.q_norm.weight", k_norm=f"{p}.self_attn.k_norm.weight")
+    return names
+
+
+def mlp_hf_names(spec: ModelSpec, p: str, experts: Optional[Sequence[int]] = None
+                 ) -> Dict[str, str]:
+    """Short name -> HF name of the MLP of layer prefix `p`: SwiGLU, or router + experts (of
+    `experts`, default all) + the sigmoid-gated shared expert where the spec has one."""
+    if not spec.is_moe:
+        return {"gate": f"{p}.mlp.gate_proj.weight", "up": f"{p}.mlp.up_proj.weight",
+                "down": f"{p}.mlp.down_proj.weight"}
+    names = {"router": f"{p}.mlp.gate.weight"}
+    for e in range(spec.num_experts) if experts is None else experts:
+        names.update({f"gate.{e}": f"{p}.mlp.experts.{e}.gate_proj.weight",
+                      f"up.{e}": f"{p}.mlp.experts.{e}.up_proj.weight",
+                      f"down.{e}": f"{p}.mlp.experts.{e}.down_proj.weight"})
+    if spec.moe_shared_expert_intermediate_size:
+        names.update({f"shared.{k}": f"{p}.mlp.shared_expert.{k}_proj.weight"
+                      for k in ("gate", "up", "down")},
+                     shared_gate=f"{p}.mlp.shared_expert_gate.weight")
     return names
 
 
@@ -156,7 +163,10 @@ def _megatron_layer_names(local: int, layout: RankLayout, moe: bool = False) -> 
             "q_norm": f"{p}.self_attention.q_layernorm.weight",
             "k_norm": f"{p}.self_attention.k_layernorm.weight",
             "fc1": f"{p}.mlp.linear_fc1.weight", "fc2": f"{p}.mlp.linear_fc2.weight",
-            "router": f"{p}.mlp.router.weight"}
+            "router": f"{p}.mlp.router.weight",
+            "shared_fc1": f"{p}.mlp.shared_experts.linear_fc1.weight",
+            "shared_fc2": f"{p}.mlp.shared_experts.linear_fc2.weight",
+            "shared_gate": f"{p}.mlp.shared_experts.gate_weight"}
 
 
 def _expert_name(local: int, layout: RankLayout, j: int, fc: int) -> str:
@@ -212,6 +222,27 @@ def _mlp_to_megatron(spec, layout, hf, src, dst, local: int) -> Dict[str, torch.
         out[_expert_name(local, layout, j, 1)] = torch.cat(
             [_rows(hf[src[f"gate.{e}"]], ex), _rows(hf[src[f"up.{e}"]], ex)])
         out[_expert_name(local, layout, j, 2)] = _cols(hf[src[f"down.{e}"]], ex)
+    if spec.moe_shared_expert_intermediate_size:  # a dense MLP split over TP, gate replicated
+        out.update({dst["shared_fc1"]: torch.cat([_rows(hf[src["shared.gate"]], layout),
+                                                  _rows(hf[src["shared.up"]], layout)]),
+                    dst["shared_fc2"]: _cols(hf[src["shared.down"]], layout),
+                    dst["shared_gate"]: hf[src["shared_gate"]]})
+    return out
+
+
+def _mlp_to_hf(spec, layouts, ranks, src, dst, local: int, experts) -> Dict[str, torch.Tensor]:
+    """HF MLP tensors of one layer from one stage's TP ranks (MoE experts: `experts`)."""
+    get = lambda key: [r[s[key]] for r, s in zip(ranks, src)]  # noqa: E731
+    out = {}
+    if not spec.is_moe:
+        out[dst["gate"]], out[dst["up"]], out[dst["down"]] = _swiglu_to_hf(get("fc1"), get("fc2"))
+        return out
+    out[dst["router"]] = get("router")[0]
+    out.update(_experts_to_hf(spec, layouts[0], experts, dst, local))
+    if spec.moe_shared_expert_intermediate_size:
+        (out[dst["shared.gate"]], out[dst["shared.up"]],
+         out[dst["shared.down"]]) = _swiglu_to_hf(get("shared_fc1"), get("shared_fc2"))
+        out[dst["shared_gate"]] = get("shared_gate")[0]
     return out
 
 
@@ -282,7 +313,7 @@ def _layer_to_hf(spec, layouts, ranks, layer: int, local: int, experts=None
     if spec.is_gdn:
         from megatron_patches.models.checkpoints_gdn import gdn_layer_to_hf
 
-        return gdn_layer_to_hf(spec, layouts, ranks, layer, local)
+        return gdn_layer_to_hf(spec, layouts, ranks, layer, local, experts)
     src = [_megatron_layer_names(local, lay, spec.is_moe) for lay in layouts]
     dst = hf_names(spec, layer)
     cat0 = lambda key: torch.cat([r[s[key]] for r, s in zip(ranks, src)], dim=0)  # noqa: E731
@@ -290,13 +321,8 @@ def _layer_to_hf(spec, layouts, ranks, layer: int, local: int, experts=None
     q, k, v = _split_qkv(spec, cat0("qkv"))
     out = {dst["q"]: q, dst["k"]: k, dst["v"]: v, dst["o"]: cat1("o"),
            dst["input_norm"]: ranks[0][src[0]["input_norm"]],
-           dst["mlp_norm"]: ranks[0][src[0]["mlp_norm"]]}
-    if spec.is_moe:
-        out[dst["router"]] = ranks[0][src[0]["router"]]
-        out.update(_experts_to_hf(spec, layouts[0], experts, dst, local))
-    else:
-        out[dst["gate"]], out[dst["up"]], out[dst["down"]] = _swiglu_to_hf(
-            [r[s["fc1"]] for r, s in zip(ranks, src)], [r[s["fc2"]] for r, s in zip(ranks, src)])
+           dst["mlp_norm"]: ranks[0][src[0]["mlp_norm"]],
+           **_mlp_to_hf(spec, layouts, ranks, src, dst, local, experts)}
     if spec.qk_norm:
         out.update({dst["q_norm"]: ranks[0][src[0]["q_norm"]],
                     dst["k_norm"]: ranks[0][src[0]["k_norm"]]})

@@ -27,7 +27,9 @@ from typing import Dict, List
 
 import torch
 
-from megatron_patches.models.checkpoints import (RankLayout, _cols, _rows, _swiglu_to_hf)
+from megatron_patches.models.checkpoints import (RankLayout, _cols, _megatron_layer_names,
+                                                 _mlp_to_hf, _mlp_to_megatron, _rows,
+                                                 local_experts, mlp_hf_names)
 
 __all__ = ["NORM_OFFSET", "is_linear_layer", "gdn_hf_names", "gdn_layer_to_megatron",
            "gdn_layer_to_hf"]
@@ -41,13 +43,13 @@ def is_linear_layer(spec, layer: int) -> bool:
     return (layer + 1) % spec.linear_attention_freq != 0
 
 
-def gdn_hf_names(spec, layer: int) -> Dict[str, str]:
-    """Short name -> HF tensor name of one decoder layer of a GDN hybrid (dense MLP)."""
+def gdn_hf_names(spec, layer: int, experts=None) -> Dict[str, str]:
+    """Short name -> HF tensor name of one decoder layer of a GDN hybrid (MoE: of `experts`,
+    default all)."""
     p = f"model.layers.{layer}"
     names = {"input_norm": f"{p}.input_layernorm.weight",
              "mlp_norm": f"{p}.post_attention_layernorm.weight",
-             "gate": f"{p}.mlp.gate_proj.weight", "up": f"{p}.mlp.up_proj.weight",
-             "down": f"{p}.mlp.down_proj.weight"}
+             **mlp_hf_names(spec, p, experts)}
     if not is_linear_layer(spec, layer):
         a = f"{p}.self_attn"
         return {**names, "q": f"{a}.q_proj.weight", "k": f"{a}.k_proj.weight",
@@ -64,17 +66,13 @@ def gdn_hf_names(spec, layer: int) -> Dict[str, str]:
     return names
 
 
-def _megatron_names(local: int, layout: RankLayout, linear: bool) -> Dict[str, str]:
-    p, a = f"decoder.layers.{local}", f"decoder.layers.{local}.self_attention"
-    fused = "in_proj" if linear else "linear_qkv"
-    return {"input_norm": (f"{a}.{fused}.layer_norm_weight" if layout.te_names
-                           else f"{p}.input_layernorm.weight"),
-            "mlp_norm": (f"{p}.mlp.linear_fc1.layer_norm_weight" if layout.te_names
-                         else f"{p}.pre_mlp_layernorm.weight"),
-            "fc1": f"{p}.mlp.linear_fc1.weight", "fc2": f"{p}.mlp.linear_fc2.weight",
-            "qkv": f"{a}.linear_qkv.weight", "o": f"{a}.linear_proj.weight",
-            "q_norm": f"{a}.q_layernorm.weight", "k_norm": f"{a}.k_layernorm.weight",
-            "in_proj": f"{a}.in_proj.weight", "conv1d": f"{a}.conv1d.weight",
+def _megatron_names(spec, local: int, layout: RankLayout, linear: bool) -> Dict[str, str]:
+    """checkpoints.py's layer names (attention, MLP, norms) plus the GDN layer's."""
+    a = f"decoder.layers.{local}.self_attention"
+    names = _megatron_layer_names(local, layout, spec.is_moe)
+    if linear and layout.te_names:  # TE fuses the input norm into the GDN in_proj
+        names["input_norm"] = f"{a}.in_proj.layer_norm_weight"
+    return {**names, "in_proj": f"{a}.in_proj.weight", "conv1d": f"{a}.conv1d.weight",
             "A_log": f"{a}.A_log", "dt_bias": f"{a}.dt_bias",
             "out_norm": f"{a}.out_norm.weight", "out_proj": f"{a}.out_proj.weight"}
 
@@ -133,11 +131,11 @@ def gdn_layer_to_megatron(spec, layout: RankLayout, hf, layer: int, local: int
                           ) -> Dict[str, torch.Tensor]:
     """This rank's Megatron tensors of global layer `layer` (local index `local`)."""
     linear = is_linear_layer(spec, layer)
-    src, dst = gdn_hf_names(spec, layer), _megatron_names(local, layout, linear)
+    experts = _local_experts(spec, layout)
+    src, dst = gdn_hf_names(spec, layer, experts), _megatron_names(spec, local, layout, linear)
     out = {dst["input_norm"]: hf[src["input_norm"]] + NORM_OFFSET,
            dst["mlp_norm"]: hf[src["mlp_norm"]] + NORM_OFFSET,
-           dst["fc1"]: torch.cat([_rows(hf[src["gate"]], layout), _rows(hf[src["up"]], layout)]),
-           dst["fc2"]: _cols(hf[src["down"]], layout)}
+           **_mlp_to_megatron(spec, layout, hf, src, dst, local)}
     if not linear:
         qkv = _rows(_gated_qkv(spec, hf[src["q"]], hf[src["k"]], hf[src["v"]]), layout)
         out.update({dst["qkv"]: qkv.reshape(-1, spec.hidden_size),
@@ -156,21 +154,27 @@ def gdn_layer_to_megatron(spec, layout: RankLayout, hf, layer: int, local: int
     return out
 
 
+def _local_experts(spec, layout: RankLayout):
+    return local_experts(spec, layout) if spec.is_moe else None
+
+
 def _unshard(spec, layout: RankLayout, tensors: List[torch.Tensor], sizes: List[int]):
     """The full [part_0, part_1, ...] rows from every TP rank's [part_0_r | part_1_r | ...]."""
     pieces = [t.split([s // layout.tp_size for s in sizes]) for t in tensors]
     return [torch.cat([p[i] for p in pieces]) for i in range(len(sizes))]
 
 
-def gdn_layer_to_hf(spec, layouts, ranks, layer: int, local: int) -> Dict[str, torch.Tensor]:
-    """HF tensors of global layer `layer` from one stage's TP ranks (`ranks[tp]`)."""
+def gdn_layer_to_hf(spec, layouts, ranks, layer: int, local: int, experts=None
+                    ) -> Dict[str, torch.Tensor]:
+    """HF tensors of global layer `layer` from one stage's TP ranks (`ranks[tp]`; MoE experts
+    from `experts[ep][expert_tp]`, checkpoints.to_hf's)."""
     linear = is_linear_layer(spec, layer)
-    src = [_megatron_names(local, lay, linear) for lay in layouts]
+    src = [_megatron_names(spec, local, lay, linear) for lay in layouts]
     dst = gdn_hf_names(spec, layer)
     get = lambda key: [r[s[key]] for r, s in zip(ranks, src)]  # noqa: E731
     out = {dst["input_norm"]: get("input_norm")[0] - NORM_OFFSET,
-           dst["mlp_norm"]: get("mlp_norm")[0] - NORM_OFFSET}
-    out[dst["gate"]], out[dst["up"]], out[dst["down"]] = _swiglu_to_hf(get("fc1"), get("fc2"))
+           dst["mlp_norm"]: get("mlp_norm")[0] - NORM_OFFSET,
+           **_mlp_to_hf(spec, layouts, ranks, src, dst, local, experts)}
     if not linear:
         q, k, v = _split_gated_qkv(spec, torch.cat(get("qkv")))
         out.update({dst["q"]: q, dst["k"]: k, dst["v"]: v, dst["o"]: torch.cat(get("o"), dim=1),

@@ -262,15 +262,10 @@ def check_trainable(spec: ModelSpec) -> None:
     Every paper model trains: Qwen3-30B-A3B (MoE) with logical prefix-token accounting
     (megatron_patches/runtime/moe.py), within the MoE limits the reuse executor checks
     (moe.check_moe_supported, config_support_moe.py: dropless, token-local routing, TP=1).
-    The dense GDN hybrids (Qwen3.5 text, Qwen3-Next with dense MLPs) train
-    (tests/test_megatron_lm_gdn.py); the MoE hybrids' gated shared expert is not converted from
-    HF checkpoints yet, so their checkpoints are refused."""
+    The GDN hybrids train too (tests/test_megatron_lm_gdn.py: Qwen3.5 dense, Qwen3-Next MoE
+    with its gated shared expert)."""
     if spec.family not in _ARCH:
         raise ValueError(f"{spec.name}: family {spec.family!r} is not supported")
-    if spec.is_gdn and spec.is_moe:
-        raise ValueError(f"{spec.name}: a GDN hybrid with MoE layers ({spec.family}): HF "
-                         "checkpoint conversion of its experts and gated shared expert is not "
-                         "implemented; the dense hybrids (e.g. Qwen3.5-27B) are")
 
 
 def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
