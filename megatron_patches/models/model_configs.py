@@ -370,8 +370,9 @@ def mismatches_with_args(spec: ModelSpec, args) -> List[str]:
 
 
 def _moe_mismatches(spec: ModelSpec, args) -> List[str]:
-    """Where the MoE arguments route differently from Qwen3-MoE (HF: softmax over all experts,
-    top-k, renormalised when norm_topk_prob; no shared experts, every layer MoE)."""
+    """Where the MoE arguments route differently from the checkpoint (HF: softmax over all
+    experts, top-k, renormalised when norm_topk_prob; every layer MoE; Qwen3-MoE no shared
+    expert, Qwen3-Next / Qwen3.5-MoE one sigmoid-gated shared expert)."""
     want = {"--num-experts": (args.num_experts, spec.num_experts),
             "--moe-ffn-hidden-size": (args.moe_ffn_hidden_size, spec.moe_ffn_hidden_size),
             "--moe-router-topk": (args.moe_router_topk, spec.moe_router_topk),
