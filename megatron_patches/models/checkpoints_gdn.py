@@ -1,5 +1,6 @@
 """Hugging Face Qwen3-Next / Qwen3.5 decoder layers <-> Megatron GPTModel GDN-hybrid layers, for
-any TP split; checkpoints.py calls these for a ModelSpec with `is_gdn` (pure tensor code).
+any TP split; checkpoints.py calls these for a ModelSpec with `is_gdn` (pure tensor code; the
+shared pieces are checkpoints_base.py's).
 
 Layouts (megatron-core 0.19 / 0.20 `GatedDeltaNet`, `SelfAttention` with
 `attention_output_gate`; read against transformers 5.23 `Qwen3NextGatedDeltaNet`,
@@ -27,9 +28,9 @@ from typing import Dict, List
 
 import torch
 
-from megatron_patches.models.checkpoints import (RankLayout, _cols, _megatron_layer_names,
-                                                 _mlp_to_hf, _mlp_to_megatron, _rows,
-                                                 local_experts, mlp_hf_names)
+from megatron_patches.models.checkpoints_base import (RankLayout, _cols, _megatron_layer_names,
+                                                      _mlp_to_hf, _mlp_to_megatron, _rows,
+                                                      local_experts, mlp_hf_names)
 
 __all__ = ["NORM_OFFSET", "is_linear_layer", "gdn_hf_names", "gdn_layer_to_megatron",
            "gdn_layer_to_hf"]
