@@ -119,3 +119,11 @@ def test_bad_hybrid_configs_are_refused():
     with pytest.raises(ValueError, match="attn_output_gate=false"):
         from_hf_config({**config, "attn_output_gate": False})
     check_trainable(MODELS["qwen3.5-35b-a3b-tiny"])
+    import dataclasses
+
+    with pytest.raises(ValueError, match="belong to the GDN families"):
+        dataclasses.replace(MODELS["qwen3-8b-tiny"], rotary_percent=0.25)
+    with pytest.raises(ValueError, match="a shared expert needs num_experts"):
+        dataclasses.replace(MODELS["qwen3.5-27b-tiny"], moe_shared_expert_intermediate_size=32)
+    with pytest.raises(ValueError, match="GDN fields .* are set exactly"):
+        dataclasses.replace(MODELS["qwen3.5-27b-tiny"], linear_conv_kernel_dim=None)

@@ -117,6 +117,11 @@ class ModelSpec:
         if gdn_set != {self.family in GDN_FAMILIES}:
             raise ValueError(f"{self.name}: the GDN fields {_GDN_FIELDS} are set exactly for "
                              f"the GDN families {GDN_FAMILIES}")
+        if not self.is_gdn and (self.attention_output_gate or self.rotary_percent != 1.0):
+            raise ValueError(f"{self.name}: attention_output_gate / rotary_percent belong to the "
+                             f"GDN families {GDN_FAMILIES}")
+        if self.moe_shared_expert_intermediate_size and not self.is_moe:
+            raise ValueError(f"{self.name}: a shared expert needs num_experts")
         if self.is_gdn and self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"{self.name}: linear_num_value_heads must be a multiple of "
                              "linear_num_key_heads")
