@@ -9,6 +9,7 @@ Qwen3.5-27B, Qwen3.5-35B-A3B and their tiny twins.
   tests/test_model_configs.py, which covers the hybrids too.)
 * The tiny twins keep the architecture; the published numbers are the ones registered.
 * Bad config.json layouts are refused with the reason; every hybrid is trainable.
+* The entry point refuses an HF hybrid checkpoint with arguments that build no GDN layers.
 """
 
 import json
@@ -127,3 +128,17 @@ def test_bad_hybrid_configs_are_refused():
         dataclasses.replace(MODELS["qwen3.5-27b-tiny"], moe_shared_expert_intermediate_size=32)
     with pytest.raises(ValueError, match="GDN fields .* are set exactly"):
         dataclasses.replace(MODELS["qwen3.5-27b-tiny"], linear_conv_kernel_dim=None)
+
+
+def test_entry_point_refuses_arguments_without_the_checkpoints_gdn_layers(tmp_path):
+    """`--hf-checkpoint` of a Qwen3.5 checkpoint with a plain Qwen3's arguments (no GDN flags):
+    refused before any compute, naming the GDN flag (megatron_lm/main._check_hf_checkpoint)."""
+    from megatron_patches.megatron_lm.main import _check_hf_checkpoint
+    from test_megatron_lm_units import _megatron_args_for
+
+    (tmp_path / "config.json").write_text(json.dumps(MODELS["qwen3.5-27b-tiny"].hf_config()))
+    args = _megatron_args_for("qwen3-8b-tiny", hf_checkpoint=str(tmp_path),
+                              experimental_attention_variant=None)
+    with pytest.raises(ValueError, match="--experimental-attention-variant None but the "
+                                         "checkpoint needs 'gated_delta_net'"):
+        _check_hf_checkpoint(args)
