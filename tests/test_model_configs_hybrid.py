@@ -9,7 +9,8 @@ Qwen3.5-27B, Qwen3.5-35B-A3B and their tiny twins.
   tests/test_model_configs.py, which covers the hybrids too.)
 * The tiny twins keep the architecture; the published numbers are the ones registered.
 * Bad config.json layouts are refused with the reason; every hybrid is trainable.
-* The entry point refuses an HF hybrid checkpoint with arguments that build no GDN layers.
+* The entry point refuses an HF hybrid checkpoint with arguments that build no GDN layers, or
+  zero-centred norms (`--apply-layernorm-1p`: the converter already adds the 1).
 """
 
 import json
@@ -142,3 +143,7 @@ def test_entry_point_refuses_arguments_without_the_checkpoints_gdn_layers(tmp_pa
     with pytest.raises(ValueError, match="--experimental-attention-variant None but the "
                                          "checkpoint needs 'gated_delta_net'"):
         _check_hf_checkpoint(args)
+    zero_centred = _megatron_args_for("qwen3-8b-tiny", hf_checkpoint=str(tmp_path),
+                                      apply_layernorm_1p=True)
+    with pytest.raises(ValueError, match="--apply-layernorm-1p: arguments give True"):
+        _check_hf_checkpoint(zero_centred)  # the converter already turned (1 + w) into w + 1

@@ -30,7 +30,9 @@ def mismatches_with_args(spec, args) -> List[str]:
               "RoPE scaling": (args.use_rope_scaling, spec.rope_scaling_factor is not None),
               "RMSNorm": (args.normalization, "RMSNorm"), "SwiGLU": (args.swiglu, True),
               "rope positions": (args.position_embedding_type, "rope"),
-              "no linear biases": (args.add_bias_linear, False)}
+              "no linear biases": (args.add_bias_linear, False),
+              # the converters give Megatron plain-w norms (GDN hybrids: HF (1 + w) -> w + 1)
+              "--apply-layernorm-1p": (getattr(args, "apply_layernorm_1p", False), False)}
     problems += [f"{what}: arguments give {got!r}, the checkpoint needs {want!r}"
                  for what, (got, want) in checks.items() if got != want]
     if spec.is_moe or getattr(args, "num_experts", None):
