@@ -144,6 +144,6 @@ def test_entry_point_refuses_arguments_without_the_checkpoints_gdn_layers(tmp_pa
                                          "checkpoint needs 'gated_delta_net'"):
         _check_hf_checkpoint(args)
     zero_centred = _megatron_args_for("qwen3-8b-tiny", hf_checkpoint=str(tmp_path),
-                                      apply_layernorm_1p=True)
+                                      layernorm_zero_centered_gamma=True)
     with pytest.raises(ValueError, match="--apply-layernorm-1p: arguments give True"):
         _check_hf_checkpoint(zero_centred)  # the converter already turned (1 + w) into w + 1

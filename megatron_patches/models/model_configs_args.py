@@ -32,7 +32,8 @@ def mismatches_with_args(spec, args) -> List[str]:
               "rope positions": (args.position_embedding_type, "rope"),
               "no linear biases": (args.add_bias_linear, False),
               # the converters give Megatron plain-w norms (GDN hybrids: HF (1 + w) -> w + 1)
-              "--apply-layernorm-1p": (getattr(args, "apply_layernorm_1p", False), False)}
+              "--apply-layernorm-1p": (getattr(args, "layernorm_zero_centered_gamma", False),
+                                       False)}
     problems += [f"{what}: arguments give {got!r}, the checkpoint needs {want!r}"
                  for what, (got, want) in checks.items() if got != want]
     if spec.is_moe or getattr(args, "num_experts", None):
