@@ -1,5 +1,5 @@
-"""Hugging Face Llama 3 / Qwen3 / Qwen3-MoE weights <-> Megatron GPTModel weights, for any
-TP x PP (x EP) split.
+"""Hugging Face Llama 3 / Qwen3 / Qwen3-MoE (and, through checkpoints_gdn.py, Qwen3-Next /
+Qwen3.5) weights <-> Megatron GPTModel weights, for any TP x PP (x EP) split.
 
 Pure tensor code (no Megatron import): `to_megatron` gives one rank's tensors, named like the
 parameters of Megatron's GPTModel on that rank; `to_hf` assembles the HF tensors from every rank's.

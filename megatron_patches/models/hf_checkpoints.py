@@ -1,5 +1,6 @@
-"""Load a Hugging Face Llama 3 / Qwen3 / Qwen3-MoE checkpoint into a (TP x PP x EP sharded)
-Megatron GPTModel, and write one back; the tensor layouts are megatron_patches/models/checkpoints.py's.
+"""Load a Hugging Face Llama 3 / Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 checkpoint into a
+(TP x PP x EP sharded) Megatron GPTModel, and write one back; the tensor layouts are
+megatron_patches/models/checkpoints.py's (GDN hybrids: checkpoints_gdn.py's).
 
     spec, config = read_hf_config(directory)
     load_hf_weights(model, directory)          # on every rank, after the model is built
