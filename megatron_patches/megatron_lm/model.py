@@ -34,6 +34,7 @@ import inspect
 import sys
 from pathlib import Path
 
+from megatron_patches.config.config_support import is_gdn_variant
 from megatron.training import get_args
 from megatron.training.arguments import core_transformer_config_from_args
 
@@ -81,7 +82,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     norms = _sequence_parallel_torch_norms(builders, vp_stage) if (
         local and args.sequence_parallel) else None
     gdn = _local_gdn_block_spec(builders) if (
-        local and args.experimental_attention_variant == "gated_delta_net") else None
+        local and is_gdn_variant(args.experimental_attention_variant)) else None
     with norms or contextlib.nullcontext(), gdn or contextlib.nullcontext():
         return provider(builders.gpt_builder, pre_process, post_process, vp_stage,
                         config=config or reuse_transformer_config(args),

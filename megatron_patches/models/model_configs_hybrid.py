@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from megatron_patches.config.config_support import is_gdn_variant
+
 __all__ = ["GDN_FAMILIES", "HYBRID_MOE_FAMILIES", "HYBRID_MODEL_FIELDS", "HYBRID_ARCH",
            "gdn_megatron_args", "gdn_hf_config", "gdn_fields_from_hf", "gdn_mismatches",
            "unwrap_text_config"]
@@ -158,6 +160,8 @@ def gdn_mismatches(spec, args) -> List[str]:
     freq = getattr(args, "linear_attention_freq", None)
     pattern = [0 if (i + 1) % spec.linear_attention_freq == 0 else 1
                for i in range(spec.num_layers)]
+    if is_gdn_variant(variant):  # main's 'gdn' and its deprecated alias build the same layer
+        variant = "gated_delta_net"
     want = {"--experimental-attention-variant": (variant, "gated_delta_net"),
             "--linear-attention-freq": (freq, pattern if isinstance(freq, list)
                                         else spec.linear_attention_freq),
