@@ -72,15 +72,52 @@ def _with_prefix_reuse(pretrain):
     return pretrain_with_prefix_reuse
 
 
+def _allow_no_cuda() -> None:
+    """Without CUDA: `pretrain` calls `initialize_megatron()`, which asserts CUDA unless given
+    `allow_no_cuda=True` (our own entry point passes it; main.py). With CUDA: untouched."""
+    import torch
+    from megatron.training import training
+
+    if torch.cuda.is_available():
+        return
+    initialize = training.initialize_megatron
+
+    def initialize_megatron(*args, **kwargs):
+        return initialize(*args, **{**kwargs, "allow_no_cuda": True})
+    training.initialize_megatron = initialize_megatron
+
+
+def _cpu_copies() -> None:
+    """Without CUDA: `Tensor.cpu()` returns a copy, as it does from a GPU. train_rl's loop keeps
+    weights with `{k: v.cpu() for k, v in model.state_dict().items()}`: the reference policy
+    (train()) and the current weights while the reference log-probs are computed
+    (prepare_data_for_update loads the reference, then this dict back). On a CPU tensor `.cpu()`
+    is the tensor itself, so both dicts would alias the live weights: the reference would follow
+    training and, after the first reference pass, training would go on from the reference."""
+    import torch
+
+    stock = torch.Tensor.cpu
+
+    def cpu(self, *args, **kwargs):
+        out = stock(self, *args, **kwargs)
+        return out.clone() if out.data_ptr() == self.data_ptr() and out.numel() else out
+    torch.Tensor.cpu = cpu
+
+
 def main(argv: List[str]) -> None:
     from megatron_patches.megatron_lm import compat
 
     path, reuse, rest = split_argv(argv)
     compat.enable_python311_support()
-    compat.enable_megatron_lm_cpu_support()  # a no-op where CUDA exists
+    if compat.enable_megatron_lm_cpu_support():  # a no-op where CUDA exists
+        _allow_no_cuda()
+        _cpu_copies()
     if reuse:
         import megatron.training
 
+        import megatron_patches
+
+        megatron_patches.install()  # the reuse schedule and attention hooks (refuses unpatched)
         megatron.training.pretrain = _with_prefix_reuse(megatron.training.pretrain)
     sys.argv = [path, *rest]
     sys.path.insert(0, str(Path(path).resolve().parent))  # train_rl's gpt_builders, ...
