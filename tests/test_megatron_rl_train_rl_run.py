@@ -8,10 +8,12 @@ agent and every stub, named). Two GRPO collections (`--grpo-iterations 2`): iter
 on the rollouts of iteration 1 after a step (ratios != 1, clipped), iteration 3 on fresh ones with
 a reference policy that is no longer the current one (KL != 0).
 
-Checked, fp32, each within 1e-5 relative (NaN/inf fail): per iteration the loss and every RL
+Checked: every training step of the reuse run ran as one reuse step that shared both groups'
+prompts (the launcher's `> prefix reuse step:` report lines), and, fp32, each within 1e-5
+relative (NaN/inf fail): per iteration the loss and every RL
 metric of its loss dict and the grad norm (training_log's arguments, recorded at full
 precision), and every weight of the checkpoints saved after iterations 2 and 3; that the reuse
-run printed its hook line and the stock run did not; that the trace was really trained on
+run printed its hook lines and the stock run none; that the trace was really trained on
 (distinct losses, KL and clipping non-zero where the data says they must be).
 """
 import json
@@ -113,7 +115,11 @@ def runs(tmp_path_factory):
 
 def test_train_rl_run_prefix_reuse_equals_stock_over_3_iterations(runs):
     stock, reuse = runs
-    assert "> prefix reuse:" in reuse["log"] and "> prefix reuse:" not in stock["log"]
+    assert "> prefix reuse:" in reuse["log"] and "> prefix reuse" not in stock["log"]
+    steps = reuse["log"].split("> prefix reuse step:")[1:]
+    assert len(steps) == ITERS, reuse["log"][-3000:]  # every training step ran as reuse ...
+    assert all(step.split(" iteration ")[0].count("reuse (FLOP gain") == GROUPS
+               for step in steps)  # ... and shared both groups' prompts
     assert [s["iteration"] for s in stock["steps"]] == [s["iteration"] for s in reuse["steps"]] \
         == list(range(1, ITERS + 1))
     for s, r in zip(stock["steps"], reuse["steps"]):

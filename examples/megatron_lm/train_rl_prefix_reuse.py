@@ -56,7 +56,7 @@ def _with_prefix_reuse(pretrain):
     def pretrain_with_prefix_reuse(full_config, datasets_provider, model_type, forward_step_func,
                                    *rest, **kwargs):
         from megatron.rl import rl_utils
-        from megatron.training import get_args, training
+        from megatron.training import get_args, print_rank_0, training
 
         from megatron_patches.frameworks.megatron_rl import TrainRLReuse
 
@@ -65,7 +65,9 @@ def _with_prefix_reuse(pretrain):
         TrainRLReuse(args=args, train_forward_step=forward_step_func,
                      loss_func=forward_step_func.__globals__["loss_func"],
                      calculate_grpo_loss=rl_utils.calculate_grpo_loss,
-                     group_size=args.grpo_group_size).install(rl_utils, training)
+                     group_size=args.grpo_group_size,
+                     on_report=lambda report: print_rank_0(f"> prefix reuse step: {report}"),
+                     ).install(rl_utils, training)
         print("> prefix reuse: train_rl's training step and log-prob passes", flush=True)
         return pretrain(full_config, datasets_provider, model_type, forward_step_func, *rest,
                         **kwargs)

@@ -29,7 +29,7 @@ token, so the dense denominator depends on the microbatching).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -100,7 +100,9 @@ class TrainRLReuse:
     config: AdapterConfig = field(default_factory=AdapterConfig)
     """How the adapter detects and plans."""
     reports: List[str] = field(default_factory=list)
-    """Per reuse call, the adapter's report (what was shared)."""
+    """Per reuse training step, the adapter's report (what was shared)."""
+    on_report: Optional[Callable[[str], None]] = None
+    """Called with each training step's report (the launcher prints it on rank 0)."""
 
     def loss_fn(self, b):
         """train_rl's GRPO loss on a TokenBatch: each predicted position one [1]-row."""
@@ -131,6 +133,8 @@ class TrainRLReuse:
             _count_sequences(tokens.shape[0])
             result = PrefixReuseAdapter(model, self.config).forward_backward(rollout, self.loss_fn)
             self.reports.append(str(result.report))
+            if self.on_report is not None:
+                self.on_report(self.reports[-1])
             return result.losses_reduced
         return forward_backward
 
