@@ -29,6 +29,9 @@ from test_megatron_rl_train_rl import RL_MODULES, _close, _tensors_close
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 ITERS, GROUPS, G, VOCAB, EOD, PAD = 3, 2, 4, 256, 255, 0
 RUN = REPO / "tests" / "train_rl_run.py"
+LONG = ["--seq-length", "128", "--max-position-embeddings", "128",
+        "--inference-max-seq-length", "128"]
+"""The packed runs' bins (= rows) of 128 tokens."""
 
 
 def _trace(path):
@@ -78,24 +81,25 @@ def _args(tree, env_config):
     ]
 
 
-def _train(tree, tmp, name, argv):
+def _train(tree, tmp, name, argv, weights=True):
     record = tmp / f"{name}.jsonl"
     run = run_reaped([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
                       str(RUN), *argv, "--save", str(tmp / f"ckpt-{name}")],
                      env={**child_env(tree), "TRAIN_RL_RECORD": str(record)}, cwd=REPO,
                      timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    weights = tmp / f"{name}-weights.pt"
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    if not weights:
+        return dict(log=run.stdout, steps=lines)
+    path = tmp / f"{name}-weights.pt"
     saved = run_reaped([sys.executable, "-W", "ignore", str(RUN), "--save-weights",
-                        str(tmp / f"ckpt-{name}"), str(weights)], env=child_env(tree), cwd=REPO,
+                        str(tmp / f"ckpt-{name}"), str(path)], env=child_env(tree), cwd=REPO,
                        timeout=300)
     assert saved.returncode == 0, (saved.stdout + saved.stderr)[-6000:]
-    lines = [json.loads(line) for line in record.read_text().splitlines()]
-    return dict(log=run.stdout, steps=lines, weights=torch.load(weights))
+    return dict(log=run.stdout, steps=lines, weights=torch.load(path))
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _setup(tmp_path_factory):
     import importlib.util
 
     missing = [m for m in (*RL_MODULES, "pybind11", "yaml")
@@ -109,20 +113,48 @@ def runs(tmp_path_factory):
     env_config = tmp / "env.yaml"
     env_config.write_text(f"- agent_type: TraceReplayAgent\n  agent_args:\n"
                           f"    trace: {tmp / 'trace.json'}\n  weight: 1.0\n")
-    argv = _args(tree, env_config)
+    return tree, tmp, _args(tree, env_config)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tree, tmp, argv = _setup(tmp_path_factory)
     return _train(tree, tmp, "stock", argv), _train(tree, tmp, "reuse", argv + ["--prefix-reuse"])
 
 
-def test_train_rl_run_prefix_reuse_equals_stock_over_3_iterations(runs):
-    stock, reuse = runs
+@pytest.fixture(scope="module")
+def packed_runs(tmp_path_factory):
+    """Bins of 128 tokens (2-3 sequences of 36-49 tokens each: groups split over bins), and
+    the same run unpacked (rows of 128) as the packing-free reference."""
+    tree, tmp, argv = _setup(tmp_path_factory)
+    argv += LONG
+    packed = argv + ["--rl-use-sequence-packing",
+                     "--rl-sequence-packing-max-sequences-per-bin", "4"]
+    return (_train(tree, tmp, "packed-stock", packed),
+            _train(tree, tmp, "packed-reuse", packed + ["--prefix-reuse"]),
+            _train(tree, tmp, "unpacked-stock", argv, weights=False))
+
+
+def _assert_reuse_equals_stock(stock, reuse):
     assert "> prefix reuse:" in reuse["log"] and "> prefix reuse" not in stock["log"]
     steps = reuse["log"].split("> prefix reuse step:")[1:]
     assert len(steps) == ITERS, reuse["log"][-3000:]  # every training step ran as reuse ...
-    assert all(step.split(" iteration ")[0].count("reuse (FLOP gain") == GROUPS
-               for step in steps)  # ... and shared both groups' prompts
-    assert [s["iteration"] for s in stock["steps"]] == [s["iteration"] for s in reuse["steps"]] \
+    for step in steps:  # ... with both groups whole and shared
+        report = step.split(" iteration ")[0]
+        assert report.count("reuse (FLOP gain") == GROUPS, report
+        assert report.count(f": {G} trajectories") == GROUPS, report
+    _assert_steps_equal(stock["steps"], reuse["steps"])
+    assert sorted(stock["weights"]) == sorted(reuse["weights"]) == [2, ITERS]
+    for it, weights in stock["weights"].items():
+        assert weights.keys() == reuse["weights"][it].keys() and len(weights) > 10
+        for name, w in weights.items():
+            _tensors_close(w, reuse["weights"][it][name], f"{name} after iteration {it}")
+
+
+def _assert_steps_equal(stock, reuse):
+    assert [s["iteration"] for s in stock] == [s["iteration"] for s in reuse] \
         == list(range(1, ITERS + 1))
-    for s, r in zip(stock["steps"], reuse["steps"]):
+    for s, r in zip(stock, reuse):
         it = s["iteration"]
         _close(s["grad_norm"], r["grad_norm"], f"grad norm {it}")
         assert s["losses"].keys() == r["losses"].keys() and "lm loss" in s["losses"]
@@ -131,11 +163,20 @@ def test_train_rl_run_prefix_reuse_equals_stock_over_3_iterations(runs):
                 assert r["losses"][key] == 0, (key, it, r["losses"][key])
             else:
                 _close(value, r["losses"][key], f"{key}, iteration {it}")
-    assert sorted(stock["weights"]) == sorted(reuse["weights"]) == [2, ITERS]
-    for it, weights in stock["weights"].items():
-        assert weights.keys() == reuse["weights"][it].keys() and len(weights) > 10
-        for name, w in weights.items():
-            _tensors_close(w, reuse["weights"][it][name], f"{name} after iteration {it}")
+
+
+def test_train_rl_run_prefix_reuse_equals_stock_over_3_iterations(runs):
+    _assert_reuse_equals_stock(*runs)
+
+
+def test_train_rl_run_packed_prefix_reuse_equals_stock_over_3_iterations(packed_runs):
+    """--rl-use-sequence-packing: the reuse step regroups the bins' sequences (both groups of
+    4 whole in every step's report) and equals train_rl's packed step (its attention through
+    the THD stand-in, tests/train_rl_replay.py), which equals the unpacked run."""
+    packed_stock, packed_reuse, unpacked = packed_runs
+    assert "consumed bins:" in packed_stock["log"] and "consumed bins:" not in unpacked["log"]
+    _assert_reuse_equals_stock(packed_stock, packed_reuse)
+    _assert_steps_equal(unpacked["steps"], packed_stock["steps"])
 
 
 def test_train_rl_run_trains_on_the_trace(runs):

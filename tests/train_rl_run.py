@@ -25,7 +25,7 @@ Stubs (each replaces only something that needs CUDA or is absent; none changes t
 * `NullTokenizer.bos_id = None`: prepare_trajectories asks the tokenizer for `bos`, which
   Megatron's text tokenizer reads from `bos_id`, which its NullTokenizer (the file-less
   tokenizer of tiny runs) does not define (an AttributeError, not a CUDA matter): no BOS.
-* `_whole_row_thd_forward` (GPTModel.forward) and the `wandb` / `hybrid_builders` module stubs:
+* `_cpu_thd_forward` (GPTModel.forward) and the `wandb` / `hybrid_builders` module stubs:
   tests/train_rl_replay.py's, which say why.
 Recorder (changes nothing): `RECORD_ENV` names a JSON-lines file that gets, per `training_log`
 call, the iteration, its loss dict and grad norm at full precision (the log line rounds them).
@@ -152,14 +152,14 @@ def _recording(training_log, path):
 
 def install_stubs() -> None:
     """The module doc's stubs, before train_rl.py runs."""
-    from train_rl_replay import _whole_row_thd_forward
+    from train_rl_replay import _cpu_thd_forward
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
     from megatron.rl import rl_utils
     from megatron.rl.agent import registry
     from megatron.training import training
 
-    GPTModel.forward = _whole_row_thd_forward(GPTModel.forward)
+    GPTModel.forward = _cpu_thd_forward(GPTModel.forward)
     NullTokenizer.bos_id = None  # its wrapper's `bos` reads bos_id, which NullTokenizer lacks
     registry.AGENT_REGISTRY[AGENT_NAME] = f"{Path(__file__).stem}:{AGENT_NAME}"
     interface = _replay_inference()

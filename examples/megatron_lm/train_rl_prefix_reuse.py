@@ -42,7 +42,6 @@ def split_argv(argv: List[str]) -> Tuple[str, bool, List[str]]:
 
 def _check_args(args) -> None:
     problems = [flag for flag, bad in (
-        ("--rl-use-sequence-packing (drop it)", args.rl_use_sequence_packing),
         ("--rl-inference-logprobs-is-correction (drop it)",
          args.rl_inference_logprobs_is_correction),
         ("--calculate-per-token-loss (give it)", not args.calculate_per_token_loss),
@@ -76,12 +75,17 @@ def _with_prefix_reuse(pretrain):
 
 def _allow_no_cuda() -> None:
     """Without CUDA: `pretrain` calls `initialize_megatron()`, which asserts CUDA unless given
-    `allow_no_cuda=True` (our own entry point passes it; main.py). With CUDA: untouched."""
+    `allow_no_cuda=True` (our own entry point passes it; main.py); Megatron-LM RL's modules
+    create `device="cuda"` tensors (packing statistics, sequence counts): they see the CPU
+    layer's torch (compat.see_cpu_torch). With CUDA: untouched."""
     import torch
     from megatron.training import training
 
+    from megatron_patches.megatron_lm import compat
+
     if torch.cuda.is_available():
         return
+    compat.see_cpu_torch("megatron.rl.rl_utils", "megatron.rl.sequence_packing_utils")
     initialize = training.initialize_megatron
 
     def initialize_megatron(*args, **kwargs):

@@ -20,11 +20,24 @@ the function that puts the originals back.
 Groups: rows come group-major (grpo_group_size consecutive rows per prompt), so the group id of
 row i is i // group_size. Exactness never depends on it: the detector only shares what is equal.
 
-Refused before any compute (ValueError): sequence packing (bins are THD rows: not wired),
-inference-log-prob correction, calculate_per_token_loss=False (train_rl.loss_func's count would
+Sequence packing (`--rl-use-sequence-packing`): the step's microbatches are bin indices into
+the run's `PackingContext` (megatron/rl/sequence_packing_utils.py). The hooks read every bin of
+the step with Megatron's own `load_packed_data_by_index`, take its sequences out (each bin is
+THD: sequence k occupies [seq_starts[k], seq_starts[k] + seq_lengths[k]) and attends only to
+itself), group them by their global sequence index // group_size, wherever the packer put
+them, and run them as one reuse step: a group split over several bins of the step is whole
+again. The per-token GRPO terms are the same packed or not (calculate_grpo_loss maps each
+sequence's advantage onto its tokens; train_rl.loss_func sums masked tokens), so under
+--calculate-per-token-loss the step's loss is the sum over sequences either way. The log-prob
+passes return the packed layout [bins, bin_size - 1] (bin position p predicts token p + 1 of the
+bin), filled at each sequence's positions; positions between sequences and in the padding are 0
+(stock: the model's value there; both are masked out of every loss term and metric).
+
+Refused before any compute (ValueError): inference-log-prob correction, calculate_per_token_loss=False (train_rl.loss_func's count would
 make a per-microbatch mean, which depends on the microbatching), pipeline or context
 parallelism, a row without loss tokens (train_rl.loss_func counts an empty microbatch as one
-token, so the dense denominator depends on the microbatching).
+token, so the dense denominator depends on the microbatching); for the same reason a packed bin
+without sequences (the DP padding bins) or whose sequences have no loss token.
 """
 from __future__ import annotations
 
@@ -36,7 +49,7 @@ import torch
 from megatron_patches.frameworks.adapter import AdapterConfig, PrefixReuseAdapter
 from megatron_patches.frameworks.rollout import RolloutBatch
 
-__all__ = ["TrainRLReuse", "check_train_rl_args", "rollout_from_train_rl"]
+__all__ = ["TrainRLReuse", "check_train_rl_args", "rollout_from_train_rl", "packed_sequences"]
 
 
 def check_train_rl_args(args, model) -> None:
@@ -44,9 +57,6 @@ def check_train_rl_args(args, model) -> None:
     models = model if isinstance(model, list) else [model]
     config = models[0].config
     problems = []
-    if getattr(args, "rl_use_sequence_packing", False):
-        problems.append("--rl-use-sequence-packing (packed THD bins are not wired to the "
-                        "adapter yet): drop it")
     if getattr(args, "rl_inference_logprobs_is_correction", False):
         problems.append("--rl-inference-logprobs-is-correction: drop it")
     if not config.calculate_per_token_loss:
@@ -81,6 +91,49 @@ def rollout_from_train_rl(tokens, loss_mask, advantages, old_logprobs, ref_logpr
 
 def _per_row(convert, logprobs, num_rows):
     return None if logprobs is None else [convert(logprobs, i) for i in range(num_rows)]
+
+
+def _bin_index(batch) -> int:
+    """A packed microbatch as train_rl's loaders yield it: (bin index tensor,)."""
+    return int(batch[0].reshape(-1)[0])
+
+
+def packed_sequences(context, bins, load_packed_data_by_index):
+    """The sequences of packed `bins` as (bin, start, length, global sequence index, their
+    advantage, the bin's data from Megatron's `load_packed_data_by_index`), in bin order.
+    ValueError for a bin without sequences or without loss tokens (module docstring)."""
+    out = []
+    for b in bins:
+        if not context.packing_info.bin_seq_indices[b]:
+            raise ValueError(f"packed bin {b} holds no sequence (a data-parallel padding bin): "
+                             "train_rl.loss_func counts it as 1 token; give every rank real bins")
+        data = load_packed_data_by_index(b, context, False)
+        adv, loss_mask, starts, lengths, indices = data[1], data[3], data[7], data[8], data[9]
+        if not loss_mask.sum() > 0:
+            raise ValueError(f"packed bin {b} has no loss token: train_rl.loss_func counts it "
+                             "as 1 token")
+        out += [(b, start, n, index, adv[k], data)
+                for k, (start, n, index) in enumerate(zip(starts, lengths, indices))]
+    return out
+
+
+def _packed_rollout(context, bins, load, group_size) -> RolloutBatch:
+    """The step's packed bins as a RolloutBatch of their sequences (entry j predicts token j:
+    the bin's [*, bin_size - 1] arrays at position start + j - 1)."""
+    seqs = packed_sequences(context, bins, load)
+
+    def per_token(lp, start, n):
+        return torch.cat([lp.new_zeros(1), lp[0, start:start + n - 1]]).float()
+    masks = [torch.cat([d[3].new_zeros(1), d[3][0, s:s + n - 1]]).float()
+             for _b, s, n, _i, _a, d in seqs]
+    if not all(m.sum() > 0 for m in masks):
+        raise ValueError("a packed sequence has no loss token: give sequences that all train")
+    return RolloutBatch(
+        tokens=[d[0][0, s:s + n] for _b, s, n, _i, _a, d in seqs], loss_mask=masks,
+        group_ids=[i // group_size for _b, _s, _n, i, _a, _d in seqs],
+        advantages=[float(a) for *_x, a, _d in seqs],
+        old_logprobs=[per_token(d[2], s, n) for _b, s, n, _i, _a, d in seqs],
+        ref_logprobs=[per_token(d[5], s, n) for _b, s, n, _i, _a, d in seqs])
 
 
 @dataclass(kw_only=True)
@@ -127,10 +180,18 @@ class TrainRLReuse:
                              forward_only=forward_only, **kwargs)
             check_train_rl_args(self.args, model)
             rows = [next(data_iterator) for _ in range(num_microbatches)]
-            tokens, adv, old, mask, _pos, ref, _inf = (torch.cat(t) for t in zip(*rows))
-            rollout = rollout_from_train_rl(tokens, mask, adv, old, ref,
-                                            group_size=self.group_size)
-            _count_sequences(tokens.shape[0])
+            if getattr(self.args, "rl_use_sequence_packing", False):
+                from megatron.rl.rl_utils import get_rl_runtime_state
+                from megatron.rl.sequence_packing_utils import load_packed_data_by_index
+
+                rollout = _packed_rollout(get_rl_runtime_state().packing_context,
+                                          [_bin_index(r) for r in rows],
+                                          load_packed_data_by_index, self.group_size)
+            else:
+                tokens, adv, old, mask, _pos, ref, _inf = (torch.cat(t) for t in zip(*rows))
+                rollout = rollout_from_train_rl(tokens, mask, adv, old, ref,
+                                                group_size=self.group_size)
+            _count_sequences(len(rollout.tokens))
             result = PrefixReuseAdapter(model, self.config).forward_backward(rollout, self.loss_fn)
             self.reports.append(str(result.report))
             if self.on_report is not None:
@@ -144,19 +205,38 @@ class TrainRLReuse:
                                collect_non_loss_data=False):
         """rl_utils.compute_logprobs_batch as one forward-only reuse pass (all positions)."""
         check_train_rl_args(self.args, model)
-        if packing_context is not None or is_correction:
-            raise ValueError("compute_logprobs_batch with a packing context or inference-log-prob "
-                             "correction: drop --rl-use-sequence-packing / "
+        if is_correction:
+            raise ValueError("compute_logprobs_batch with inference-log-prob correction: drop "
                              "--rl-inference-logprobs-is-correction")
+        if packing_context is not None:
+            return self._packed_logprobs(model, data_loader, packing_context, dtype)
         tokens = torch.cat([batch[0] for batch in data_loader])
         n, length = tokens.shape
-        every_position = torch.cat([torch.zeros(1), torch.ones(length - 1)])
-        rollout = RolloutBatch(tokens=list(tokens), loss_mask=[every_position] * n,
-                               group_ids=[i // self.group_size for i in range(n)])
-        with torch.no_grad():
-            result = PrefixReuseAdapter(model, self.config).forward_backward(
-                rollout, None, forward_only=True)
+        result = self._every_position(model, list(tokens), list(range(n)))
         return torch.stack([lp[1:] for lp in result.logprobs]).to(dtype).cpu()
+
+    def _every_position(self, model, tokens, sequence_ids):
+        """One forward-only reuse pass: log-probs at every position of every sequence."""
+        masks = [torch.cat([torch.zeros(1), torch.ones(len(t) - 1)]) for t in tokens]
+        rollout = RolloutBatch(tokens=tokens, loss_mask=masks,
+                               group_ids=[i // self.group_size for i in sequence_ids])
+        with torch.no_grad():
+            return PrefixReuseAdapter(model, self.config).forward_backward(
+                rollout, None, forward_only=True)
+
+    def _packed_logprobs(self, model, data_loader, context, dtype):
+        """The packed layout [bins, bin_size - 1] (module docstring)."""
+        from megatron.rl.sequence_packing_utils import load_packed_data_by_index
+
+        bins = [_bin_index(batch) for batch in data_loader]
+        seqs = packed_sequences(context, bins, load_packed_data_by_index)
+        result = self._every_position(model, [d[0][0, s:s + n] for _b, s, n, _i, _a, d in seqs],
+                                      [i for _b, _s, _n, i, _a, _d in seqs])
+        out = torch.zeros(len(bins), context.packed_trajs.shape[1] - 1, dtype=dtype)
+        row = {b: r for r, b in enumerate(bins)}
+        for (b, start, n, *_rest), lp in zip(seqs, result.logprobs):
+            out[row[b], start:start + n - 1] = lp[1:].to(dtype).cpu()
+        return out
 
     def install(self, rl_utils, training) -> Callable[[], None]:
         """Hook `training.get_forward_backward_func` and `rl_utils.compute_logprobs_batch`;
