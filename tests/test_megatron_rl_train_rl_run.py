@@ -10,11 +10,13 @@ a reference policy that is no longer the current one (KL != 0).
 
 Checked: every training step of the reuse run ran as one reuse step that shared both groups'
 prompts (the launcher's `> prefix reuse step:` report lines), and, fp32, each within 1e-5
-relative (NaN/inf fail): per iteration the loss and every RL
-metric of its loss dict and the grad norm (training_log's arguments, recorded at full
-precision), and every weight of the checkpoints saved after iterations 2 and 3; that the reuse
-run printed its hook lines and the stock run none; that the trace was really trained on
-(distinct losses, KL and clipping non-zero where the data says they must be).
+relative (NaN/inf fail): per iteration the loss and every RL metric of its loss dict and the
+grad norm (training_log's arguments, recorded at full precision), and every weight of the
+checkpoints saved after iterations 2 and 3; that the reuse run printed its hook lines and the
+stock run none; that the trace was really trained on (distinct losses, KL and clipping non-zero
+where the data says they must be). The same with `--rl-use-sequence-packing` (bins of 128
+tokens: each group of 4 spans two or more bins, and each reuse step's report shows both groups
+whole), and the packed stock run equal to the same run unpacked (losses, metrics, grad norms).
 """
 import json
 import sys

@@ -4,13 +4,16 @@
         [train_rl.py's arguments] --calculate-per-token-loss --prefix-reuse
 
 Runs PATH/train_rl.py as `__main__` (its own argument parsing, rollouts, loop and logging).
-With `--prefix-reuse` (removed before train_rl parses), `megatron.training.pretrain` is wrapped
-so that, once the arguments are parsed, the TrainRLReuse hooks go in for train_rl's
-`forward_step` / `loss_func`: each RL iteration's training step and its old/ref log-prob passes
-run with prefix reuse. Arguments the reuse step cannot run exactly are refused before training.
-Without `--prefix-reuse` nothing is changed. (Checked: the plumbing, by
-tests/test_megatron_rl_train_rl.py with a stand-in train_rl.py; a whole train_rl.py run needs
-Megatron's CUDA inference engine for its rollouts.)
+With `--prefix-reuse` (removed before train_rl parses), `megatron_patches.install()` runs and
+`megatron.training.pretrain` is wrapped so that, once the arguments are parsed, the TrainRLReuse
+hooks go in for train_rl's `forward_step` / `loss_func`: each RL iteration's training step and
+its old/ref log-prob passes run with prefix reuse (also with `--rl-use-sequence-packing`), each
+step's report printed on rank 0. Arguments the reuse step cannot run exactly are refused
+before training. Without `--prefix-reuse` nothing of the step is changed. Without CUDA (a no-op
+with it) three CPU shims, for both runs: `initialize_megatron(allow_no_cuda=True)`,
+megatron/rl's `device="cuda"` factories on the CPU, `Tensor.cpu()` copying (`_cpu_copies`).
+Checked: a whole run on CPU, stock vs reuse, packed and not
+(tests/test_megatron_rl_train_rl_run.py; docs/FRAMEWORKS.md, Megatron-LM RL).
 """
 from __future__ import annotations
 

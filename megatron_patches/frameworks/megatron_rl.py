@@ -31,13 +31,14 @@ sequence's advantage onto its tokens; train_rl.loss_func sums masked tokens), so
 --calculate-per-token-loss the step's loss is the sum over sequences either way. The log-prob
 passes return the packed layout [bins, bin_size - 1] (bin position p predicts token p + 1 of the
 bin), filled at each sequence's positions; positions between sequences and in the padding are 0
-(stock: the model's value there; both are masked out of every loss term and metric).
+(stock: the model's value there; those positions are outside every loss mask).
 
-Refused before any compute (ValueError): inference-log-prob correction, calculate_per_token_loss=False (train_rl.loss_func's count would
-make a per-microbatch mean, which depends on the microbatching), pipeline or context
-parallelism, a row without loss tokens (train_rl.loss_func counts an empty microbatch as one
-token, so the dense denominator depends on the microbatching); for the same reason a packed bin
-without sequences (the DP padding bins) or whose sequences have no loss token.
+Refused before any compute (ValueError): inference-log-prob correction,
+calculate_per_token_loss=False (train_rl.loss_func's count would make a per-microbatch mean,
+which depends on the microbatching), pipeline or context parallelism, a row without loss tokens
+(train_rl.loss_func counts an empty microbatch as one token, so the dense denominator depends on
+the microbatching); for the same reason a packed bin without sequences (the DP padding bins) or
+whose sequences have no loss token.
 """
 from __future__ import annotations
 
