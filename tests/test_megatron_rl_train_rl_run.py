@@ -17,6 +17,8 @@ stock run none; that the trace was really trained on (distinct losses, KL and cl
 where the data says they must be). The same with `--rl-use-sequence-packing` (bins of 128
 tokens: each group of 4 spans two or more bins, and each reuse step's report shows both groups
 whole), and the packed stock run equal to the same run unpacked (losses, metrics, grad norms).
+And the same with `--pipeline-model-parallel-size 2` (two processes, the weights of both stages'
+checkpoints).
 """
 import json
 import sys
@@ -83,14 +85,15 @@ def _args(tree, env_config):
     ]
 
 
-def _train(tree, tmp, name, argv, weights=True):
+def _train(tree, tmp, name, argv, weights=True, nproc=1):
     record = tmp / f"{name}.jsonl"
-    run = run_reaped([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+    run = run_reaped([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                       str(RUN), *argv, "--save", str(tmp / f"ckpt-{name}")],
                      env={**child_env(tree), "TRAIN_RL_RECORD": str(record)}, cwd=REPO,
                      timeout=600)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
     lines = [json.loads(line) for line in record.read_text().splitlines()]
+    lines = [line for line in lines if line["losses"]]  # the last pipeline stage's
     if not weights:
         return dict(log=run.stdout, steps=lines)
     path = tmp / f"{name}-weights.pt"
@@ -137,6 +140,16 @@ def packed_runs(tmp_path_factory):
             _train(tree, tmp, "unpacked-stock", argv, weights=False))
 
 
+@pytest.fixture(scope="module")
+def pipeline_runs(tmp_path_factory):
+    """PP=2: two processes, one stage each (Megatron's 1F1B stock; the reuse executor's
+    pipeline schedule with reuse)."""
+    tree, tmp, argv = _setup(tmp_path_factory)
+    argv += ["--pipeline-model-parallel-size", "2"]
+    return (_train(tree, tmp, "pp-stock", argv, nproc=2),
+            _train(tree, tmp, "pp-reuse", argv + ["--prefix-reuse"], nproc=2))
+
+
 def _assert_reuse_equals_stock(stock, reuse):
     assert "> prefix reuse:" in reuse["log"] and "> prefix reuse" not in stock["log"]
     steps = reuse["log"].split("> prefix reuse step:")[1:]
@@ -179,6 +192,16 @@ def test_train_rl_run_packed_prefix_reuse_equals_stock_over_3_iterations(packed_
     assert "consumed bins:" in packed_stock["log"] and "consumed bins:" not in unpacked["log"]
     _assert_reuse_equals_stock(packed_stock, packed_reuse)
     _assert_steps_equal(unpacked["steps"], packed_stock["steps"])
+
+
+def test_train_rl_run_pipeline_parallel_prefix_reuse_equals_stock(pipeline_runs):
+    """--pipeline-model-parallel-size 2: the reuse step runs the pipeline, the log-prob passes
+    broadcast the last stage's log-probs to both stages (as compute_logprobs_batch does); every
+    weight of both stages' checkpoints."""
+    stock, reuse = pipeline_runs
+    assert {name.split("/")[0] for name in stock["weights"][ITERS]} == {
+        "mp_rank_00_000", "mp_rank_00_001"}
+    _assert_reuse_equals_stock(stock, reuse)
 
 
 def test_train_rl_run_trains_on_the_trace(runs):

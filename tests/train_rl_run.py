@@ -170,15 +170,17 @@ def install_stubs() -> None:
 
 def save_weights(checkpoints: str, out: str) -> None:
     """The floating-point model tensors of every iteration saved under `checkpoints`
-    (--ckpt-format torch, one rank) as {iteration: {name: tensor}} in `out` (loading Megatron's
-    checkpoint needs the checkout's modules: this runs beside the training run)."""
+    (--ckpt-format torch) as {iteration: {"RANK_DIR/name": tensor}} in `out`, one RANK_DIR per
+    model-parallel rank (mp_rank_00, or mp_rank_00_000 / _001 with pipeline stages). Loading
+    Megatron's checkpoint needs the checkout's modules: this runs beside the training run."""
     compat.enable_python311_support()
     compat.enable_megatron_lm_cpu_support()
     weights = {}
-    for path in sorted(Path(checkpoints).glob("iter_*/mp_rank_00/model_optim_rng.pt")):
+    for path in sorted(Path(checkpoints).glob("iter_*/mp_rank_*/model_optim_rng.pt")):
         state = torch.load(path, weights_only=False, map_location="cpu")["model"]
-        weights[int(path.parts[-3][5:])] = {
-            k: v for k, v in state.items() if torch.is_tensor(v) and v.is_floating_point()}
+        weights.setdefault(int(path.parts[-3][5:]), {}).update({
+            f"{path.parts[-2]}/{k}": v for k, v in state.items()
+            if torch.is_tensor(v) and v.is_floating_point()})
     torch.save(weights, out)
 
 

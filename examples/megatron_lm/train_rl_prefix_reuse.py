@@ -48,7 +48,6 @@ def _check_args(args) -> None:
         ("--rl-inference-logprobs-is-correction (drop it)",
          args.rl_inference_logprobs_is_correction),
         ("--calculate-per-token-loss (give it)", not args.calculate_per_token_loss),
-        ("--pipeline-model-parallel-size 1", args.pipeline_model_parallel_size > 1),
         ("--context-parallel-size 1", args.context_parallel_size > 1)) if bad]
     if problems:
         raise ValueError("train_rl.py --prefix-reuse needs: " + "; ".join(problems))

@@ -14,6 +14,9 @@ Two hooks at the points where Megatron-LM's RL loop calls Megatron (docs/FRAMEWO
 * the log-prob passes: `TrainRLReuse.compute_logprobs_batch` has the signature of
   `rl_utils.compute_logprobs_batch` and computes the old/ref log-probs of all rows with one
   forward-only reuse pass (Phase A + B), every position of every row, as Megatron does.
+Pipeline parallelism: the reuse step drives the stages (the executor's schedule); the log-prob
+passes broadcast the last stage's log-probs to every stage of `pp_group`, as
+compute_logprobs_batch does.
 `TrainRLReuse.install(rl_utils, training)` puts both in place (module attributes) and returns
 the function that puts the originals back.
 
@@ -35,7 +38,7 @@ bin), filled at each sequence's positions; positions between sequences and in th
 
 Refused before any compute (ValueError): inference-log-prob correction,
 calculate_per_token_loss=False (train_rl.loss_func's count would make a per-microbatch mean,
-which depends on the microbatching), pipeline or context parallelism, a row without loss tokens
+which depends on the microbatching), context parallelism, a row without loss tokens
 (train_rl.loss_func counts an empty microbatch as one token, so the dense denominator depends on
 the microbatching); for the same reason a packed bin without sequences (the DP padding bins) or
 whose sequences have no loss token.
@@ -62,8 +65,8 @@ def check_train_rl_args(args, model) -> None:
         problems.append("--rl-inference-logprobs-is-correction: drop it")
     if not config.calculate_per_token_loss:
         problems.append("train_rl's loss needs --calculate-per-token-loss with prefix reuse")
-    if config.pipeline_model_parallel_size > 1 or config.context_parallel_size > 1:
-        problems.append("pipeline / context parallelism: run PP=1, CP=1")
+    if config.context_parallel_size > 1:
+        problems.append("context parallelism: run CP=1")
     if problems:
         raise ValueError("Megatron-LM RL with prefix reuse: " + "; ".join(problems))
 
@@ -210,11 +213,14 @@ class TrainRLReuse:
             raise ValueError("compute_logprobs_batch with inference-log-prob correction: drop "
                              "--rl-inference-logprobs-is-correction")
         if packing_context is not None:
-            return self._packed_logprobs(model, data_loader, packing_context, dtype)
-        tokens = torch.cat([batch[0] for batch in data_loader])
-        n, length = tokens.shape
-        result = self._every_position(model, list(tokens), list(range(n)))
-        return torch.stack([lp[1:] for lp in result.logprobs]).to(dtype).cpu()
+            out, shape = self._packed_logprobs(model, data_loader, packing_context, dtype)
+        else:
+            tokens = torch.cat([batch[0] for batch in data_loader])
+            shape = (tokens.shape[0], tokens.shape[1] - 1)
+            result = self._every_position(model, list(tokens), list(range(shape[0])))
+            out = None if result.logprobs is None else torch.stack(
+                [lp[1:] for lp in result.logprobs]).to(dtype).cpu()
+        return _from_last_stage(out, shape, dtype, pp_group, model)
 
     def _every_position(self, model, tokens, sequence_ids):
         """One forward-only reuse pass: log-probs at every position of every sequence."""
@@ -233,11 +239,14 @@ class TrainRLReuse:
         seqs = packed_sequences(context, bins, load_packed_data_by_index)
         result = self._every_position(model, [d[0][0, s:s + n] for _b, s, n, _i, _a, d in seqs],
                                       [i for _b, _s, _n, i, _a, _d in seqs])
-        out = torch.zeros(len(bins), context.packed_trajs.shape[1] - 1, dtype=dtype)
+        shape = (len(bins), context.packed_trajs.shape[1] - 1)
+        if result.logprobs is None:  # not the last pipeline stage
+            return None, shape
+        out = torch.zeros(shape, dtype=dtype)
         row = {b: r for r, b in enumerate(bins)}
         for (b, start, n, *_rest), lp in zip(seqs, result.logprobs):
             out[row[b], start:start + n - 1] = lp[1:].to(dtype).cpu()
-        return out
+        return out, shape
 
     def install(self, rl_utils, training) -> Callable[[], None]:
         """Hook `training.get_forward_backward_func` and `rl_utils.compute_logprobs_batch`;
@@ -254,6 +263,19 @@ class TrainRLReuse:
             training.get_forward_backward_func = stock_get
             rl_utils.compute_logprobs_batch = stock_logprobs
         return uninstall
+
+
+def _from_last_stage(out, shape, dtype, pp_group, model):
+    """What compute_logprobs_batch does under pipeline parallelism: the last stage's log-probs
+    broadcast to every stage of `pp_group` (on the model's device: NCCL needs CUDA tensors)."""
+    if pp_group is None or torch.distributed.get_world_size(pp_group) == 1:
+        return out
+    models = model if isinstance(model, list) else [model]
+    device = next(models[0].parameters()).device
+    buffer = torch.empty(shape, dtype=dtype, device=device) if out is None else out.to(device)
+    last = torch.distributed.get_process_group_ranks(pp_group)[-1]
+    torch.distributed.broadcast(buffer, src=last, group=pp_group)
+    return buffer.cpu()
 
 
 def _count_sequences(n: int) -> None:
