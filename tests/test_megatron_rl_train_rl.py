@@ -171,7 +171,7 @@ def test_train_rl_packed_bins_to_sequences_and_refusals(megatron_env):
     mask = [0, 0, 0, 1, 1, 1] * 2
     context = _packing_context([[0, 3], [1, 2]], [mask, mask])
     seqs = packed_sequences(context, [1, 0], _load)
-    assert [(b, start, n, index) for b, start, n, index, _a, _d in seqs] == [
+    assert [(q.bin, q.start, q.length, q.index) for q in seqs] == [
         (1, 0, 6, 1), (1, 6, 6, 2), (0, 0, 6, 0), (0, 6, 6, 3)]  # bin order, sequence order
     empty = _packing_context([[0, 1], []], [mask, mask])
     with pytest.raises(ValueError, match="holds no sequence"):

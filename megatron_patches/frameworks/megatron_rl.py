@@ -46,14 +46,15 @@ whose sequences have no loss token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
 from megatron_patches.frameworks.adapter import AdapterConfig, PrefixReuseAdapter
 from megatron_patches.frameworks.rollout import RolloutBatch
 
-__all__ = ["TrainRLReuse", "check_train_rl_args", "rollout_from_train_rl", "packed_sequences"]
+__all__ = ["TrainRLReuse", "check_train_rl_args", "rollout_from_train_rl", "packed_sequences",
+           "PackedSequence"]
 
 
 def check_train_rl_args(args, model) -> None:
@@ -102,10 +103,26 @@ def _bin_index(batch) -> int:
     return int(batch[0].reshape(-1)[0])
 
 
-def packed_sequences(context, bins, load_packed_data_by_index):
-    """The sequences of packed `bins` as (bin, start, length, global sequence index, their
-    advantage, the bin's data from Megatron's `load_packed_data_by_index`), in bin order.
-    ValueError for a bin without sequences or without loss tokens (module docstring)."""
+class PackedSequence(NamedTuple):
+    """One sequence of a packed bin (train_rl's `--rl-use-sequence-packing`)."""
+
+    bin: int
+    """Its bin's index in the PackingContext."""
+    start: int
+    """Its first token's position in the bin."""
+    length: int
+    """Its token count."""
+    index: int
+    """Its global sequence index (group-major: index // group size is its group)."""
+    advantage: torch.Tensor
+    """Its GRPO advantage."""
+    data: tuple
+    """The bin as Megatron's `load_packed_data_by_index` returns it ([1, ...] rows)."""
+
+
+def packed_sequences(context, bins, load_packed_data_by_index) -> List[PackedSequence]:
+    """The sequences of packed `bins`, in bin order. ValueError for a bin without sequences or
+    without loss tokens (module docstring)."""
     out = []
     for b in bins:
         if not context.packing_info.bin_seq_indices[b]:
@@ -116,7 +133,8 @@ def packed_sequences(context, bins, load_packed_data_by_index):
         if not loss_mask.sum() > 0:
             raise ValueError(f"packed bin {b} has no loss token: train_rl.loss_func counts it "
                              "as 1 token")
-        out += [(b, start, n, index, adv[k], data)
+        out += [PackedSequence(bin=b, start=start, length=n, index=index, advantage=adv[k],
+                               data=data)
                 for k, (start, n, index) in enumerate(zip(starts, lengths, indices))]
     return out
 
@@ -126,18 +144,26 @@ def _packed_rollout(context, bins, load, group_size) -> RolloutBatch:
     the bin's [*, bin_size - 1] arrays at position start + j - 1)."""
     seqs = packed_sequences(context, bins, load)
 
-    def per_token(lp, start, n):
-        return torch.cat([lp.new_zeros(1), lp[0, start:start + n - 1]]).float()
-    masks = [torch.cat([d[3].new_zeros(1), d[3][0, s:s + n - 1]]).float()
-             for _b, s, n, _i, _a, d in seqs]
+    def per_token(field, q):  # the bin's [1, bin_size - 1] array `field`, for sequence q
+        row = q.data[field]
+        return torch.cat([row.new_zeros(1), row[0, q.start:q.start + q.length - 1]]).float()
+    masks = [per_token(_LOSS_MASK, q) for q in seqs]
     if not all(m.sum() > 0 for m in masks):
         raise ValueError("a packed sequence has no loss token: give sequences that all train")
     return RolloutBatch(
-        tokens=[d[0][0, s:s + n] for _b, s, n, _i, _a, d in seqs], loss_mask=masks,
-        group_ids=[i // group_size for _b, _s, _n, i, _a, _d in seqs],
-        advantages=[float(a) for *_x, a, _d in seqs],
-        old_logprobs=[per_token(d[2], s, n) for _b, s, n, _i, _a, d in seqs],
-        ref_logprobs=[per_token(d[5], s, n) for _b, s, n, _i, _a, d in seqs])
+        tokens=[_tokens(q) for q in seqs], loss_mask=masks,
+        group_ids=[q.index // group_size for q in seqs],
+        advantages=[float(q.advantage) for q in seqs],
+        old_logprobs=[per_token(_OLD, q) for q in seqs],
+        ref_logprobs=[per_token(_REF, q) for q in seqs])
+
+
+_TOKENS, _OLD, _LOSS_MASK, _REF = 0, 2, 3, 5
+"""Fields of load_packed_data_by_index's tuple (train_rl.forward_step unpacks it by position)."""
+
+
+def _tokens(q: PackedSequence) -> torch.Tensor:
+    return q.data[_TOKENS][0, q.start:q.start + q.length]
 
 
 @dataclass(kw_only=True)
@@ -237,15 +263,15 @@ class TrainRLReuse:
 
         bins = [_bin_index(batch) for batch in data_loader]
         seqs = packed_sequences(context, bins, load_packed_data_by_index)
-        result = self._every_position(model, [d[0][0, s:s + n] for _b, s, n, _i, _a, d in seqs],
-                                      [i for _b, _s, _n, i, _a, _d in seqs])
+        result = self._every_position(model, [_tokens(q) for q in seqs],
+                                      [q.index for q in seqs])
         shape = (len(bins), context.packed_trajs.shape[1] - 1)
         if result.logprobs is None:  # not the last pipeline stage
             return None, shape
         out = torch.zeros(shape, dtype=dtype)
         row = {b: r for r, b in enumerate(bins)}
-        for (b, start, n, *_rest), lp in zip(seqs, result.logprobs):
-            out[row[b], start:start + n - 1] = lp[1:].to(dtype).cpu()
+        for q, lp in zip(seqs, result.logprobs):
+            out[row[q.bin], q.start:q.start + q.length - 1] = lp[1:].to(dtype).cpu()
         return out, shape
 
     def install(self, rl_utils, training) -> Callable[[], None]:
