@@ -37,9 +37,10 @@ Stubs (named, none of them changes the math):
 * `wandb` (imported by rl_utils for one type annotation only) when it is not installed;
   `hybrid_builders` (imported by train_rl, absent from the 2026-08-22 snapshot; used only for
   hybrid models) when it is absent.
-Not run: rollout generation (get_environment_rollouts: CUDA inference engine behind the agents;
-the groups here are synthesized in the agents' types), Megatron's `train()` loop and its
-optimizer (torch SGD here).
+Not run here: rollout generation (get_environment_rollouts: CUDA inference engine behind the
+agents; the groups here are synthesized in the agents' types), Megatron's `train()` loop and its
+optimizer (torch SGD here): tests/test_megatron_rl_train_rl_run.py runs those (a whole
+train_rl.py run, rollouts through its agent registry).
 """
 from __future__ import annotations
 
