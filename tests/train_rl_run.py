@@ -44,13 +44,9 @@ from megatron_patches.megatron_lm import compat
 
 AGENT_NAME = "TraceReplayAgent"
 RECORD_ENV = "TRAIN_RL_RECORD"
-__all__ = ["AGENT_NAME", "RECORD_ENV", "write_trace", "install_stubs", "main"]
-
-
-def write_trace(path, collections) -> None:
-    """collections: [[{"prompt": [ids], "members": [{"response": [ids], "logprobs": [float],
-    "reward": float}]}]] (per collection, per group)."""
-    Path(path).write_text(json.dumps(collections))
+__all__ = ["AGENT_NAME", "RECORD_ENV", "install_stubs", "save_weights", "main"]
+TRACE_FORMAT = """JSON: [[{"prompt": [ids], "members": [{"response": [ids ending in eod],
+"logprobs": [float per response token], "reward": float}, ...G]}, ...groups] ...collections]"""
 
 
 def _agent_class():
@@ -60,9 +56,9 @@ def _agent_class():
     from megatron.rl.types.rollout import TokenRollout
 
     class TraceReplayAgent(RolloutGenerator, GroupedRolloutGenerator):
-        """Replays the trace's groups in order, one per `prepare_group_rollout` (the pipeline
-        prepares groups one at a time, in batch order); its G episodes come out in
-        rollout_idx order (the pipeline's FIFO infer queue). (RolloutGenerator: the base
+        """Replays the trace's groups (TRACE_FORMAT) in order, one per `prepare_group_rollout`
+        (the pipeline prepares groups one at a time, in batch order); its G episodes come out
+        in rollout_idx order (the pipeline's FIFO infer queue). (RolloutGenerator: the base
         `WeightedMultiTask`'s config asks of every agent.)"""
 
         trace: str
