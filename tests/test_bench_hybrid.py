@@ -77,7 +77,7 @@ def test_hybrid_bench_runs_and_matches_stock_dense(runs, name):
 REFUSALS = [
     (["--hybrid-pattern=G*E-"], "not ['E']"),
     (["--hybrid-pattern=G*M"], "give --num-layers 3"),
-    (["--hybrid-pattern=--"], "nothing of a prefix would be cached"),
+    (["--hybrid-pattern=-", "--num-layers", "1"], "nothing of a prefix would be cached"),
     (["--linear-attention-freq", "4", "--hybrid-pattern=G*M-"], "not both"),
     (["--linear-attention-freq", "0"], "give an int >= 1"),
     (["--linear-attention-freq", "4", "--cp", "2"], "--pp/--tp/--dp/--cp > 1"),

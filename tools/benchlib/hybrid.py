@@ -47,8 +47,11 @@ def check_hybrid(config) -> None:
         raise ValueError(f"--linear-attention-freq={freq}; give an int >= 1 (every N-th layer "
                          "is softmax attention, the others Gated DeltaNet)")
     if pattern is not None:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"--hybrid-pattern={pattern!r}; give one symbol per layer out of "
+                             f"{BENCH_SYMBOLS!r}, e.g. G*M-")
         bad = sorted(set(pattern) - set(BENCH_SYMBOLS))
-        if bad or not pattern:
+        if bad:
             raise ValueError(f"--hybrid-pattern={pattern!r}: the bench builds the symbols "
                              f"{BENCH_SYMBOLS!r} (attention, MLP, Gated DeltaNet, Mamba-2), not "
                              f"{bad}")
