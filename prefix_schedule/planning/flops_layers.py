@@ -40,7 +40,8 @@ def _pairs(length: int, cached: int) -> int:
 
 
 def _dense_mlp(dims: "ModelDims", f: int) -> int:
-    return 2 * dims.hidden_size * f * (2 if dims.gated_linear_unit else 1) + 2 * f * dims.hidden_size
+    fc1 = 2 * dims.hidden_size * f * (2 if dims.gated_linear_unit else 1)
+    return fc1 + 2 * f * dims.hidden_size
 
 
 def router(dims: "ModelDims") -> int:
@@ -56,8 +57,8 @@ def mlp_forward(dims: "ModelDims", symbol: Optional[str], length: int) -> int:
         return length * _dense_mlp(dims, dims.ffn_hidden_size)
     shared = (_dense_mlp(dims, dims.moe_shared_ffn_hidden_size)
               if dims.moe_shared_ffn_hidden_size else 0)
-    return length * (router(dims) + dims.moe_router_topk * _dense_mlp(dims, dims.moe_ffn_hidden_size)
-                     + shared)
+    experts = dims.moe_router_topk * _dense_mlp(dims, dims.moe_ffn_hidden_size)
+    return length * (router(dims) + experts + shared)
 
 
 def _gdn(dims: "ModelDims") -> Tuple[int, int]:
@@ -87,7 +88,8 @@ def _mamba(dims: "ModelDims", length: int) -> Tuple[int, int]:
     bc = 2 * dims.mamba_num_groups * dims.mamba_state_dim
     in_proj = 2 * dims.hidden_size * (2 * inner + bc + dims.mamba_num_heads)  # z x B C dt
     conv = 2 * dims.mamba_conv_kernel_dim * (inner + bc)  # depthwise over x B C
-    return length * (in_proj + conv) + _mamba_scan(dims, length), length * 2 * inner * dims.hidden_size
+    out_proj = length * 2 * inner * dims.hidden_size
+    return length * (in_proj + conv) + _mamba_scan(dims, length), out_proj
 
 
 def mixer_to_cache(dims: "ModelDims", symbol: str, length: int, cached: int) -> int:

@@ -55,7 +55,8 @@ def _gdn_state(dims: ModelDims, act_bytes: int) -> tuple:
 def _mamba_state(dims: ModelDims, act_bytes: int) -> tuple:
     inner = dims.mamba_num_heads * dims.mamba_head_dim
     ssm = inner * dims.mamba_state_dim
-    conv = (dims.mamba_conv_kernel_dim - 1) * (inner + 2 * dims.mamba_num_groups * dims.mamba_state_dim)
+    channels = inner + 2 * dims.mamba_num_groups * dims.mamba_state_dim  # x, B, C
+    conv = (dims.mamba_conv_kernel_dim - 1) * channels
     return ssm * FP32 + conv * act_bytes, (ssm + conv) * FP32
 
 
