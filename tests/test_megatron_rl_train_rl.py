@@ -112,7 +112,6 @@ def test_train_rl_rows_to_rollout_alignment_and_pad_rows(megatron_env):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(rl_use_sequence_packing=True), "--rl-use-sequence-packing"),
     (dict(rl_inference_logprobs_is_correction=True), "--rl-inference-logprobs-is-correction"),
     (dict(per_token=False), "--calculate-per-token-loss"),
 ])
@@ -141,6 +140,45 @@ def test_train_rl_refusals_before_compute(megatron_env, change, message):
     with pytest.raises(ValueError, match=message):
         hooks.compute_logprobs_batch(SimpleNamespace(config=config), pytest.fail, None, None, 4,
                                      12, 1, None, torch.float32, None, False)
+
+
+def _packing_context(bin_seq_indices, loss_masks):
+    """A PackingContext-shaped stand-in of two bins of 12 tokens (Megatron's field names)."""
+    from types import SimpleNamespace
+
+    seqs = [len(s) for s in bin_seq_indices]
+    return SimpleNamespace(
+        packing_info=SimpleNamespace(bin_seq_indices=bin_seq_indices,
+                                     seq_starts={b: [0, 6][:n] + [12] for b, n in enumerate(seqs)},
+                                     seq_lengths=[6] * 4),
+        packed_trajs=torch.arange(24).reshape(2, 12) % 50 + 1,
+        packed_loss_mask=torch.tensor(loss_masks, dtype=torch.float32),
+        bin_advantages=[torch.ones(n) for n in seqs])
+
+
+def _load(bin_idx, context, _is_correction):
+    """Megatron's load_packed_data_by_index, reduced to the fields packed_sequences reads."""
+    info = context.packing_info
+    seqs = info.bin_seq_indices[bin_idx]
+    return (context.packed_trajs[bin_idx:bin_idx + 1], context.bin_advantages[bin_idx], None,
+            context.packed_loss_mask[bin_idx:bin_idx + 1, 1:], None, None, None,
+            info.seq_starts[bin_idx], [info.seq_lengths[i] for i in seqs], seqs, None)
+
+
+def test_train_rl_packed_bins_to_sequences_and_refusals(megatron_env):
+    from megatron_patches.frameworks.megatron_rl import packed_sequences
+
+    mask = [0, 0, 0, 1, 1, 1] * 2
+    context = _packing_context([[0, 3], [1, 2]], [mask, mask])
+    seqs = packed_sequences(context, [1, 0], _load)
+    assert [(q.bin, q.start, q.length, q.index) for q in seqs] == [
+        (1, 0, 6, 1), (1, 6, 6, 2), (0, 0, 6, 0), (0, 6, 6, 3)]  # bin order, sequence order
+    empty = _packing_context([[0, 1], []], [mask, mask])
+    with pytest.raises(ValueError, match="holds no sequence"):
+        packed_sequences(empty, [0, 1], _load)
+    silent = _packing_context([[0, 3], [1, 2]], [mask, [0] * 12])
+    with pytest.raises(ValueError, match="no loss token"):
+        packed_sequences(silent, [0, 1], _load)
 
 
 def test_train_rl_other_calls_go_to_stock(megatron_env):

@@ -60,62 +60,40 @@ def _hf_model():
     return transformers.Qwen3NextForCausalLM(config).to(torch.float64)
 
 
-def _gdn_to_hf(t: dict, pre: str) -> dict:
-    """A Megatron GDN layer's in_proj -> HF in_proj_qkvz / in_proj_ba (rows per key head)."""
-    hk, hv, dk, dv = HEADS["hk"], HEADS["hv"], HEADS["dk"], HEADS["dv"]
-    r = hv // hk
-    q, k, v, z, b, a = t["in_proj"].split([hk * dk, hk * dk, hv * dv, hv * dv, hv, hv])
-    qkvz = torch.cat([q.reshape(hk, dk, -1), k.reshape(hk, dk, -1),
-                      v.reshape(hk, r * dv, -1), z.reshape(hk, r * dv, -1)], dim=1)
-    ba = torch.cat([b.reshape(hk, r, -1), a.reshape(hk, r, -1)], dim=1)
-    return {pre + "in_proj_qkvz.weight": qkvz.reshape(-1, qkvz.shape[-1]),
-            pre + "in_proj_ba.weight": ba.reshape(-1, ba.shape[-1]),
-            pre + "conv1d.weight": t["conv1d"], pre + "A_log": t["A_log"],
-            pre + "dt_bias": t["dt_bias"], pre + "norm.weight": t["out_norm"],
-            pre + "out_proj.weight": t["out_proj"]}
+def _spec():
+    """The ModelSpec of both models (qwen3_next, dense MLPs, GDN / attention alternating)."""
+    from megatron_patches.models.model_configs import ModelSpec
 
-
-def _attention_to_hf(t: dict, pre: str, offset: float) -> dict:
-    """Megatron's gated linear_qkv (per group [q; gate; k; v]) -> HF q_proj ([q_h; gate_h])."""
-    groups, heads = SHAPE["num_query_groups"], SHAPE["num_attention_heads"]
-    d, per = SHAPE["hidden_size"] // heads, heads // groups
-    grouped = t["qkv"].reshape(groups, (2 * per + 2) * d, -1)
-    q, gate, k, v = grouped.split([per * d, per * d, d, d], dim=1)
-    q_proj = torch.cat([q.reshape(heads, d, -1), gate.reshape(heads, d, -1)], dim=1)
-    return {pre + "q_proj.weight": q_proj.reshape(-1, q_proj.shape[-1]),
-            pre + "k_proj.weight": k.reshape(groups * d, -1),
-            pre + "v_proj.weight": v.reshape(groups * d, -1),
-            pre + "o_proj.weight": t["proj"],
-            pre + "q_norm.weight": t["q_norm"] - offset,
-            pre + "k_norm.weight": t["k_norm"] - offset}
+    c = SHAPE
+    return ModelSpec(name="reference", family="qwen3_next", num_layers=len(PATTERN),
+                     hidden_size=c["hidden_size"], ffn_hidden_size=c["ffn_hidden_size"],
+                     num_attention_heads=c["num_attention_heads"],
+                     num_query_groups=c["num_query_groups"],
+                     head_dim=c["hidden_size"] // c["num_attention_heads"],
+                     vocab_size=c["vocab_size"], max_position_embeddings=512, rope_theta=10000.0,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm=True,
+                     linear_attention_freq=2, linear_num_key_heads=HEADS["hk"],
+                     linear_num_value_heads=HEADS["hv"], linear_key_head_dim=HEADS["dk"],
+                     linear_value_head_dim=HEADS["dv"], linear_conv_kernel_dim=4,
+                     attention_output_gate=True, rotary_percent=0.5)
 
 
 def to_hf(m: dict, offset: float) -> dict:
-    """Megatron tensors by name (weights: offset=1 turns w into HF's (1 + w) parameter; their
-    gradients: offset=0) -> HF tensors by name. A pure re-layout (rows permuted)."""
-    out = {"model.embed_tokens.weight": m["embedding.word_embeddings.weight"],
-           "model.norm.weight": m["decoder.final_layernorm.weight"] - offset,
-           "lm_head.weight": m["output_layer.weight"]}
-    for i, linear in enumerate(PATTERN):
-        src, dst = f"decoder.layers.{i}.", f"model.layers.{i}."
-        fc1 = m[src + "mlp.linear_fc1.weight"]
-        out.update({dst + "input_layernorm.weight": m[src + "input_layernorm.weight"] - offset,
-                    dst + "post_attention_layernorm.weight":
-                        m[src + "pre_mlp_layernorm.weight"] - offset,
-                    dst + "mlp.gate_proj.weight": fc1[:fc1.shape[0] // 2],
-                    dst + "mlp.up_proj.weight": fc1[fc1.shape[0] // 2:],
-                    dst + "mlp.down_proj.weight": m[src + "mlp.linear_fc2.weight"]})
-        a = src + "self_attention."
-        if linear:
-            names = dict(in_proj="in_proj.weight", conv1d="conv1d.weight", A_log="A_log",
-                         dt_bias="dt_bias", out_norm="out_norm.weight", out_proj="out_proj.weight")
-            out.update(_gdn_to_hf({k: m[a + v] for k, v in names.items()}, dst + "linear_attn."))
-        else:
-            names = dict(qkv="linear_qkv.weight", proj="linear_proj.weight",
-                         q_norm="q_layernorm.weight", k_norm="k_layernorm.weight")
-            out.update(_attention_to_hf({k: m[a + v] for k, v in names.items()},
-                                        dst + "self_attn.", offset))
+    """Megatron tensors by name -> HF tensors by name through the checkpoint mapping
+    (megatron_patches/models/checkpoints_gdn.py). Weights: offset=1 (its (1 + w) norms);
+    gradients: offset=0 (d/dw is the same on both sides, so norm gradients are not shifted)."""
+    from megatron_patches.models.checkpoints import RankLayout, to_hf as mapping
+    from megatron_patches.models.checkpoints_gdn import NORM_OFFSET
+
+    out = mapping(_spec(), [[dict(m)]], RankLayout(padded_vocab_size=SHAPE["vocab_size"]))
+    if offset != NORM_OFFSET:  # gradients: undo the weight offset the mapping applied
+        out = {n: t + (NORM_OFFSET - offset) if _shifted(n) else t for n, t in out.items()}
     return out
+
+
+def _shifted(name: str) -> bool:
+    """HF norms the mapping shifts by NORM_OFFSET (all but the GDN output norm)."""
+    return name.endswith("norm.weight") and ".linear_attn.norm." not in name
 
 
 def _loss(logits, tokens):

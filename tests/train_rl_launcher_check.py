@@ -2,7 +2,8 @@
 tests/test_megatron_rl_train_rl.py on the Megatron-LM main checkout): `--prefix-reuse` is taken
 out of train_rl's arguments, and when train_rl calls `pretrain` the TrainRLReuse hooks are in
 place for its forward_step / loss_func; bad arguments are refused before pretrain runs. The real
-`pretrain` is replaced by a recorder (a whole train_rl run needs CUDA inference for rollouts)."""
+`pretrain` is replaced by a recorder (the whole run, rollouts replayed through train_rl's agent
+registry: tests/test_megatron_rl_train_rl_run.py)."""
 import sys
 from pathlib import Path
 

@@ -19,12 +19,17 @@ reuse step with train_rl's own `calculate_grpo_loss` + `loss_func`, one forward-
 per log-prob computation.
 
 Stubs (named, none of them changes the math):
-* `_whole_row_thd_forward` (GPTModel.forward): train_rl always hands the model a THD
-  `PackedSeqParams` (Transformer Engine reads it); without packing it is ONE sequence spanning the
-  whole row (cu_seqlens [0, L]), the same computation as local causal attention, which refuses
-  any PackedSeqParams. The stub checks exactly that and drops it; anything else raises. It also
-  drops get_logprobs' `fp32_output=True` (HybridModel's argument; this snapshot's GPTModel has
-  none, and the model here is fp32).
+* `_cpu_thd_forward` (GPTModel.forward): train_rl always hands the model a THD
+  `PackedSeqParams`, which Transformer Engine's attention reads and the local (CPU) attention
+  refuses. The stand-in has TE's THD semantics without TE: the row [1, T] is cut at
+  `cu_seqlens_q` (repeated entries are TE's zero-length ghost sequences) and each sequence runs
+  through the stock forward alone, outputs concatenated: causal attention within the sequence
+  only, RoPE positions from 0 at each sequence start (TE applies RoPE per cu_seqlens sequence),
+  every other layer per token. Without packing that is ONE sequence spanning the whole row;
+  with `--rl-use-sequence-packing` a bin's sequences and its padding tail. Anything else
+  (padded cu_seqlens, batch > 1, a sequence whose cu_seqlens_kv differ) raises. It also drops
+  get_logprobs' `fp32_output=True` (HybridModel's argument; this snapshot's GPTModel has none,
+  and the model here is fp32).
 * `_replayed_collection` (rl_utils.get_environment_rollouts): one trace entry of GRPO groups per
   collection; the real one runs Megatron's CUDA inference engine behind the agents.
 * `_ReplayTokenizer`: the pad/eod/bos ids and log strings prepare_data_for_update asks its
@@ -32,9 +37,10 @@ Stubs (named, none of them changes the math):
 * `wandb` (imported by rl_utils for one type annotation only) when it is not installed;
   `hybrid_builders` (imported by train_rl, absent from the 2026-08-22 snapshot; used only for
   hybrid models) when it is absent.
-Not run: rollout generation (get_environment_rollouts: CUDA inference engine behind the agents;
-the groups here are synthesized in the agents' types), Megatron's `train()` loop and its
-optimizer (torch SGD here).
+Not run here: rollout generation (get_environment_rollouts: CUDA inference engine behind the
+agents; the groups here are synthesized in the agents' types), Megatron's `train()` loop and its
+optimizer (torch SGD here): tests/test_megatron_rl_train_rl_run.py runs those (a whole
+train_rl.py run, rollouts through its agent registry).
 """
 from __future__ import annotations
 
@@ -67,18 +73,24 @@ def _stub_missing_modules() -> None:
         sys.modules["hybrid_builders"] = hybrid
 
 
-def _whole_row_thd_forward(forward):
-    """GPTModel.forward as train_rl calls it, minus the whole-row THD PackedSeqParams and
-    fp32_output (module doc); what the adapter passes goes through unchanged."""
+def _cpu_thd_forward(forward):
+    """GPTModel.forward as train_rl calls it, THD bins run per sequence, minus fp32_output
+    (module doc); what the adapter passes (no PackedSeqParams) goes through unchanged."""
     def stub(self, input_ids, position_ids, attention_mask, *args, packed_seq_params=None,
              **kwargs):
-        if packed_seq_params is not None:
-            cu = packed_seq_params.cu_seqlens_q.tolist()
-            if cu != [0, input_ids.shape[1]] or input_ids.shape[0] != 1:
-                raise RuntimeError(f"only one whole-row THD sequence runs without TE, got {cu}")
         if kwargs.pop("fp32_output", True) is not True:  # GPTModel has none: fp32 models only
             raise RuntimeError("only fp32 models run here")
-        return forward(self, input_ids, position_ids, attention_mask, *args, **kwargs)
+        if packed_seq_params is None:
+            return forward(self, input_ids, position_ids, attention_mask, *args, **kwargs)
+        p = packed_seq_params
+        cu = p.cu_seqlens_q.tolist()
+        if (input_ids.shape[0] != 1 or cu[0] != 0 or cu[-1] != input_ids.shape[1]
+                or p.cu_seqlens_kv.tolist() != cu or p.cu_seqlens_q_padded is not None):
+            raise RuntimeError(f"THD stand-in: one unpadded row cut at cu_seqlens, got {cu}")
+        bounds = sorted(set(cu))
+        return torch.cat([forward(self, input_ids[:, a:b], position_ids[:, a:b],
+                                  attention_mask, *args, **kwargs)
+                          for a, b in zip(bounds, bounds[1:])], dim=1)
     return stub
 
 
@@ -236,7 +248,7 @@ def main(out: str) -> None:
     from megatron.core.models.gpt import GPTModel
 
     sys.path.insert(0, str(Path(megatron.rl.rl_utils.__file__).parents[2]))  # train_rl.py
-    GPTModel.forward = _whole_row_thd_forward(GPTModel.forward)
+    GPTModel.forward = _cpu_thd_forward(GPTModel.forward)
     args = _args()
     megatron_patches.install()
     initialize_single_process(seed=1234)

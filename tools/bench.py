@@ -52,6 +52,8 @@ bounds the whole multi-process run.
     python tools/bench.py --adapter generic   # through the framework adapter (benchlib/adapter_bench.py)
     .venv-frameworks/bin/python tools/bench.py --adapter verl   # verl's engine step (make test-frameworks)
     python tools/bench.py --adapter megatron-rl --timeout 3600  # Megatron-LM RL's train step
+    python tools/bench.py --linear-attention-freq 4   # GDN hybrid, Qwen3.5 layout (benchlib/hybrid.py)
+    python tools/bench.py --hybrid-pattern 'G*M-'     # HybridModel with GDN and Mamba-2 layers
 
 Exit status: 2 bad arguments, 1 a rank failed, 3 the untimed check saw a NaN or inf loss or
 gradient difference (on the dense or the reuse side; printed), else 0.

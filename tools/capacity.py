@@ -49,8 +49,8 @@ from prefix_schedule.planning.memory_model import (ActivationModel, MemoryOption
 from prefix_schedule.planning.planner import (PrefixWork, Segment, StepPlan,  # noqa: E402
                                               SuffixMicrobatch)
 
-__all__ = ["Layout", "MAX_GROUP_SIZE", "activation_models", "capacity", "dims_of", "longest",
-           "main", "static_bytes"]
+__all__ = ["Layout", "MAX_GROUP_SIZE", "activation_models", "capacity", "check_modelled",
+           "dims_of", "longest", "main", "static_bytes"]
 
 GIB = 1024 ** 3
 CHOICES = {"tiny": "llama3-8b-tiny", **{name: name for name in PAPER_MODELS}}
@@ -70,7 +70,18 @@ class Layout:
     ep: int = 1
 
 
+def check_modelled(spec: ModelSpec) -> None:
+    """ValueError for a model whose layers the accounting model does not count: Gated DeltaNet
+    layers (a ModelSpec with `linear_attention_freq`; absent or 0: none) cache a state, not K/V,
+    and save other tensors per token (docs/MEMORY.md, "Hybrid models")."""
+    if getattr(spec, "linear_attention_freq", 0):
+        raise ValueError(f"{spec.name}: Gated DeltaNet layers (linear_attention_freq="
+                         f"{spec.linear_attention_freq}) are not in the memory model yet "
+                         "(docs/MEMORY.md, \"Hybrid models\"); pick an attention-only model")
+
+
 def dims_of(spec: ModelSpec) -> ModelDims:
+    check_modelled(spec)
     return ModelDims(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                      ffn_hidden_size=spec.ffn_hidden_size,
                      num_attention_heads=spec.num_attention_heads,
@@ -315,6 +326,10 @@ def main(argv=None) -> int:
     except ValueError as exc:
         p.error(str(exc))
     spec = MODELS[CHOICES[args.model]]
+    try:
+        check_modelled(spec)
+    except ValueError as exc:
+        p.error(str(exc))
     layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep)
     bad = [f"--{k}={v}" for k, v in dataclasses.asdict(layout).items() if v < 1]
     if bad or spec.num_layers % args.pp or spec.num_query_groups % args.tp or (args.dp * args.cp) % args.ep:

@@ -21,6 +21,17 @@ from typing import Dict
 from megatron_patches.config.config_rules import Rule, group as _group, refuse as _refuse
 from megatron_patches.config.config_support_moe import MOE_RULES
 
+GDN_VARIANTS = ("gated_delta_net", "gdn")
+"""experimental_attention_variant values that build Megatron's GatedDeltaNet layer, which the
+gdn-state-hook hooks: 'gated_delta_net' (megatron-core 0.19.x; a deprecated alias on main) and
+'gdn' (Megatron-LM main, 0.20.0, which normalises the alias to it). Main's 'gdn2'
+(GatedDeltaNet2) is another layer, not hooked."""
+
+
+def is_gdn_variant(value) -> bool:
+    """Whether an experimental_attention_variant value builds hooked GatedDeltaNet layers."""
+    return value in GDN_VARIANTS
+
 __all__ = ["Rule", "FIELD_RULES", "check_config_supported", "unclassified_fields"]
 
 
@@ -108,8 +119,8 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _refuse("no_rope_freq", "NoPE layers", "no_rope_freq (layers without RoPE) is "
               + _UNVERIFIED, 4, allowed=lambda v: v is None),
     _refuse("experimental_attention_variant", "attention variant", "experimental attention "
-              "variants other than 'gated_delta_net' are not hooked by prefix reuse", "dsa",
-              allowed=lambda v: v in (None, "gated_delta_net")),
+              "variants other than Gated DeltaNet ('gated_delta_net', main's 'gdn') are not hooked by "
+              "prefix reuse", "dsa", allowed=lambda v: v is None or is_gdn_variant(v)),
     _refuse("use_mamba_mem_eff_path", "Mamba inference path", "use_mamba_mem_eff_path=False "
               "trains Mamba layers through their inference (prefill) path, which prefix reuse "
               "does not hook; keep the default True", False, allowed=lambda v: v),
@@ -226,7 +237,7 @@ FIELD_RULES: Dict[str, Rule] = _merge(
              "tail per group (megatron_patches/runtime/mamba_hooks.py)", "mamba_state_dim "
              "mamba_head_dim mamba_num_groups mamba_num_heads mamba_training_ssm_states_dtype"),
     _group("supported", "Gated DeltaNet layers (experimental_attention_variant="
-             "'gated_delta_net'): each caches its recurrent state and conv tail per group "
+             "'gated_delta_net', or 'gdn' on main): each caches its recurrent state and conv tail per group "
              "(megatron_patches/runtime/gdn_hooks.py)", "linear_attention_freq linear_conv_kernel_dim "
              "linear_key_head_dim linear_value_head_dim linear_num_key_heads "
              "linear_num_value_heads"),

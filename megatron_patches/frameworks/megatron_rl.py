@@ -14,29 +14,47 @@ Two hooks at the points where Megatron-LM's RL loop calls Megatron (docs/FRAMEWO
 * the log-prob passes: `TrainRLReuse.compute_logprobs_batch` has the signature of
   `rl_utils.compute_logprobs_batch` and computes the old/ref log-probs of all rows with one
   forward-only reuse pass (Phase A + B), every position of every row, as Megatron does.
+Pipeline parallelism: the reuse step drives the stages (the executor's schedule); the log-prob
+passes broadcast the last stage's log-probs to every stage of `pp_group`, as
+compute_logprobs_batch does.
 `TrainRLReuse.install(rl_utils, training)` puts both in place (module attributes) and returns
 the function that puts the originals back.
 
 Groups: rows come group-major (grpo_group_size consecutive rows per prompt), so the group id of
 row i is i // group_size. Exactness never depends on it: the detector only shares what is equal.
 
-Refused before any compute (ValueError): sequence packing (bins are THD rows: not wired),
-inference-log-prob correction, calculate_per_token_loss=False (train_rl.loss_func's count would
-make a per-microbatch mean, which depends on the microbatching), pipeline or context
-parallelism, a row without loss tokens (train_rl.loss_func counts an empty microbatch as one
-token, so the dense denominator depends on the microbatching).
+Sequence packing (`--rl-use-sequence-packing`): the step's microbatches are bin indices into
+the run's `PackingContext` (megatron/rl/sequence_packing_utils.py). The hooks read every bin of
+the step with Megatron's own `load_packed_data_by_index`, take its sequences out (each bin is
+THD: sequence k occupies [seq_starts[k], seq_starts[k] + seq_lengths[k]) and attends only to
+itself), group them by their global sequence index // group_size, wherever the packer put
+them, and run them as one reuse step: a group split over several bins of the step is whole
+again. The per-token GRPO terms are the same packed or not (calculate_grpo_loss maps each
+sequence's advantage onto its tokens; train_rl.loss_func sums masked tokens), so under
+--calculate-per-token-loss the step's loss is the sum over sequences either way. The log-prob
+passes return the packed layout [bins, bin_size - 1] (bin position p predicts token p + 1 of the
+bin), filled at each sequence's positions; positions between sequences and in the padding are 0
+(stock: the model's value there; those positions are outside every loss mask).
+
+Refused before any compute (ValueError): inference-log-prob correction,
+calculate_per_token_loss=False (train_rl.loss_func's count would make a per-microbatch mean,
+which depends on the microbatching), context parallelism, a row without loss tokens
+(train_rl.loss_func counts an empty microbatch as one token, so the dense denominator depends on
+the microbatching); for the same reason a packed bin without sequences (the DP padding bins) or
+whose sequences have no loss token.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List
+from typing import Callable, List, NamedTuple, Optional
 
 import torch
 
 from megatron_patches.frameworks.adapter import AdapterConfig, PrefixReuseAdapter
 from megatron_patches.frameworks.rollout import RolloutBatch
 
-__all__ = ["TrainRLReuse", "check_train_rl_args", "rollout_from_train_rl"]
+__all__ = ["TrainRLReuse", "check_train_rl_args", "rollout_from_train_rl", "packed_sequences",
+           "PackedSequence"]
 
 
 def check_train_rl_args(args, model) -> None:
@@ -44,15 +62,12 @@ def check_train_rl_args(args, model) -> None:
     models = model if isinstance(model, list) else [model]
     config = models[0].config
     problems = []
-    if getattr(args, "rl_use_sequence_packing", False):
-        problems.append("--rl-use-sequence-packing (packed THD bins are not wired to the "
-                        "adapter yet): drop it")
     if getattr(args, "rl_inference_logprobs_is_correction", False):
         problems.append("--rl-inference-logprobs-is-correction: drop it")
     if not config.calculate_per_token_loss:
         problems.append("train_rl's loss needs --calculate-per-token-loss with prefix reuse")
-    if config.pipeline_model_parallel_size > 1 or config.context_parallel_size > 1:
-        problems.append("pipeline / context parallelism: run PP=1, CP=1")
+    if config.context_parallel_size > 1:
+        problems.append("context parallelism: run CP=1")
     if problems:
         raise ValueError("Megatron-LM RL with prefix reuse: " + "; ".join(problems))
 
@@ -83,6 +98,74 @@ def _per_row(convert, logprobs, num_rows):
     return None if logprobs is None else [convert(logprobs, i) for i in range(num_rows)]
 
 
+def _bin_index(batch) -> int:
+    """A packed microbatch as train_rl's loaders yield it: (bin index tensor,)."""
+    return int(batch[0].reshape(-1)[0])
+
+
+class PackedSequence(NamedTuple):
+    """One sequence of a packed bin (train_rl's `--rl-use-sequence-packing`)."""
+
+    bin: int
+    """Its bin's index in the PackingContext."""
+    start: int
+    """Its first token's position in the bin."""
+    length: int
+    """Its token count."""
+    index: int
+    """Its global sequence index (group-major: index // group size is its group)."""
+    advantage: torch.Tensor
+    """Its GRPO advantage."""
+    data: tuple
+    """The bin as Megatron's `load_packed_data_by_index` returns it ([1, ...] rows)."""
+
+
+def packed_sequences(context, bins, load_packed_data_by_index) -> List[PackedSequence]:
+    """The sequences of packed `bins`, in bin order. ValueError for a bin without sequences or
+    without loss tokens (module docstring)."""
+    out = []
+    for b in bins:
+        if not context.packing_info.bin_seq_indices[b]:
+            raise ValueError(f"packed bin {b} holds no sequence (a data-parallel padding bin): "
+                             "train_rl.loss_func counts it as 1 token; give every rank real bins")
+        data = load_packed_data_by_index(b, context, False)
+        adv, loss_mask, starts, lengths, indices = data[1], data[3], data[7], data[8], data[9]
+        if not loss_mask.sum() > 0:
+            raise ValueError(f"packed bin {b} has no loss token: train_rl.loss_func counts it "
+                             "as 1 token")
+        out += [PackedSequence(bin=b, start=start, length=n, index=index, advantage=adv[k],
+                               data=data)
+                for k, (start, n, index) in enumerate(zip(starts, lengths, indices))]
+    return out
+
+
+def _packed_rollout(context, bins, load, group_size) -> RolloutBatch:
+    """The step's packed bins as a RolloutBatch of their sequences (entry j predicts token j:
+    the bin's [*, bin_size - 1] arrays at position start + j - 1)."""
+    seqs = packed_sequences(context, bins, load)
+
+    def per_token(field, q):  # the bin's [1, bin_size - 1] array `field`, for sequence q
+        row = q.data[field]
+        return torch.cat([row.new_zeros(1), row[0, q.start:q.start + q.length - 1]]).float()
+    masks = [per_token(_LOSS_MASK, q) for q in seqs]
+    if not all(m.sum() > 0 for m in masks):
+        raise ValueError("a packed sequence has no loss token: give sequences that all train")
+    return RolloutBatch(
+        tokens=[_tokens(q) for q in seqs], loss_mask=masks,
+        group_ids=[q.index // group_size for q in seqs],
+        advantages=[float(q.advantage) for q in seqs],
+        old_logprobs=[per_token(_OLD, q) for q in seqs],
+        ref_logprobs=[per_token(_REF, q) for q in seqs])
+
+
+_TOKENS, _OLD, _LOSS_MASK, _REF = 0, 2, 3, 5
+"""Fields of load_packed_data_by_index's tuple (train_rl.forward_step unpacks it by position)."""
+
+
+def _tokens(q: PackedSequence) -> torch.Tensor:
+    return q.data[_TOKENS][0, q.start:q.start + q.length]
+
+
 @dataclass(kw_only=True)
 class TrainRLReuse:
     """The hooks of one Megatron-LM RL run (module docstring)."""
@@ -100,7 +183,9 @@ class TrainRLReuse:
     config: AdapterConfig = field(default_factory=AdapterConfig)
     """How the adapter detects and plans."""
     reports: List[str] = field(default_factory=list)
-    """Per reuse call, the adapter's report (what was shared)."""
+    """Per reuse training step, the adapter's report (what was shared)."""
+    on_report: Optional[Callable[[str], None]] = None
+    """Called with each training step's report (the launcher prints it on rank 0)."""
 
     def loss_fn(self, b):
         """train_rl's GRPO loss on a TokenBatch: each predicted position one [1]-row."""
@@ -125,12 +210,22 @@ class TrainRLReuse:
                              forward_only=forward_only, **kwargs)
             check_train_rl_args(self.args, model)
             rows = [next(data_iterator) for _ in range(num_microbatches)]
-            tokens, adv, old, mask, _pos, ref, _inf = (torch.cat(t) for t in zip(*rows))
-            rollout = rollout_from_train_rl(tokens, mask, adv, old, ref,
-                                            group_size=self.group_size)
-            _count_sequences(tokens.shape[0])
+            if getattr(self.args, "rl_use_sequence_packing", False):
+                from megatron.rl.rl_utils import get_rl_runtime_state
+                from megatron.rl.sequence_packing_utils import load_packed_data_by_index
+
+                rollout = _packed_rollout(get_rl_runtime_state().packing_context,
+                                          [_bin_index(r) for r in rows],
+                                          load_packed_data_by_index, self.group_size)
+            else:
+                tokens, adv, old, mask, _pos, ref, _inf = (torch.cat(t) for t in zip(*rows))
+                rollout = rollout_from_train_rl(tokens, mask, adv, old, ref,
+                                                group_size=self.group_size)
+            _count_sequences(len(rollout.tokens))
             result = PrefixReuseAdapter(model, self.config).forward_backward(rollout, self.loss_fn)
             self.reports.append(str(result.report))
+            if self.on_report is not None:
+                self.on_report(self.reports[-1])
             return result.losses_reduced
         return forward_backward
 
@@ -140,19 +235,44 @@ class TrainRLReuse:
                                collect_non_loss_data=False):
         """rl_utils.compute_logprobs_batch as one forward-only reuse pass (all positions)."""
         check_train_rl_args(self.args, model)
-        if packing_context is not None or is_correction:
-            raise ValueError("compute_logprobs_batch with a packing context or inference-log-prob "
-                             "correction: drop --rl-use-sequence-packing / "
+        if is_correction:
+            raise ValueError("compute_logprobs_batch with inference-log-prob correction: drop "
                              "--rl-inference-logprobs-is-correction")
-        tokens = torch.cat([batch[0] for batch in data_loader])
-        n, length = tokens.shape
-        every_position = torch.cat([torch.zeros(1), torch.ones(length - 1)])
-        rollout = RolloutBatch(tokens=list(tokens), loss_mask=[every_position] * n,
-                               group_ids=[i // self.group_size for i in range(n)])
+        if packing_context is not None:
+            out, shape = self._packed_logprobs(model, data_loader, packing_context, dtype)
+        else:
+            tokens = torch.cat([batch[0] for batch in data_loader])
+            shape = (tokens.shape[0], tokens.shape[1] - 1)
+            result = self._every_position(model, list(tokens), list(range(shape[0])))
+            out = None if result.logprobs is None else torch.stack(
+                [lp[1:] for lp in result.logprobs]).to(dtype).cpu()
+        return _from_last_stage(out, shape, dtype, pp_group, model)
+
+    def _every_position(self, model, tokens, sequence_ids):
+        """One forward-only reuse pass: log-probs at every position of every sequence."""
+        masks = [torch.cat([torch.zeros(1), torch.ones(len(t) - 1)]) for t in tokens]
+        rollout = RolloutBatch(tokens=tokens, loss_mask=masks,
+                               group_ids=[i // self.group_size for i in sequence_ids])
         with torch.no_grad():
-            result = PrefixReuseAdapter(model, self.config).forward_backward(
+            return PrefixReuseAdapter(model, self.config).forward_backward(
                 rollout, None, forward_only=True)
-        return torch.stack([lp[1:] for lp in result.logprobs]).to(dtype).cpu()
+
+    def _packed_logprobs(self, model, data_loader, context, dtype):
+        """The packed layout [bins, bin_size - 1] (module docstring)."""
+        from megatron.rl.sequence_packing_utils import load_packed_data_by_index
+
+        bins = [_bin_index(batch) for batch in data_loader]
+        seqs = packed_sequences(context, bins, load_packed_data_by_index)
+        result = self._every_position(model, [_tokens(q) for q in seqs],
+                                      [q.index for q in seqs])
+        shape = (len(bins), context.packed_trajs.shape[1] - 1)
+        if result.logprobs is None:  # not the last pipeline stage
+            return None, shape
+        out = torch.zeros(shape, dtype=dtype)
+        row = {b: r for r, b in enumerate(bins)}
+        for q, lp in zip(seqs, result.logprobs):
+            out[row[q.bin], q.start:q.start + q.length - 1] = lp[1:].to(dtype).cpu()
+        return out, shape
 
     def install(self, rl_utils, training) -> Callable[[], None]:
         """Hook `training.get_forward_backward_func` and `rl_utils.compute_logprobs_batch`;
@@ -169,6 +289,19 @@ class TrainRLReuse:
             training.get_forward_backward_func = stock_get
             rl_utils.compute_logprobs_batch = stock_logprobs
         return uninstall
+
+
+def _from_last_stage(out, shape, dtype, pp_group, model):
+    """What compute_logprobs_batch does under pipeline parallelism: the last stage's log-probs
+    broadcast to every stage of `pp_group` (on the model's device: NCCL needs CUDA tensors)."""
+    if pp_group is None or torch.distributed.get_world_size(pp_group) == 1:
+        return out
+    models = model if isinstance(model, list) else [model]
+    device = next(models[0].parameters()).device
+    buffer = torch.empty(shape, dtype=dtype, device=device) if out is None else out.to(device)
+    last = torch.distributed.get_process_group_ranks(pp_group)[-1]
+    torch.distributed.broadcast(buffer, src=last, group=pp_group)
+    return buffer.cpu()
 
 
 def _count_sequences(n: int) -> None:

@@ -35,7 +35,8 @@ import torch
 
 from megatron_patches.support.cpu_support import _CpuFactoryTorch, _on_cpu
 
-__all__ = ["enable_python311_support", "enable_megatron_lm_cpu_support", "TRAINING_MODULES"]
+__all__ = ["enable_python311_support", "enable_megatron_lm_cpu_support", "TRAINING_MODULES",
+           "see_cpu_torch"]
 
 TRAINING_MODULES = (
     "megatron.training.training",
@@ -86,6 +87,16 @@ def enable_megatron_lm_cpu_support() -> bool:
         importlib.import_module(name).torch = stand_in
     _ENABLED = True
     return True
+
+
+def see_cpu_torch(*module_names: str) -> None:
+    """Without CUDA, these further modules see `torch` as TRAINING_MODULES do (Megatron-LM RL's
+    `device="cuda"` factories: examples/megatron_lm/train_rl_prefix_reuse.py). With CUDA: none."""
+    if torch.cuda.is_available():
+        return
+    stand_in = _CpuTrainingTorch()
+    for name in module_names:
+        importlib.import_module(name).torch = stand_in
 
 
 def _stays_on_cpu(self, *_args, **_kwargs):

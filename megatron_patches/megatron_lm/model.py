@@ -16,6 +16,14 @@ Without Transformer Engine (`--transformer-impl local`: the CPU layer) Megatron'
 refuse `--sequence-parallel`; there an MoE model's block spec gets `SequenceParallelTorchNorm`
 (megatron_patches/models/tiny.py: the same per-token norm, its weight gradient summed over TP by
 `finalize_model_grads`), as the core tests build them. With TE nothing is changed.
+
+Gated DeltaNet hybrids (`--experimental-attention-variant gated_delta_net`: Qwen3-Next, Qwen3.5)
+without TE: gpt_builder's `get_transformer_block_with_experimental_attention_variant_spec`
+builds only Transformer Engine modules (its local backend has no fused in_proj norm), so while
+gpt_builder runs it returns `megatron_patches.models.gdn.gdn_block_spec` instead: the same
+per-layer pattern from Megatron's local layer spec, GDN layers being Megatron's own
+`GatedDeltaNet` behind the layer's input norm (what TE's fused norm + in_proj computes). With
+TE nothing is changed.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import inspect
 import sys
 from pathlib import Path
 
+from megatron_patches.config.config_support import is_gdn_variant
 from megatron.training import get_args
 from megatron.training.arguments import core_transformer_config_from_args
 
@@ -69,12 +78,33 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     provider = _checkout_module("model_provider").model_provider
     builders = _checkout_module("gpt_builders")
-    local_sp = args.transformer_impl == "local" and args.sequence_parallel
-    norms = _sequence_parallel_torch_norms(builders, vp_stage) if local_sp else None
-    with norms or contextlib.nullcontext():
+    local = args.transformer_impl == "local"
+    norms = _sequence_parallel_torch_norms(builders, vp_stage) if (
+        local and args.sequence_parallel) else None
+    gdn = _local_gdn_block_spec(builders) if (
+        local and is_gdn_variant(args.experimental_attention_variant)) else None
+    with norms or contextlib.nullcontext(), gdn or contextlib.nullcontext():
         return provider(builders.gpt_builder, pre_process, post_process, vp_stage,
                         config=config or reuse_transformer_config(args),
                         pg_collection=pg_collection)
+
+
+GDN_SPEC_FUNCTION = "get_transformer_block_with_experimental_attention_variant_spec"
+"""gpt_builder's spec function for GDN hybrids (Transformer Engine only): replaced without TE."""
+
+
+@contextlib.contextmanager
+def _local_gdn_block_spec(builders):
+    """While gpt_builder runs: its GDN block spec is megatron_patches.models.gdn's local one."""
+    from megatron_patches.models.gdn import gdn_block_spec
+
+    original = getattr(builders, GDN_SPEC_FUNCTION)
+    setattr(builders, GDN_SPEC_FUNCTION,
+            lambda config, vp_stage=None, **_: gdn_block_spec(config, vp_stage=vp_stage))
+    try:
+        yield
+    finally:
+        setattr(builders, GDN_SPEC_FUNCTION, original)
 
 
 SPEC_FUNCTIONS = ("get_gpt_decoder_block_spec",)

@@ -1,5 +1,5 @@
-"""Hugging Face Llama 3 / Qwen3 / Qwen3-MoE weights <-> Megatron GPTModel weights, for any
-TP x PP (x EP) split.
+"""Hugging Face Llama 3 / Qwen3 / Qwen3-MoE (and, through checkpoints_gdn.py, Qwen3-Next /
+Qwen3.5) weights <-> Megatron GPTModel weights, for any TP x PP (x EP) split.
 
 Pure tensor code (no Megatron import): `to_megatron` gives one rank's tensors, named like the
 parameters of Megatron's GPTModel on that rank; `to_hf` assembles the HF tensors from every rank's.
@@ -24,6 +24,7 @@ Layouts (megatron-core 0.19 / 0.20, local and Transformer Engine layer specs):
   `mlp.experts.linear_fc{1,2}.weight{j}` (Transformer Engine's grouped MLP: `te_grouped=True`);
   fc1 = [gate; up] and fc2 = down, split over the expert-tensor-parallel ranks like the dense
   MLP's; `pre_mlp_layernorm` is a separate norm in both layer specs.
+* Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5; dense MLPs): checkpoints_gdn.py.
 """
 
 from __future__ import annotations
@@ -33,70 +34,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megatron_patches.models.checkpoints_base import (RankLayout, _cols, _megatron_layer_names,
+                                                      _mlp_to_hf, _mlp_to_megatron, _rows,
+                                                      local_experts, mlp_hf_names)
+from megatron_patches.models.checkpoints_gdn import (gdn_hf_names, gdn_layer_to_hf,
+                                                     gdn_layer_to_megatron)
 from megatron_patches.models.model_configs import ModelSpec
 
-__all__ = ["RankLayout", "stage_layers", "to_megatron", "to_hf", "hf_names"]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RankLayout:
-    """Which part of the model one rank holds."""
-
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    padded_vocab_size: int
-    """Megatron's (padded) vocabulary: >= the checkpoint's vocab_size, a multiple of tp_size."""
-    te_names: bool = False
-    """Transformer Engine spec names for the fused pre-attention / pre-MLP norms."""
-    ep_rank: int = 0
-    ep_size: int = 1
-    """Expert parallelism (MoE): EP rank r holds experts [r*E/ep, (r+1)*E/ep)."""
-    expert_tp_rank: int = 0
-    expert_tp_size: int = 1
-    """Expert tensor parallelism (Megatron's expert_tensor_parallel_size: 1 or TP)."""
-    te_grouped: bool = False
-    """Transformer Engine grouped-MLP expert names (`linear_fc1.weight{j}`)."""
-
-    def check(self, spec: ModelSpec) -> None:
-        if not (0 <= self.tp_rank < self.tp_size and 0 <= self.pp_rank < self.pp_size
-                and 0 <= self.ep_rank < self.ep_size
-                and 0 <= self.expert_tp_rank < self.expert_tp_size):
-            raise ValueError(f"{self}: ranks must be within their sizes")
-        problems = []
-        if spec.num_query_groups % self.tp_size:
-            problems.append(f"num_key_value_heads={spec.num_query_groups} is not divisible by "
-                            f"TP={self.tp_size}")
-        if spec.ffn_hidden_size % self.tp_size:
-            problems.append(f"intermediate_size={spec.ffn_hidden_size} is not divisible by TP")
-        if spec.num_layers % self.pp_size:
-            problems.append(f"{spec.num_layers} layers do not split evenly over PP={self.pp_size}")
-        if self.padded_vocab_size < spec.vocab_size or self.padded_vocab_size % self.tp_size:
-            problems.append(f"padded_vocab_size={self.padded_vocab_size} must be >= "
-                            f"vocab_size={spec.vocab_size} and a multiple of TP")
-        if spec.is_moe:
-            problems += _moe_problems(spec, self)
-        elif self.ep_size > 1:
-            problems.append(f"EP={self.ep_size} needs an MoE model")
-        if problems:
-            raise ValueError("cannot convert: " + "; ".join(problems))
-
-
-def _moe_problems(spec: ModelSpec, layout: RankLayout) -> List[str]:
-    problems = []
-    if spec.num_experts % layout.ep_size:
-        problems.append(f"num_experts={spec.num_experts} is not divisible by EP={layout.ep_size}")
-    if spec.moe_ffn_hidden_size % layout.expert_tp_size:
-        problems.append(f"moe_intermediate_size={spec.moe_ffn_hidden_size} is not divisible by "
-                        f"expert TP={layout.expert_tp_size}")
-    return problems
-
-
-def local_experts(spec: ModelSpec, layout: RankLayout) -> range:
-    """Global indices of the experts on `layout`'s expert-parallel rank."""
-    per_rank = spec.num_experts // layout.ep_size
-    return range(layout.ep_rank * per_rank, (layout.ep_rank + 1) * per_rank)
+__all__ = ["RankLayout", "stage_layers", "to_megatron", "to_hf", "hf_names", "local_experts"]
 
 
 def stage_layers(spec: ModelSpec, layout: RankLayout) -> range:
@@ -108,46 +53,16 @@ def stage_layers(spec: ModelSpec, layout: RankLayout) -> range:
 def hf_names(spec: ModelSpec, layer: int, experts: Optional[Sequence[int]] = None
              ) -> Dict[str, str]:
     """Short name -> HF tensor name of one decoder layer (MoE: of `experts`, default all)."""
+    if spec.is_gdn:
+        return gdn_hf_names(spec, layer, experts)
     p = f"model.layers.{layer}"
     names = {"input_norm": f"{p}.input_layernorm.weight", "q": f"{p}.self_attn.q_proj.weight",
              "k": f"{p}.self_attn.k_proj.weight", "v": f"{p}.self_attn.v_proj.weight",
              "o": f"{p}.self_attn.o_proj.weight",
-             "mlp_norm": f"{p}.post_attention_layernorm.weight"}
-    if spec.is_moe:
-        names["router"] = f"{p}.mlp.gate.weight"
-        for e in range(spec.num_experts) if experts is None else experts:
-            names.update({f"gate.{e}": f"{p}.mlp.experts.{e}.gate_proj.weight",
-                          f"up.{e}": f"{p}.mlp.experts.{e}.up_proj.weight",
-                          f"down.{e}": f"{p}.mlp.experts.{e}.down_proj.weight"})
-    else:
-        names.update(gate=f"{p}.mlp.gate_proj.weight", up=f"{p}.mlp.up_proj.weight",
-                     down=f"{p}.mlp.down_proj.weight")
+             "mlp_norm": f"{p}.post_attention_layernorm.weight", **mlp_hf_names(spec, p, experts)}
     if spec.qk_norm:
         names.update(q_norm=f"{p}.self_attn.q_norm.weight", k_norm=f"{p}.self_attn.k_norm.weight")
     return names
-
-
-def _megatron_layer_names(local: int, layout: RankLayout, moe: bool = False) -> Dict[str, str]:
-    p = f"decoder.layers.{local}"
-    attn_norm = (f"{p}.self_attention.linear_qkv.layer_norm_weight" if layout.te_names
-                 else f"{p}.input_layernorm.weight")
-    mlp_norm = (f"{p}.mlp.linear_fc1.layer_norm_weight" if layout.te_names and not moe
-                else f"{p}.pre_mlp_layernorm.weight")
-    return {"input_norm": attn_norm, "mlp_norm": mlp_norm,
-            "qkv": f"{p}.self_attention.linear_qkv.weight",
-            "o": f"{p}.self_attention.linear_proj.weight",
-            "q_norm": f"{p}.self_attention.q_layernorm.weight",
-            "k_norm": f"{p}.self_attention.k_layernorm.weight",
-            "fc1": f"{p}.mlp.linear_fc1.weight", "fc2": f"{p}.mlp.linear_fc2.weight",
-            "router": f"{p}.mlp.router.weight"}
-
-
-def _expert_name(local: int, layout: RankLayout, j: int, fc: int) -> str:
-    """Megatron's name of local expert j's linear_fc{fc} weight on decoder layer `local`."""
-    p = f"decoder.layers.{local}.mlp.experts"
-    if layout.te_grouped:
-        return f"{p}.linear_fc{fc}.weight{j}"
-    return f"{p}.local_experts.{j}.linear_fc{fc}.weight"
 
 
 def _qkv_groups(spec: ModelSpec, q, k, v) -> torch.Tensor:
@@ -157,39 +72,22 @@ def _qkv_groups(spec: ModelSpec, q, k, v) -> torch.Tensor:
     return torch.cat([q.reshape(g, per * d, -1), k.reshape(g, d, -1), v.reshape(g, d, -1)], dim=1)
 
 
-def _rows(t: torch.Tensor, layout: RankLayout) -> torch.Tensor:
-    return t.chunk(layout.tp_size, dim=0)[layout.tp_rank]
+def _norm_to_megatron(spec: ModelSpec, w: torch.Tensor) -> torch.Tensor:
+    """GDN hybrids' HF norms compute (1 + w): Megatron's weight is w + 1 (checkpoints_gdn.py)."""
+    return w + 1.0 if spec.is_gdn else w
 
 
-def _cols(t: torch.Tensor, layout: RankLayout) -> torch.Tensor:
-    return t.chunk(layout.tp_size, dim=1)[layout.tp_rank]
+def _norm_to_hf(spec: ModelSpec, w: torch.Tensor) -> torch.Tensor:
+    return w - 1.0 if spec.is_gdn else w
 
 
 def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
 
 
-def _expert_layout(layout: RankLayout) -> RankLayout:
-    """The layout experts are split by: expert TP in place of TP."""
-    return dataclasses.replace(layout, tp_rank=layout.expert_tp_rank,
-                               tp_size=layout.expert_tp_size)
-
-
-def _mlp_to_megatron(spec, layout, hf, src, dst, local: int) -> Dict[str, torch.Tensor]:
-    if not spec.is_moe:
-        return {dst["fc1"]: torch.cat([_rows(hf[src["gate"]], layout),
-                                       _rows(hf[src["up"]], layout)]),
-                dst["fc2"]: _cols(hf[src["down"]], layout)}
-    out = {dst["router"]: hf[src["router"]]}
-    ex = _expert_layout(layout)
-    for j, e in enumerate(local_experts(spec, layout)):
-        out[_expert_name(local, layout, j, 1)] = torch.cat(
-            [_rows(hf[src[f"gate.{e}"]], ex), _rows(hf[src[f"up.{e}"]], ex)])
-        out[_expert_name(local, layout, j, 2)] = _cols(hf[src[f"down.{e}"]], ex)
-    return out
-
-
 def _layer_to_megatron(spec, layout, hf, layer: int, local: int) -> Dict[str, torch.Tensor]:
+    if spec.is_gdn:
+        return gdn_layer_to_megatron(spec, layout, hf, layer, local)
     src = hf_names(spec, layer, local_experts(spec, layout) if spec.is_moe else None)
     dst = _megatron_layer_names(local, layout, spec.is_moe)
     qkv = _rows(_qkv_groups(spec, hf[src["q"]], hf[src["k"]], hf[src["v"]]), layout)
@@ -213,7 +111,7 @@ def to_megatron(spec: ModelSpec, hf: Dict[str, torch.Tensor], layout: RankLayout
     for local, layer in enumerate(stage_layers(spec, layout)):
         out.update(_layer_to_megatron(spec, layout, hf, layer, local))
     if last:
-        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        out["decoder.final_layernorm.weight"] = _norm_to_megatron(spec, hf["model.norm.weight"])
         head = hf["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
         if not (spec.tie_word_embeddings and first):  # else the embedding is the output layer
             out["output_layer.weight"] = _rows(_padded(head, layout.padded_vocab_size), layout)
@@ -228,27 +126,10 @@ def _split_qkv(spec: ModelSpec, qkv: torch.Tensor):
     return q.reshape(-1, q.shape[-1]), k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
 
 
-def _swiglu_to_hf(fc1: List[torch.Tensor], fc2: List[torch.Tensor]):
-    """(gate, up, down) from the TP shards of fc1 = [gate; up] and fc2."""
-    halves = [f.chunk(2, dim=0) for f in fc1]
-    return (torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]),
-            torch.cat(fc2, dim=1))
-
-
-def _experts_to_hf(spec, layout, experts, dst, local: int) -> Dict[str, torch.Tensor]:
-    """HF expert tensors of one layer from `experts[ep][etp]` (this stage's ranks)."""
-    out = {}
-    for ep_rank, shards in enumerate(experts):
-        lay = dataclasses.replace(layout, ep_rank=ep_rank)
-        for j, e in enumerate(local_experts(spec, lay)):
-            gate, up, down = _swiglu_to_hf([r[_expert_name(local, lay, j, 1)] for r in shards],
-                                           [r[_expert_name(local, lay, j, 2)] for r in shards])
-            out.update({dst[f"gate.{e}"]: gate, dst[f"up.{e}"]: up, dst[f"down.{e}"]: down})
-    return out
-
-
 def _layer_to_hf(spec, layouts, ranks, layer: int, local: int, experts=None
                  ) -> Dict[str, torch.Tensor]:
+    if spec.is_gdn:
+        return gdn_layer_to_hf(spec, layouts, ranks, layer, local, experts)
     src = [_megatron_layer_names(local, lay, spec.is_moe) for lay in layouts]
     dst = hf_names(spec, layer)
     cat0 = lambda key: torch.cat([r[s[key]] for r, s in zip(ranks, src)], dim=0)  # noqa: E731
@@ -256,13 +137,8 @@ def _layer_to_hf(spec, layouts, ranks, layer: int, local: int, experts=None
     q, k, v = _split_qkv(spec, cat0("qkv"))
     out = {dst["q"]: q, dst["k"]: k, dst["v"]: v, dst["o"]: cat1("o"),
            dst["input_norm"]: ranks[0][src[0]["input_norm"]],
-           dst["mlp_norm"]: ranks[0][src[0]["mlp_norm"]]}
-    if spec.is_moe:
-        out[dst["router"]] = ranks[0][src[0]["router"]]
-        out.update(_experts_to_hf(spec, layouts[0], experts, dst, local))
-    else:
-        out[dst["gate"]], out[dst["up"]], out[dst["down"]] = _swiglu_to_hf(
-            [r[s["fc1"]] for r, s in zip(ranks, src)], [r[s["fc2"]] for r, s in zip(ranks, src)])
+           dst["mlp_norm"]: ranks[0][src[0]["mlp_norm"]],
+           **_mlp_to_hf(spec, layouts, ranks, src, dst, local, experts)}
     if spec.qk_norm:
         out.update({dst["q_norm"]: ranks[0][src[0]["q_norm"]],
                     dst["k_norm"]: ranks[0][src[0]["k_norm"]]})
@@ -295,7 +171,7 @@ def to_hf(spec: ModelSpec, ranks: Sequence[Sequence[Dict[str, torch.Tensor]]],
             out["model.embed_tokens.weight"] = torch.cat(
                 [r["embedding.word_embeddings.weight"] for r in stage])[:vocab]
         if pp_rank == layout.pp_size - 1:
-            out["model.norm.weight"] = stage[0]["decoder.final_layernorm.weight"]
+            out["model.norm.weight"] = _norm_to_hf(spec, stage[0]["decoder.final_layernorm.weight"])
             if not spec.tie_word_embeddings:
                 out["lm_head.weight"] = torch.cat([r["output_layer.weight"] for r in stage])[:vocab]
     return {name: t.contiguous() for name, t in out.items()}

@@ -18,6 +18,7 @@ from typing import List, Optional
 
 import torch
 
+from megatron_patches.config.config_support import is_gdn_variant
 from megatron_patches.models.tiny import TinyLlamaConfig, make_transformer_config
 
 from megatron.core import parallel_state, tensor_parallel
@@ -77,7 +78,7 @@ def gdn_block_spec(config, *, vp_stage: Optional[int] = None) -> TransformerBloc
 
 def gdn_layer_numbers(config) -> tuple:
     """Global (1-based) numbers of the GDN layers of a GPTModel config (empty without GDN)."""
-    if config.experimental_attention_variant != "gated_delta_net":
+    if not is_gdn_variant(config.experimental_attention_variant):
         return ()
     return tuple(i for i, linear in enumerate(get_linear_attention_pattern(config), start=1)
                  if linear)

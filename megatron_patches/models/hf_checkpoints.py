@@ -1,5 +1,6 @@
-"""Load a Hugging Face Llama 3 / Qwen3 / Qwen3-MoE checkpoint into a (TP x PP x EP sharded)
-Megatron GPTModel, and write one back; the tensor layouts are megatron_patches/models/checkpoints.py's.
+"""Load a Hugging Face Llama 3 / Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 checkpoint into a
+(TP x PP x EP sharded) Megatron GPTModel, and write one back; the tensor layouts are
+megatron_patches/models/checkpoints.py's (GDN hybrids: checkpoints_gdn.py's).
 
     spec, config = read_hf_config(directory)
     load_hf_weights(model, directory)          # on every rank, after the model is built
@@ -8,7 +9,9 @@ Megatron GPTModel, and write one back; the tensor layouts are megatron_patches/m
 A checkpoint directory is HF's `save_pretrained` layout: config.json and model.safetensors or
 model.safetensors.index.json with its shards. Each rank reads only the tensors its stage needs.
 Every parameter of the model must receive a tensor of its exact shape, else ValueError (nothing is
-left at its random initialisation).
+left at its random initialisation). A Qwen3.5 VLM checkpoint (Qwen3_5ForConditionalGeneration)
+is read as its language model: `model.language_model.*` as `model.*`, the vision tower and MTP
+tensors unused; an export writes the text model (Qwen3_5ForCausalLM).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from megatron_patches.models.checkpoints import (RankLayout, hf_names, local_experts, stage_layers,
                                           to_hf, to_megatron)
 from megatron_patches.models.model_configs import ModelSpec, from_hf_config
+from megatron_patches.models.model_configs_hybrid import HYBRID_ARCH, unwrap_text_config
 
 __all__ = ["read_hf_config", "hf_tensor_names", "read_hf_tensors", "rank_layout", "load_hf_weights",
            "export_hf_weights", "write_hf_checkpoint"]
@@ -39,20 +43,27 @@ def read_hf_config(directory) -> Tuple[ModelSpec, dict]:
     return from_hf_config(config, name=Path(directory).name), config
 
 
-def _shards(directory: Path) -> Dict[str, Path]:
-    """tensor name -> the safetensors file holding it."""
+_VLM_TEXT = "model.language_model."
+
+
+def _shards(directory: Path) -> Dict[str, Tuple[Path, str]]:
+    """tensor name (a VLM's language-model tensors as the text model's) -> (the safetensors
+    file holding it, its name there)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: directory / file for name, file in weight_map.items()}
-    single = directory / "model.safetensors"
-    if not single.is_file():
-        raise ValueError(f"{directory}: neither model.safetensors nor "
-                         "model.safetensors.index.json (only safetensors checkpoints are read)")
-    from safetensors import safe_open
+        stored = {name: directory / file for name, file in weight_map.items()}
+    else:
+        single = directory / "model.safetensors"
+        if not single.is_file():
+            raise ValueError(f"{directory}: neither model.safetensors nor model.safetensors."
+                             "index.json (only safetensors checkpoints are read)")
+        from safetensors import safe_open
 
-    with safe_open(str(single), framework="pt") as f:
-        return {name: single for name in f.keys()}
+        with safe_open(str(single), framework="pt") as f:
+            stored = {name: single for name in f.keys()}
+    return {("model." + n[len(_VLM_TEXT):] if n.startswith(_VLM_TEXT) else n): (file, n)
+            for n, file in stored.items()}
 
 
 def hf_tensor_names(directory) -> List[str]:
@@ -72,11 +83,11 @@ def read_hf_tensors(directory, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         raise ValueError(f"{directory}: missing tensors {missing[:5]}"
                          f"{'...' if len(missing) > 5 else ''}")
     out: Dict[str, torch.Tensor] = {}
-    for file in sorted({where[n] for n in names}):
+    for file in sorted({where[n][0] for n in names}):
         with safe_open(str(file), framework="pt") as f:
             for name in names:
-                if where[name] == file:
-                    out[name] = f.get_tensor(name).float()
+                if where[name][0] == file:
+                    out[name] = f.get_tensor(where[name][1]).float()
     return out
 
 
@@ -92,7 +103,8 @@ def rank_layout(model) -> RankLayout:
                       pp_rank=ps.get_pipeline_model_parallel_rank(),
                       pp_size=ps.get_pipeline_model_parallel_world_size(),
                       padded_vocab_size=vocab_rows * tp,
-                      te_names=any(n.endswith("linear_qkv.layer_norm_weight") for n in names),
+                      te_names=any(n.endswith(("linear_qkv.layer_norm_weight",
+                                               "in_proj.layer_norm_weight")) for n in names),
                       ep_rank=ps.get_expert_model_parallel_rank(),
                       ep_size=ps.get_expert_model_parallel_world_size(),
                       expert_tp_rank=ps.get_expert_tensor_parallel_rank(),
@@ -154,6 +166,9 @@ def export_hf_weights(models, directory, config: dict) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
+    text = unwrap_text_config(config)
+    if text is not config:  # a Qwen3.5 VLM's config: the text model is what is written
+        config = {**text, "architectures": [HYBRID_ARCH[text["model_type"]]]}
     spec = from_hf_config(config)
     gpt = unwrap_model(models[0])
     layout = rank_layout(gpt)

@@ -9,7 +9,9 @@ hidden/heads, qk-norm, RoPE theta and scaling, norm epsilon, tied or untied embe
 routing) at tiny sizes, runnable on a CPU. The values are those of the public config.json files
 (meta-llama/Meta-Llama-3-8B, meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B).
 Qwen3-30B-A3B is a mixture of experts: prefix reuse trains it with logical prefix-token accounting
-(megatron_patches/runtime/moe.py; its tiny twin: tests/test_moe.py).
+(megatron_patches/runtime/moe.py; its tiny twin: tests/test_moe.py). The Gated DeltaNet hybrids
+(Qwen/Qwen3-Next-80B-A3B-Instruct, Qwen/Qwen3.5-27B, Qwen/Qwen3.5-35B-A3B) are
+model_configs_hybrid.py's.
 """
 
 from __future__ import annotations
@@ -20,18 +22,30 @@ import json
 import shlex
 from typing import Dict, List, Optional
 
-__all__ = ["ModelSpec", "PAPER_MODELS", "MODELS", "get_model_spec", "from_hf_config",
-           "check_trainable", "mismatches_with_args"]
+from megatron_patches.models.model_configs_hybrid import (GDN_FAMILIES, HYBRID_ARCH,
+                                                          HYBRID_MODEL_FIELDS, HYBRID_MOE_FAMILIES,
+                                                          gdn_fields_from_hf, gdn_hf_config,
+                                                          gdn_megatron_args,
+                                                          unwrap_text_config)
+from megatron_patches.models.model_configs_args import mismatches_with_args
+
+__all__ = ["ModelSpec", "PAPER_MODELS", "HYBRID_MODELS", "MODELS", "get_model_spec",
+           "from_hf_config", "check_trainable", "mismatches_with_args"]
+
+_MOE_FAMILIES = ("qwen3_moe", *HYBRID_MOE_FAMILIES)
+_DENSE_ALLOWED = ("qwen3_next",)  # HF Qwen3-Next with num_experts=0 has dense MLPs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A decoder-only Llama 3 / Qwen3 / Qwen3-MoE shape, in Hugging Face terms."""
+    """A decoder-only Llama 3 / Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 shape, in Hugging Face
+    terms."""
 
     name: str
     """Registry name (e.g. "qwen3-8b")."""
     family: str
-    """"llama" (LlamaForCausalLM), "qwen3" (Qwen3ForCausalLM) or "qwen3_moe"."""
+    """The HF model_type: "llama" (LlamaForCausalLM), "qwen3" (Qwen3ForCausalLM), "qwen3_moe",
+    or a GDN hybrid: "qwen3_next", "qwen3_5_text" (Qwen3_5ForCausalLM), "qwen3_5_moe_text"."""
     num_layers: int
     """num_hidden_layers."""
     hidden_size: int
@@ -68,19 +82,58 @@ class ModelSpec:
     moe_norm_topk_prob: bool = True
     """MoE: norm_topk_prob (top-k probabilities renormalised: Megatron's softmax over the top-k
     logits; False: softmax over all experts, then top-k: `--moe-router-pre-softmax`)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """MoE: shared_expert_intermediate_size of the one sigmoid-gated shared expert (Qwen3-Next,
+    Qwen3.5-MoE); None: none."""
+    linear_attention_freq: Optional[int] = None
+    """GDN hybrids: every linear_attention_freq-th layer softmax attention, the others Gated
+    DeltaNet (HF full_attention_interval; Megatron --linear-attention-freq); None: no GDN."""
+    linear_num_key_heads: Optional[int] = None
+    """GDN: linear_num_key_heads (q/k heads)."""
+    linear_num_value_heads: Optional[int] = None
+    """GDN: linear_num_value_heads (v heads, a multiple of the key heads)."""
+    linear_key_head_dim: Optional[int] = None
+    """GDN: linear_key_head_dim."""
+    linear_value_head_dim: Optional[int] = None
+    """GDN: linear_value_head_dim."""
+    linear_conv_kernel_dim: Optional[int] = None
+    """GDN: linear_conv_kernel_dim (the short causal conv's width)."""
+    attention_output_gate: bool = False
+    """Softmax attention's sigmoid output gate (HF q_proj rows [query; gate] per head)."""
+    rotary_percent: float = 1.0
+    """Fraction of the head RoPE rotates (HF partial_rotary_factor)."""
 
     def __post_init__(self):
-        if self.family not in ("llama", "qwen3", "qwen3_moe"):
-            raise ValueError(f"family={self.family!r}; choose llama, qwen3 or qwen3_moe")
+        if self.family not in _ARCH:
+            raise ValueError(f"family={self.family!r}; choose one of {sorted(_ARCH)}")
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(f"{self.name}: num_attention_heads must be a multiple of "
                              "num_query_groups")
-        if (self.family == "qwen3_moe") != (self.num_experts is not None):
-            raise ValueError(f"{self.name}: qwen3_moe and num_experts go together")
+        if (self.family in _MOE_FAMILIES) != (self.num_experts is not None) and not (
+                self.family in _DENSE_ALLOWED and self.num_experts is None):
+            raise ValueError(f"{self.name}: {self.family} and num_experts go together "
+                             f"(MoE families: {_MOE_FAMILIES})")
+        gdn_set = {getattr(self, f) is not None for f in _GDN_FIELDS}
+        if gdn_set != {self.family in GDN_FAMILIES}:
+            raise ValueError(f"{self.name}: the GDN fields {_GDN_FIELDS} are set exactly for "
+                             f"the GDN families {GDN_FAMILIES}")
+        if not self.is_gdn and (self.attention_output_gate or self.rotary_percent != 1.0):
+            raise ValueError(f"{self.name}: attention_output_gate / rotary_percent belong to the "
+                             f"GDN families {GDN_FAMILIES}")
+        if self.moe_shared_expert_intermediate_size and not self.is_moe:
+            raise ValueError(f"{self.name}: a shared expert needs num_experts")
+        if self.is_gdn and self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"{self.name}: linear_num_value_heads must be a multiple of "
+                             "linear_num_key_heads")
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts is not None
+
+    @property
+    def is_gdn(self) -> bool:
+        """A Gated DeltaNet hybrid (HF norms (1 + w), gated attention, GDN layers)."""
+        return self.linear_attention_freq is not None
 
     def megatron_args(self) -> List[str]:
         """Megatron-LM command-line arguments building this model (vocabulary unpadded:
@@ -111,6 +164,8 @@ class ModelSpec:
                      *([] if self.moe_norm_topk_prob else ["--moe-router-pre-softmax"]),
                      "--moe-router-load-balancing-type", "aux_loss",
                      "--moe-aux-loss-coeff", "0.001"]
+        if self.is_gdn:
+            args += gdn_megatron_args(self)
         return [str(a) for a in args]
 
     def hf_config(self) -> Dict[str, object]:
@@ -136,6 +191,8 @@ class ModelSpec:
                           moe_intermediate_size=self.moe_ffn_hidden_size,
                           norm_topk_prob=self.moe_norm_topk_prob,
                           decoder_sparse_step=1, mlp_only_layers=[])
+        if self.is_gdn:
+            config.update(gdn_hf_config(self))
         return config
 
     def tiny(self) -> "ModelSpec":
@@ -144,17 +201,24 @@ class ModelSpec:
         qk-norm, RoPE theta and scaling, norm epsilon, embedding tying, MoE top-k routing."""
         ratio = self.num_attention_heads // self.num_query_groups
         heads = 2 * ratio
+        gdn = {} if not self.is_gdn else dict(
+            linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_value_heads=2 * self.linear_num_value_heads // self.linear_num_key_heads)
+        shared = 32 if self.moe_shared_expert_intermediate_size else None
         return dataclasses.replace(
             self, name=f"{self.name}-tiny", num_layers=4, hidden_size=64, ffn_hidden_size=160,
             num_attention_heads=heads, num_query_groups=2,
             head_dim=64 // heads if self.family == "llama" else 16, vocab_size=512,
             num_experts=8 if self.is_moe else None,
             moe_ffn_hidden_size=32 if self.is_moe else None,
-            moe_router_topk=2 if self.is_moe else None)
+            moe_router_topk=2 if self.is_moe else None,
+            moe_shared_expert_intermediate_size=shared, **gdn)
 
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM"}
+         "qwen3_moe": "Qwen3MoeForCausalLM", **HYBRID_ARCH}
+_GDN_FIELDS = ("linear_attention_freq", "linear_num_key_heads", "linear_num_value_heads",
+               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 
 
 def _num(value: float) -> str:
@@ -182,9 +246,14 @@ PAPER_MODELS: Dict[str, ModelSpec] = {spec.name: spec for spec in (
 )}
 """The paper's models (Llama3-8B; its 3.1 revision with RoPE scaling; Qwen3-8B; Qwen3-30B-A3B)."""
 
-MODELS: Dict[str, ModelSpec] = {**PAPER_MODELS,
-                                **{f"{n}-tiny": s.tiny() for n, s in PAPER_MODELS.items()}}
-"""Every registered model: the paper's and their tiny twins."""
+HYBRID_MODELS: Dict[str, ModelSpec] = {
+    name: ModelSpec(name=name, **fields) for name, fields in HYBRID_MODEL_FIELDS.items()}
+"""The GDN hybrids (Qwen3-Next-80B-A3B, Qwen3.5-27B, Qwen3.5-35B-A3B: model_configs_hybrid.py)."""
+
+MODELS: Dict[str, ModelSpec] = {
+    **PAPER_MODELS, **{f"{n}-tiny": s.tiny() for n, s in PAPER_MODELS.items()},
+    **HYBRID_MODELS, **{f"{n}-tiny": s.tiny() for n, s in HYBRID_MODELS.items()}}
+"""Every registered model: the paper's, the GDN hybrids and their tiny twins."""
 
 
 def get_model_spec(name: str) -> ModelSpec:
@@ -198,26 +267,33 @@ def check_trainable(spec: ModelSpec) -> None:
 
     Every paper model trains: Qwen3-30B-A3B (MoE) with logical prefix-token accounting
     (megatron_patches/runtime/moe.py), within the MoE limits the reuse executor checks
-    (moe.check_moe_supported, config_support_moe.py: dropless, token-local routing, TP=1)."""
-    if spec.family not in ("llama", "qwen3", "qwen3_moe"):
+    (moe.check_moe_supported, config_support_moe.py: dropless, token-local routing, TP=1).
+    The GDN hybrids train too (tests/test_megatron_lm_gdn.py: Qwen3.5 dense, Qwen3-Next MoE
+    with its gated shared expert)."""
+    if spec.family not in _ARCH:
         raise ValueError(f"{spec.name}: family {spec.family!r} is not supported")
 
 
 def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
-    """A ModelSpec from a Llama 3 / Qwen3 / Qwen3-MoE config.json (dict); ValueError otherwise."""
+    """A ModelSpec from a Llama 3 / Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 (text) config.json
+    (dict; a Qwen3.5 VLM's: its text_config); ValueError otherwise."""
+    config = unwrap_text_config(config)
     family = config.get("model_type")
     if family not in _ARCH:
         raise ValueError(f"model_type {family!r} is not supported; supported: {sorted(_ARCH)}")
     rope = _rope_parameters(config)
     scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                              else None)
+    moe = family in _MOE_FAMILIES and (family not in _DENSE_ALLOWED
+                                       or bool(config.get("num_experts")))
+    gdn = gdn_fields_from_hf(config, moe) if family in GDN_FAMILIES else {}
     if scaling is not None:
         _check_llama3_scaling(scaling)
     if config.get("attention_bias") or config.get("mlp_bias"):
         raise ValueError("attention_bias / mlp_bias checkpoints are not supported (Llama 3 and "
                          "Qwen3 have none)")
     heads = int(config["num_attention_heads"])
-    if family == "qwen3_moe":
+    if moe:
         _check_qwen3_moe(config)
     return ModelSpec(
         name=name, family=family, num_layers=int(config["num_hidden_layers"]),
@@ -234,11 +310,12 @@ def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
         qk_norm=family != "llama",
         # transformers >= 5 writes num_local_experts
         num_experts=(config.get("num_experts") or config.get("num_local_experts")
-                     if family == "qwen3_moe" else None),
-        moe_ffn_hidden_size=config.get("moe_intermediate_size") if family == "qwen3_moe" else None,
-        moe_router_topk=config.get("num_experts_per_tok") if family == "qwen3_moe" else None,
-        moe_norm_topk_prob=(bool(config.get("norm_topk_prob", False))  # HF's default: False
-                            if family == "qwen3_moe" else True))
+                     if moe else None),
+        moe_ffn_hidden_size=config.get("moe_intermediate_size") if moe else None,
+        moe_router_topk=config.get("num_experts_per_tok") if moe else None,
+        # HF's default: False for Qwen3-MoE, True for Qwen3-Next / Qwen3.5-MoE (which has none)
+        moe_norm_topk_prob=(bool(config.get("norm_topk_prob", family != "qwen3_moe"))
+                            if moe else True), **gdn)
 
 
 def _check_qwen3_moe(config) -> None:
@@ -248,7 +325,7 @@ def _check_qwen3_moe(config) -> None:
         raise ValueError(f"decoder_sparse_step={step}, mlp_only_layers={dense}: only checkpoints "
                          "whose every layer is MoE are converted (Qwen3-30B-A3B's are); HF's "
                          "(i+1) % step rule differs from Megatron's --moe-layer-freq")
-    if config.get("shared_expert_intermediate_size"):
+    if config.get("shared_expert_intermediate_size") and config["model_type"] == "qwen3_moe":
         raise ValueError("shared experts are not part of Qwen3-MoE (Qwen2-MoE has them)")
 
 
@@ -266,54 +343,6 @@ def _check_llama3_scaling(scaling: Dict[str, object]) -> None:
                          f"is Llama 3.1's llama3 scaling with {fixed}")
 
 
-_ARG_FIELDS = {"num_layers": "num_layers", "hidden_size": "hidden_size",
-               "ffn_hidden_size": "ffn_hidden_size", "num_attention_heads": "num_attention_heads",
-               "num_query_groups": "num_query_groups", "head_dim": "kv_channels",
-               "rope_theta": "rotary_base", "rms_norm_eps": "norm_epsilon",
-               "qk_norm": "qk_layernorm"}
-
-
-def mismatches_with_args(spec: ModelSpec, args) -> List[str]:
-    """Where Megatron's parsed arguments build a different model than `spec` (empty: none)."""
-    problems = [f"--{arg.replace('_', '-')} {getattr(args, arg, None)} but the checkpoint has "
-                f"{field}={getattr(spec, field)}"
-                for field, arg in _ARG_FIELDS.items()
-                if getattr(args, "layernorm_epsilon" if arg == "norm_epsilon" else arg, None)
-                != getattr(spec, field)]
-    checks = {"untied embeddings": (args.untie_embeddings_and_output_weights,
-                                    not spec.tie_word_embeddings),
-              "RoPE scaling": (args.use_rope_scaling, spec.rope_scaling_factor is not None),
-              "RMSNorm": (args.normalization, "RMSNorm"), "SwiGLU": (args.swiglu, True),
-              "rope positions": (args.position_embedding_type, "rope"),
-              "no linear biases": (args.add_bias_linear, False)}
-    problems += [f"{what}: arguments give {got!r}, the checkpoint needs {want!r}"
-                 for what, (got, want) in checks.items() if got != want]
-    if spec.is_moe or getattr(args, "num_experts", None):
-        problems += _moe_mismatches(spec, args)
-    factor = spec.rope_scaling_factor
-    if factor is not None and args.rope_scaling_factor != factor:
-        problems.append(f"--rope-scaling-factor {args.rope_scaling_factor} but the checkpoint "
-                        f"has {spec.rope_scaling_factor}")
-    return problems
-
-
-def _moe_mismatches(spec: ModelSpec, args) -> List[str]:
-    """Where the MoE arguments route differently from Qwen3-MoE (HF: softmax over all experts,
-    top-k, renormalised when norm_topk_prob; no shared experts, every layer MoE)."""
-    want = {"--num-experts": (args.num_experts, spec.num_experts),
-            "--moe-ffn-hidden-size": (args.moe_ffn_hidden_size, spec.moe_ffn_hidden_size),
-            "--moe-router-topk": (args.moe_router_topk, spec.moe_router_topk),
-            "--moe-router-score-function": (args.moe_router_score_function, "softmax"),
-            "--moe-router-pre-softmax": (args.moe_router_pre_softmax, not spec.moe_norm_topk_prob),
-            "--moe-shared-expert-intermediate-size": (args.moe_shared_expert_intermediate_size,
-                                                      None),
-            "--moe-router-topk-scaling-factor": (args.moe_router_topk_scaling_factor, None),
-            "--moe-router-num-groups": (args.moe_router_num_groups, None),
-            "--moe-layer-freq": (args.moe_layer_freq in (1, [1] * spec.num_layers), True)}
-    return [f"{flag} {got!r} but the checkpoint needs {need!r}"
-            for flag, (got, need) in want.items() if got != need]
-
-
 def _main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megatron_patches.models.model_configs",
                                      description=__doc__.splitlines()[0])
@@ -322,7 +351,8 @@ def _main(argv=None) -> int:
     ns = parser.parse_args(argv)
     if ns.command == "list":
         for name, spec in MODELS.items():
-            print(f"{name:20s} {spec.family:10s} {'MoE' if spec.is_moe else ''}")
+            kinds = " ".join(k for k, on in (("MoE", spec.is_moe), ("GDN", spec.is_gdn)) if on)
+            print(f"{name:24s} {spec.family:16s} {kinds}".rstrip())
         return 0
     if ns.model is None:
         parser.error(f"{ns.command} needs a model name: one of {sorted(MODELS)}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
+from megatron_patches.config.config_support import is_gdn_variant
 from megatron.core import parallel_state
 from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
 from megatron.core.models.hybrid.hybrid_model import HybridModel
@@ -68,7 +69,7 @@ def check_layers_supported(config, model) -> None:
                          "reuse steps yet; train without MTP layers")
     hybrid = _hybrid(model)
     if hybrid is None:
-        if getattr(config, "experimental_attention_variant", None) == "gated_delta_net":
+        if is_gdn_variant(getattr(config, "experimental_attention_variant", None)):
             _check_gdn_supported(config)
         return
     if config.recompute_granularity == "full":
@@ -122,7 +123,7 @@ def _has_recurrent(config, model) -> bool:
     if hybrid is not None:
         main = parse_hybrid_pattern(hybrid.hybrid_layer_pattern).main_pattern or ""
         return bool(set(_RECURRENT) & set(main))
-    return getattr(config, "experimental_attention_variant", None) == "gated_delta_net"
+    return is_gdn_variant(getattr(config, "experimental_attention_variant", None))
 
 
 def check_recurrent_step(config, model, step) -> None:

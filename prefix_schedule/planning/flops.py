@@ -22,6 +22,18 @@ d = kv_channels (default h / a), V = vocab_size:
   2*HV*dv*h, the depthwise conv 2*W*(2*HK*dk + HV*dv), and the delta rule 6*HV*dk*dv per token
   (read S with k, update S, read it with q). No pairs: a suffix costs the same whatever the cached
   length (it starts from the cached state).
+- Mamba-2 layers (HybridModel `M`; megatron/core/ssm/mamba_mixer.py), with H heads of width P,
+  state N, G groups, d_inner = H*P, conv window W, SSD chunk length Q: in_proj
+  2*h*(2*d_inner + 2*G*N + H) (z, x, B, C, dt), the depthwise conv 2*W*(d_inner + 2*G*N), the
+  SSD scan 4*H*P*N per token (chunk state B^T x and its read C.h) plus, per causal pair inside
+  each chunk of Q tokens counted from the segment's first token, 2*G*N (C.B) + 2*H*P (the
+  weighted x), and out_proj 2*d_inner*h. A suffix starts from the cached state: its own chunks,
+  no pairs with the prefix. (Megatron-LM's training.py estimates the scan as 7*d_inner*N per
+  token instead; this counts the SSD kernels' matmuls.)
+- HybridModel patterns (`hybrid_pattern`): a layer is one symbol: `*` attention (QKV,
+  output projection, pairs), `G` a GDN mixer, `M` a Mamba mixer, `-` an MLP, `E` an MoE MLP.
+  A GPTModel layer is a mixer and an MLP. `attention_output_gate` widens QKV by a gate as wide as
+  the queries: 2 * h * (2*a*d + 2*g*d).
 
 Backward = 2 x forward, so every piece of work costs 3 x its forward FLOPs.
 Ignored: norms, softmax, activation functions, RoPE, embeddings lookups, the loss, optimizer.
@@ -33,11 +45,13 @@ Prefix trees (planning/tree.py): a trajectory's prompt is its node chain, and ea
 runs once over its ancestors' keys (pairs n*c + n*(n+1)/2 as for a suffix row).
 
 Reuse: each cached prefix (P-1 tokens) runs forward and backward only through what the K/V of
-every layer need (DESIGN.md "[Note: prefix forward stops at the last cached K/V]"): layers 1..L-1
-fully and the last layer's QKV projection (a GDN last layer: its in_proj, conv and rule, whose
-final state is what is cached); no last-layer attention or MLP, no output layer.
-With MoE the prefix forward stops after the last layer's router instead (its statistics count,
-DESIGN.md "MoE"): its attention, output projection and router are counted too (no experts).
+every layer need (DESIGN.md "[Note: prefix forward stops at the last cached K/V]"): the layers
+before the last caching layer (`*`, `G`, `M`) fully and that layer's QKV projection (a GDN or
+Mamba layer: its in_proj, conv and rule / scan, whose final state is what is cached); no
+attention or MLP after it (a HybridModel's trailing `-` layers), no output layer.
+With MoE the prefix forward stops after the last MoE layer's router instead when that comes
+later (its statistics count, DESIGN.md "MoE"): that layer's mixer in full (attention, output
+projection) and its router are counted too (no experts).
 Every suffix row runs through the whole model, its attention also reading the group's cached keys;
 a segment run dense is just its dense row. Row padding (planner.py, [Note: row padding]) counts as
 overhead: a microbatch's padding as a row of its own, a prefix unit's as tokens over that unit's
@@ -53,6 +67,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from prefix_schedule.planning.data import GroupBatch
+from prefix_schedule.planning.flops_layers import (HYBRID_SYMBOLS, MAMBA, MIXERS, MOE,
+                                                   layer_parts, mixer_forward, mixer_to_cache,
+                                                   mlp_forward, router)
 
 __all__ = ["ModelDims", "dense_flops", "reuse_flops", "ideal_speedup"]
 
@@ -98,6 +115,25 @@ class ModelDims:
     """GDN value head width dv."""
     linear_conv_kernel_dim: int = 4
     """GDN short conv window W."""
+    attention_output_gate: bool = False
+    """Softmax-attention layers' output gate (Qwen3-Next / Qwen3.5): linear_qkv also produces a
+    gate as wide as the queries."""
+    hybrid_pattern: str | None = None
+    """A HybridModel layer pattern, one symbol per layer (`*` attention, `-` MLP, `E` MoE, `G`
+    Gated DeltaNet, `M` Mamba-2; no `|` or MTP part), len == num_layers; None: a GPTModel (every
+    layer a mixer and an MLP)."""
+    mamba_num_heads: int | None = None
+    """Mamba-2 heads H; None: 2 * hidden_size // mamba_head_dim (Megatron's expand = 2)."""
+    mamba_head_dim: int = 64
+    """Mamba-2 head width P."""
+    mamba_state_dim: int = 128
+    """Mamba-2 state size N (Nemotron-H: 128)."""
+    mamba_num_groups: int = 8
+    """Mamba-2 B/C groups G (Nemotron-H: 8)."""
+    mamba_conv_kernel_dim: int = 4
+    """Mamba-2 causal conv window (MambaMixer's d_conv)."""
+    mamba_chunk_size: int = 128
+    """Mamba-2 SSD chunk length Q (MambaMixer's chunk_size)."""
 
     def __post_init__(self) -> None:
         if self.linear_attention_freq is not None and (
@@ -122,6 +158,7 @@ class ModelDims:
             object.__setattr__(self, "kv_channels", self.hidden_size // self.num_attention_heads)
         elif isinstance(self.kv_channels, bool) or not isinstance(self.kv_channels, int) or self.kv_channels < 1:
             raise ValueError(f"ModelDims.kv_channels={self.kv_channels!r}; give an int >= 1 or None")
+        self._check_hybrid()
         if self.num_experts is not None:
             if not 1 <= self.moe_router_topk <= self.num_experts:
                 raise ValueError(f"moe_router_topk={self.moe_router_topk} with num_experts="
@@ -130,81 +167,68 @@ class ModelDims:
                 object.__setattr__(self, "moe_ffn_hidden_size", self.ffn_hidden_size)
 
 
-def _qkv(dims: ModelDims) -> int:
-    return 2 * dims.hidden_size * (dims.num_attention_heads + 2 * dims.num_query_groups) * dims.kv_channels
-
-
-def _mlp(dims: ModelDims, f: int) -> int:
-    return 2 * dims.hidden_size * f * (2 if dims.gated_linear_unit else 1) + 2 * f * dims.hidden_size
-
-
-def _router(dims: ModelDims) -> int:
-    return 2 * dims.hidden_size * dims.num_experts if dims.num_experts else 0
-
-
-def _layer_mlp(dims: ModelDims) -> int:
-    """Forward matmul FLOPs of one token through one layer's MLP (MoE: router, k experts, shared)."""
-    if not dims.num_experts:
-        return _mlp(dims, dims.ffn_hidden_size)
-    shared = _mlp(dims, dims.moe_shared_ffn_hidden_size) if dims.moe_shared_ffn_hidden_size else 0
-    return _router(dims) + dims.moe_router_topk * _mlp(dims, dims.moe_ffn_hidden_size) + shared
-
-
-def _layer_linear(dims: ModelDims) -> int:
-    """Forward matmul FLOPs of one token through one layer, attention products excluded."""
-    ad = dims.num_attention_heads * dims.kv_channels
-    return _qkv(dims) + 2 * ad * dims.hidden_size + _layer_mlp(dims)
-
-
-def _attention_pairs(length: int, cached: int) -> int:
-    return length * cached + length * (length + 1) // 2
-
-
-def _is_gdn(dims: ModelDims, layer: int) -> bool:
-    """Whether 0-based layer `layer` is a Gated DeltaNet layer."""
-    freq = dims.linear_attention_freq
-    return freq is not None and (layer + 1) % freq != 0
-
-
-def _gdn_mixer(dims: ModelDims) -> tuple:
-    """Per-token forward FLOPs of a GDN layer's (in_proj + conv + rule, out_proj)."""
-    qk = dims.linear_num_key_heads * dims.linear_key_head_dim
-    v = dims.linear_num_value_heads * dims.linear_value_head_dim
-    in_proj = 2 * dims.hidden_size * (2 * qk + 2 * v + 2 * dims.linear_num_value_heads)
-    conv = 2 * dims.linear_conv_kernel_dim * (2 * qk + v)
-    rule = 6 * dims.linear_num_value_heads * dims.linear_key_head_dim * dims.linear_value_head_dim
-    return in_proj + conv + rule, 2 * v * dims.hidden_size
-
-
-def _layer_forward(dims: ModelDims, layer: int, length: int, cached: int) -> int:
-    if _is_gdn(dims, layer):
-        return length * (sum(_gdn_mixer(dims)) + _layer_mlp(dims))
-    return length * _layer_linear(dims) + 4 * dims.num_attention_heads * dims.kv_channels * \
-        _attention_pairs(length, cached)
+    def _check_hybrid(self) -> None:
+        pattern = self.hybrid_pattern
+        if pattern is not None:
+            if not isinstance(pattern, str) or set(pattern) - set(HYBRID_SYMBOLS):
+                raise ValueError(f"ModelDims.hybrid_pattern={pattern!r}; give one symbol per "
+                                 f"layer out of {''.join(HYBRID_SYMBOLS)!r}")
+            if len(pattern) != self.num_layers:
+                raise ValueError(f"hybrid_pattern {pattern!r} has {len(pattern)} layers, "
+                                 f"num_layers={self.num_layers}; make them equal")
+            if not set(pattern) & set(MIXERS):
+                raise ValueError(f"hybrid_pattern {pattern!r} has no `*`, `G` or `M` layer: "
+                                 "nothing of a prefix would be cached")
+            if MOE in pattern and self.num_experts is None:
+                raise ValueError(f"hybrid_pattern {pattern!r} has `E` layers; give num_experts")
+            if self.linear_attention_freq is not None:
+                raise ValueError("give hybrid_pattern (with `G` layers) or linear_attention_freq "
+                                 "(a GPTModel), not both")
+        for name in ("mamba_head_dim", "mamba_state_dim", "mamba_num_groups",
+                     "mamba_conv_kernel_dim", "mamba_chunk_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelDims.{name}={value!r}; it must be an int >= 1")
+        if self.mamba_num_heads is None:
+            object.__setattr__(self, "mamba_num_heads", 2 * self.hidden_size // self.mamba_head_dim)
+        if pattern is not None and MAMBA in pattern and (
+                self.mamba_num_heads < 1 or self.mamba_num_heads % self.mamba_num_groups):
+            raise ValueError(f"mamba_num_heads={self.mamba_num_heads} is not a positive multiple "
+                             f"of mamba_num_groups={self.mamba_num_groups}; fix one of them")
 
 
 @lru_cache(maxsize=65536)  # a step's rows repeat a few (length, cached) pairs thousands of times
 def _row_forward(dims: ModelDims, length: int, cached: int) -> int:
     """Forward FLOPs of a row of `length` tokens over `cached` cached keys, whole model."""
-    return sum(_layer_forward(dims, i, length, cached) for i in range(dims.num_layers)) + \
-        length * 2 * dims.hidden_size * dims.vocab_size
+    total = 0
+    for i in range(dims.num_layers):
+        mixer, mlp = layer_parts(dims, i)
+        total += mixer_forward(dims, mixer, length, cached) + mlp_forward(dims, mlp, length)
+    return total + length * 2 * dims.hidden_size * dims.vocab_size
+
+
+def _prefix_stop(dims: ModelDims) -> tuple:
+    """(0-based layer, in its router) where a cached prefix's forward stops: the last layer that
+    caches K/V or a state, or a later MoE layer's router (its statistics count)."""
+    parts = [layer_parts(dims, i) for i in range(dims.num_layers)]
+    cache = max(i for i, (mixer, _) in enumerate(parts) if mixer is not None)
+    routers = [i for i, (_, mlp) in enumerate(parts) if mlp == MOE]
+    stop = max([cache, *routers])
+    return stop, stop in routers
 
 
 def _prefix_forward(dims: ModelDims, length: int, cached: int = 0) -> int:
-    """Forward FLOPs of a cached prefix (a tree node: over its `cached` ancestor keys): layers
-    1..L-1 in full, then the last layer's QKV or GDN state (MoE: up to its router)."""
-    last_layer = dims.num_layers - 1
-    full = sum(_layer_forward(dims, i, length, cached) for i in range(last_layer))
-    if _is_gdn(dims, last_layer):
-        mixer, out_proj = _gdn_mixer(dims)
-        last = length * (mixer + (out_proj + _router(dims) if dims.num_experts else 0))
-        return full + last
-    attention = 4 * dims.num_attention_heads * dims.kv_channels * _attention_pairs(length, cached)
-    last = length * _qkv(dims)
-    if dims.num_experts:
-        ad = dims.num_attention_heads * dims.kv_channels
-        last += attention + length * (2 * ad * dims.hidden_size + _router(dims))
-    return full + last
+    """Forward FLOPs of a cached prefix (a tree node: over its `cached` ancestor keys): the
+    layers before the stop in full, then the stop layer up to its cache (or its router)."""
+    stop, in_router = _prefix_stop(dims)
+    total = 0
+    for i in range(stop):
+        mixer, mlp = layer_parts(dims, i)
+        total += mixer_forward(dims, mixer, length, cached) + mlp_forward(dims, mlp, length)
+    mixer, _ = layer_parts(dims, stop)
+    if in_router:
+        return total + mixer_forward(dims, mixer, length, cached) + length * router(dims)
+    return total + mixer_to_cache(dims, mixer, length, cached)
 
 
 def dense_flops(dims: ModelDims, seq_lens: Iterable[int]) -> float:

@@ -98,7 +98,8 @@ def capacity_ratio(config, budget_bytes: float) -> Optional[float]:
     """memory.capacity_ratio (module docstring); None when dense fits nothing."""
     import capacity  # tools/capacity.py
 
-    if config.recompute == "selective" or config.tree or config.num_experts:
+    if config.recompute == "selective" or config.tree or config.num_experts \
+            or config.linear_attention_freq is not None or config.hybrid_pattern is not None:
         return None  # not modelled (memory_model.py: recompute none or full, dense MLPs)
     models = [activation_model(config)]
     share = config.prefix_len / (config.prefix_len + config.suffix_len)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Dict, Optional
 
 from benchlib.capacity import check_budget_config, dense_rows
+from benchlib.hybrid import check_hybrid, hybrid_dims
 from benchlib.workload import config_batch
 from prefix_schedule.attention import backends as attention_backends
 from prefix_schedule.planning.data import GroupBatch
@@ -126,6 +127,12 @@ class BenchConfig:
     """--adapter: groups of the adapter-overhead measurement (detection + planning, no model)."""
     overhead_group_size: int = 16
     """--adapter: trajectories per group of the adapter-overhead measurement."""
+    linear_attention_freq: Optional[int] = None
+    """A GPTModel with Gated DeltaNet layers, every N-th layer softmax attention (4: Qwen3.5's
+    layout, attention_output_gate, rotary_percent 0.25; shapes in benchlib/hybrid.py)."""
+    hybrid_pattern: Optional[str] = None
+    """A HybridModel of one layer per symbol (* attention, - MLP, G Gated DeltaNet, M Mamba-2;
+    e.g. G*M-), as many as --num-layers (benchlib/hybrid.py)."""
 
     def __post_init__(self) -> None:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,
@@ -151,6 +158,7 @@ class BenchConfig:
         choices = (attention_backends.AUTO,) + attention_backends.BACKEND_NAMES
         if self.attention_backend not in choices:
             raise ValueError(f"--attention-backend={self.attention_backend!r}; choose one of {choices}")
+        check_hybrid(self)
         self._check_layout()
         self._check_moe()
         self._check_memory_budget()
@@ -285,7 +293,8 @@ class BenchConfig:
                          num_attention_heads=self.num_attention_heads,
                          num_query_groups=self.num_query_groups, vocab_size=self.vocab_size,
                          gated_linear_unit=True, num_experts=self.num_experts,
-                         moe_router_topk=self.moe_router_topk if self.num_experts else 0)
+                         moe_router_topk=self.moe_router_topk if self.num_experts else 0,
+                         **hybrid_dims(self))
 
     def moe_overrides(self) -> dict:
         """TransformerConfig fields of the MoE layers ({} without --num-experts)."""

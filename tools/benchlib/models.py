@@ -13,6 +13,7 @@ from typing import Dict
 import torch
 
 from benchlib.config import BenchConfig
+from benchlib.hybrid import build_hybrid_models, is_hybrid
 from benchlib.steps import private_rendezvous
 
 __all__ = ["build_models", "chunks", "first_param", "grads", "model_shape", "zero"]
@@ -107,6 +108,8 @@ def build_models(config: BenchConfig, distributed: bool):
         private_rendezvous()
         initialize_single_process(seed=config.seed)
     shape = model_shape(config)
+    if is_hybrid(config):  # GDN / Mamba layers (benchlib/hybrid.py; one process)
+        return build_hybrid_models(config, shape)
     overrides = {**_production_overrides(config), **config.moe_overrides(),
                  **config.recompute_options()}
     stages = [None] if config.vpp == 1 else list(range(config.vpp))

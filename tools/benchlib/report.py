@@ -8,6 +8,7 @@ from typing import Dict, List, Optional
 import torch
 
 from benchlib.config import BenchConfig
+from benchlib.hybrid import hybrid_dims
 from benchlib.measure import config_batch, config_plan, measure
 from prefix_schedule.planning.flops import ideal_speedup
 
@@ -77,7 +78,7 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
         "model": {name: getattr(dims, name) for name in (
             "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
             "num_query_groups", "vocab_size", "gated_linear_unit", "num_experts",
-            "moe_router_topk")},
+            "moe_router_topk")} | hybrid_dims(config),  # + GDN / Mamba shapes (hybrid.py)
         "ep": config.ep,
         "workload": {name: getattr(config, name) for name in (
             "prefix_len", "suffix_len", "group_size", "num_groups", "tree", "node_len")},
@@ -124,7 +125,10 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         + (f", prefix chunks of <= {result['prefix_chunk_tokens']} tokens"
            if result["prefix_chunk_tokens"] else ""),
         f"model: {m['num_layers']} layers, hidden {m['hidden_size']}, ffn {m['ffn_hidden_size']}, "
-        f"heads {m['num_attention_heads']}/{m['num_query_groups']} kv, vocab {m['vocab_size']}; "
+        f"heads {m['num_attention_heads']}/{m['num_query_groups']} kv, vocab {m['vocab_size']}"
+        + (f", GDN with attention every {m['linear_attention_freq']} layers"
+           if m.get("linear_attention_freq") else "")
+        + (f", HybridModel {m['hybrid_pattern']}" if m.get("hybrid_pattern") else "") + "; "
         f"{result['threads']} threads, median of {result['steps']} steps after "
         f"{result['timing']['warmup_steps_per_path']} warm-up step(s) per path",
         f"layout: pp {lay['pp']}" + (f" (x {lay['vpp']} virtual)" if lay.get("vpp", 1) > 1 else "")

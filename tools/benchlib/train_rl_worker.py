@@ -56,7 +56,7 @@ def _setup(tree: Path, config):
     import megatron.rl.rl_utils  # noqa: F401
     from megatron.core.models.gpt import GPTModel
     sys.path.insert(0, str(tree))  # train_rl.py
-    GPTModel.forward = replay._whole_row_thd_forward(GPTModel.forward)
+    GPTModel.forward = replay._cpu_thd_forward(GPTModel.forward)
     replay.SEQ_LENGTH = config.prefix_len + config.suffix_len  # read by _args, _step
     replay.GROUPS, replay.G = config.num_groups, config.group_size  # and by the collection
     replay._rollouts = lambda gen: _rollouts(config, gen)
