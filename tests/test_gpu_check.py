@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU, F64 = torch.device("cpu"), torch.float64
 TOP = {"schema", "mode", "device", "capability", "libraries", "sizes", "availability", "correctness",
        "cp_correctness", "te_cp_filter", "timing", "e2e", "moe_e2e", "predict_device", "gdn_e2e",
-       "env", "claims", "failures", "elapsed_s", "not_run"}
+       "mamba_e2e", "env", "claims", "failures", "elapsed_s", "not_run"}
 E2E = {"claim", "ok", "settings", "model", "workload", "grad_rel_err_vs_fp32",
        "grad_rel_diff_reuse_vs_dense", "losses", "phases"}
 PHASES = ["reference_fp32_dense", "dense_bf16", "reuse_bf16", "reuse_bf16_offload_prefix_activations"]
@@ -63,6 +63,10 @@ def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
     gdn = report["gdn_e2e"]  # fla on a GPU; the CPU layer's stand-ins here
     assert gdn["ok"] and gdn["kernel"]["ok"], gdn
     assert gdn["grad_rel_err_vs_fp32"]["reuse_bf16"] <= 1.5 * gdn["grad_rel_err_vs_fp32"]["dense_bf16"]
+    mamba = report["mamba_e2e"]  # mamba-ssm / causal-conv1d on a GPU; the CPU stand-ins here
+    assert mamba["ok"] and mamba["kernel"]["ok"], mamba
+    assert max(mamba["kernel"]["errors"]["chained_vs_whole"].values()) <= 1e-5
+    assert mamba["grad_rel_err_vs_fp32"]["reuse_bf16"] <= 1.5 * mamba["grad_rel_err_vs_fp32"]["dense_bf16"]
     e2e = report["e2e"]
     assert set(e2e) == E2E and e2e["ok"] and [p["phase"] for p in e2e["phases"]] == PHASES
     model_peaks = {p["phase"]: p.get("model_peak_mib") for p in e2e["phases"]}

@@ -27,6 +27,11 @@
 6. Gated DeltaNet (tools/gpu_check_gdn.py): fla's varlen rule with per-sequence initial states
    against the torch rule (outputs, final states, dq/dk/dv/dg/dbeta/dh0), and a bf16 dense vs
    reuse step of a GDN model against an fp32 reference.
+7. Mamba-2 (tools/gpu_check_mamba.py): causal-conv1d's conv over [cached tail; segment] and
+   mamba-ssm's chunk scan from a cached state, chained over a prefix/suffix split, against one
+   whole-sequence call (outputs, final state, every input's gradient) and against the CPU
+   layer's torch stand-ins; and a bf16 dense vs reuse step of a HybridModel `M*M-` against an
+   fp32 reference.
 The JSON's `claims` says what the run proved, what failed and what did not run (and why).
 
     python tools/gpu_check.py --json gpu_check.json
@@ -261,19 +266,18 @@ def _predict_device(args, cuda, started, report) -> dict:
         return dict(ok=False, claim=claim, error=traceback.format_exc())
 
 
-def _gdn_e2e(args, device, cuda, started, report) -> dict:
-    """Phase 6 (tools/gpu_check_gdn.py): Gated DeltaNet on fla's kernels."""
+def _recurrent_e2e(module: str, claim: str, args, device, cuda, started, report) -> dict:
+    """Phases 6 and 7 (tools/gpu_check_gdn.py, tools/gpu_check_mamba.py): a recurrent layer's
+    kernels with prefix state reuse, and its end-to-end step."""
     if args.skip_e2e:
         return {"skipped": "--skip-e2e"}
     if time.monotonic() - started > args.budget_s:
         return {"skipped": f"time budget of {args.budget_s:.0f} s used up"}
     _save(args.json, report)
     try:
-        import gpu_check_gdn
-
-        return gpu_check_gdn.run(device, dry_run=not cuda)
+        return __import__(module).run(device, dry_run=not cuda)
     except Exception:  # noqa: BLE001 -- the other results still count
-        return dict(ok=False, claim="Gated DeltaNet end-to-end step", error=traceback.format_exc())
+        return dict(ok=False, claim=claim, error=traceback.format_exc())
 
 
 def _save(path, report) -> None:
@@ -330,7 +334,10 @@ def main(argv=None) -> int:
             report["e2e"] = dict(ok=False, claim="end-to-end step", error=traceback.format_exc())
     report["moe_e2e"] = _moe_e2e(args, device, cuda, started, report)
     report["predict_device"] = _predict_device(args, cuda, started, report)
-    report["gdn_e2e"] = _gdn_e2e(args, device, cuda, started, report)
+    report["gdn_e2e"] = _recurrent_e2e("gpu_check_gdn", "Gated DeltaNet end-to-end step", args,
+                                       device, cuda, started, report)
+    report["mamba_e2e"] = _recurrent_e2e("gpu_check_mamba", "Mamba-2 end-to-end step", args,
+                                         device, cuda, started, report)
     report["env"] = {k: os.environ.get(k) for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN",
                                                      "NVTE_UNFUSED_ATTN")}  # as the run left them
     report["claims"] = claims(report, names, GPU_BACKENDS if cuda else DRY.backends,
@@ -338,7 +345,7 @@ def main(argv=None) -> int:
     failures = sum(not r.get("ok", True) for r in report["correctness"] + report["timing"]
                    + report["cp_correctness"])
     failures += sum(int(bool(report[k]) and report[k].get("ok") is False)
-                    for k in ("e2e", "moe_e2e", "predict_device", "gdn_e2e"))
+                    for k in ("e2e", "moe_e2e", "predict_device", "gdn_e2e", "mamba_e2e"))
     failures += int(report["te_cp_filter"].get("ok") is False)
     report["failures"], report["elapsed_s"] = failures, time.monotonic() - started
     report["not_run"] = not_run(report)

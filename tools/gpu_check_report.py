@@ -52,7 +52,8 @@ def claims(report, checked_backends, backends, dry_run: bool) -> list[dict]:
                     else "failed" if timing else "not run"))
     for key, label in (("e2e", "end-to-end step"), ("moe_e2e", "MoE end-to-end step"),
                        ("predict_device", "predictor microbenchmark"),
-                       ("gdn_e2e", "Gated DeltaNet kernel and end-to-end step")):
+                       ("gdn_e2e", "Gated DeltaNet kernel and end-to-end step"),
+                       ("mamba_e2e", "Mamba-2 kernels and end-to-end step")):
         e2e = report.get(key)
         if e2e is None or "skipped" in (e2e or {}):
             out.append(dict(claim=label, status=f"not run: {(e2e or {}).get('skipped')}"))
