@@ -80,7 +80,7 @@ def test_dry_run_writes_the_gpu_schema_with_every_claim_proved(tmp_path):
         for o in ("zigzag", "whole", "mixed")}
     assert all(r["ok"] and r["dprefix_k"] <= r["tol"] for r in cp_rows)
     statuses = [c["status"] for c in report["claims"]]
-    assert statuses == ["proved"] * 3 + ["not run: no CUDA device (dry run)"] + ["proved"] * 5  # e2e, MoE, predictor, GDN
+    assert statuses == ["proved"] * 3 + ["not run: no CUDA device (dry run)"] + ["proved"] * 6  # e2e, MoE, predictor, GDN, Mamba
     assert report["not_run"] == [report["claims"][3]["claim"]]
     assert "[proved]" in proc.stdout and "0 failure(s)" in proc.stdout
 
