@@ -37,8 +37,10 @@ $(STAMP): setup.py Makefile megatron_patches/patching/declarations.py
 demo: setup
 	$(PY) examples/grpo_demo.py
 
+# The framework tests (names with verl / train_rl) run in `make test-frameworks` (CI runs both):
+# once is enough, and there in the environment verl needs.
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS) tests
+	$(PY) -m pytest -q $(addprefix --ignore=,$(FW_TESTS)) $(PYTEST_ARGS) tests
 
 # The fast tiers: plan / validator / simulator, attention, data, planner, traces, tools' output,
 # import graph, patch registry on the installed Megatron -- everything not marked megatron, slow,
