@@ -77,6 +77,38 @@ def check_kernel(device, *, dry_run: bool) -> dict:
                 errors=errors, kernel=getattr(common.chunk_gated_delta_rule, "__module__", "?"))
 
 
+
+def bf16_steps(model16, model32, work: dict, vocab_size: int):
+    """An fp32 dense reference step (model32), a bf16 dense and a bf16 reuse step (model16, the
+    same weights) on one batch: (losses, gradient errors against the reference, whether bf16
+    reuse is as close as bf16 dense: <= 1.5 x its error, losses within 2e-2). Shared by phases
+    6 and 7 (tools/gpu_check_mamba.py)."""
+    from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
+    from megatron_patches.training import zero_grads
+    from prefix_schedule.losses import PolicyLossConfig
+    from prefix_schedule.planning.planner import plan_microbatches
+
+    batch = make_batch(**work, vocab_size=vocab_size, seed=5)
+    plan = plan_microbatches(batch, token_budget=work["group_size"] * work["suffix_len"],
+                             max_seq_len=work["prefix_len"] + work["suffix_len"])
+    loss = PolicyLossConfig(**LOSS_KW)
+    results, grads = {}, {}
+    for name, model, fn in (
+            ("reference_fp32_dense", model32, lambda: dense_step(model32, batch, loss)),
+            ("dense_bf16", model16, lambda: dense_step(model16, batch, loss)),
+            ("reuse_bf16", model16, lambda: reuse_step(model16, batch, plan, loss))):
+        zero_grads(model)
+        results[name] = fn().loss
+        grads[name] = param_grads(model)
+        zero_grads(model)
+    ref = grads["reference_fp32_dense"]
+    errors = {name: max_relative_diff(ref, grads[name]) for name in ("dense_bf16", "reuse_bf16")}
+    ok = (0 < errors["dense_bf16"] < 0.2 and errors["reuse_bf16"] <= 1.5 * errors["dense_bf16"]
+          and abs(results["reuse_bf16"] - results["dense_bf16"])
+          <= 2e-2 * max(1.0, abs(results["dense_bf16"])))
+    return results, errors, ok
+
+
 def _models(dry_run: bool, max_seq_len: int):
     """(bf16 model on the fla path, fp32 deterministic-mode reference with the same weights)."""
     from megatron_patches.models.gdn import GDN_TINY_SHAPE, build_gdn_model
@@ -106,11 +138,7 @@ def run(device, *, dry_run: bool) -> dict:
         return {"skipped": "flash-linear-attention (fla) is not installed: Megatron's "
                            "GatedDeltaNet needs it on a GPU"}
     from megatron_patches.models.tiny import initialize_single_process
-    from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
-    from megatron_patches.training import zero_grads
     from prefix_schedule.attention.backends import set_default_backend
-    from prefix_schedule.losses import PolicyLossConfig
-    from prefix_schedule.planning.planner import plan_microbatches
 
     kernel = check_kernel(device, dry_run=dry_run)
     work = DRY_WORK if dry_run else GPU_WORK
@@ -120,25 +148,8 @@ def run(device, *, dry_run: bool) -> dict:
     initialize_single_process(seed=1234)
     set_default_backend("torch" if dry_run else "transformer_engine")
     model16, model32, shape, settings = _models(dry_run, max_seq_len)
-    batch = make_batch(**work, vocab_size=shape["vocab_size"], seed=5)
-    plan = plan_microbatches(batch, token_budget=work["group_size"] * work["suffix_len"],
-                             max_seq_len=max_seq_len)
-    loss = PolicyLossConfig(**LOSS_KW)
-    results, grads = {}, {}
-    for name, model, fn in (
-            ("reference_fp32_dense", model32, lambda: dense_step(model32, batch, loss)),
-            ("dense_bf16", model16, lambda: dense_step(model16, batch, loss)),
-            ("reuse_bf16", model16, lambda: reuse_step(model16, batch, plan, loss))):
-        zero_grads(model)
-        results[name] = fn().loss
-        grads[name] = param_grads(model)
-        zero_grads(model)
-    ref = grads["reference_fp32_dense"]
-    errors = {name: max_relative_diff(ref, grads[name]) for name in ("dense_bf16", "reuse_bf16")}
-    ok = (kernel["ok"] and 0 < errors["dense_bf16"] < 0.2
-          and errors["reuse_bf16"] <= 1.5 * errors["dense_bf16"]
-          and abs(results["reuse_bf16"] - results["dense_bf16"])
-          <= 2e-2 * max(1.0, abs(results["dense_bf16"])))
+    results, errors, steps_ok = bf16_steps(model16, model32, work, shape["vocab_size"])
+    ok = kernel["ok"] and steps_ok
     return dict(claim="Gated DeltaNet (Qwen3-Next layout, linear_attention_freq=4), fla varlen "
                       "rule with per-sequence initial states: kernel vs torch rule, and bf16 "
                       "dense vs bf16 reuse equally close to an fp32 dense reference",

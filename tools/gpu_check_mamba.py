@@ -23,9 +23,8 @@ from __future__ import annotations
 import torch
 
 from benchlib.steps import private_rendezvous
-from benchlib.workload import make_batch
+from gpu_check_gdn import bf16_steps
 
-LOSS_KW = dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.05)
 PATTERN = "M*M-"
 GPU_SHAPE = dict(hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8,
                  num_query_groups=2, vocab_size=4096)
@@ -163,11 +162,7 @@ def run(device, *, dry_run: bool) -> dict:
         return {"skipped": "mamba-ssm and causal-conv1d are not installed: Megatron's "
                            "MambaMixer needs them on a GPU"}
     from megatron_patches.models.tiny import initialize_single_process
-    from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
-    from megatron_patches.training import zero_grads
     from prefix_schedule.attention.backends import set_default_backend
-    from prefix_schedule.losses import PolicyLossConfig
-    from prefix_schedule.planning.planner import plan_microbatches
 
     kernel = check_kernel(device, dry_run=dry_run)
     work = DRY_WORK if dry_run else GPU_WORK
@@ -177,25 +172,8 @@ def run(device, *, dry_run: bool) -> dict:
     initialize_single_process(seed=1234)
     set_default_backend("torch" if dry_run else "transformer_engine")
     model16, model32, shape, settings = _models(dry_run, max_seq_len)
-    batch = make_batch(**work, vocab_size=shape["vocab_size"], seed=5)
-    plan = plan_microbatches(batch, token_budget=work["group_size"] * work["suffix_len"],
-                             max_seq_len=max_seq_len)
-    loss = PolicyLossConfig(**LOSS_KW)
-    results, grads = {}, {}
-    for name, model, fn in (
-            ("reference_fp32_dense", model32, lambda: dense_step(model32, batch, loss)),
-            ("dense_bf16", model16, lambda: dense_step(model16, batch, loss)),
-            ("reuse_bf16", model16, lambda: reuse_step(model16, batch, plan, loss))):
-        zero_grads(model)
-        results[name] = fn().loss
-        grads[name] = param_grads(model)
-        zero_grads(model)
-    ref = grads["reference_fp32_dense"]
-    errors = {name: max_relative_diff(ref, grads[name]) for name in ("dense_bf16", "reuse_bf16")}
-    ok = (kernel["ok"] and 0 < errors["dense_bf16"] < 0.2
-          and errors["reuse_bf16"] <= 1.5 * errors["dense_bf16"]
-          and abs(results["reuse_bf16"] - results["dense_bf16"])
-          <= 2e-2 * max(1.0, abs(results["dense_bf16"])))
+    results, errors, steps_ok = bf16_steps(model16, model32, work, shape["vocab_size"])
+    ok = kernel["ok"] and steps_ok
     return dict(claim=f"Mamba-2 (HybridModel {PATTERN}), causal-conv1d's conv over [cached tail; "
                       "segment] and mamba-ssm's chunk scan from a cached state: chained == one "
                       "call, and bf16 dense vs bf16 reuse equally close to an fp32 dense reference",
