@@ -109,6 +109,24 @@ def bf16_steps(model16, model32, work: dict, vocab_size: int):
     return results, errors, ok
 
 
+
+def e2e_steps(build_models, work: dict, *, dry_run: bool):
+    """Phases 6 and 7's end-to-end part: install the reuse hooks, a one-process Megatron, the
+    attention backend; `build_models(dry_run, max_seq_len)` -> (bf16 model, fp32 model, shape,
+    settings); then bf16_steps. Returns (losses, errors, ok, shape, settings)."""
+    import megatron_patches
+    from megatron_patches.models.tiny import initialize_single_process
+    from prefix_schedule.attention.backends import set_default_backend
+
+    megatron_patches.install()
+    private_rendezvous()
+    initialize_single_process(seed=1234)
+    set_default_backend("torch" if dry_run else "transformer_engine")
+    model16, model32, shape, settings = build_models(dry_run,
+                                                     work["prefix_len"] + work["suffix_len"])
+    return (*bf16_steps(model16, model32, work, shape["vocab_size"]), shape, settings)
+
+
 def _models(dry_run: bool, max_seq_len: int):
     """(bf16 model on the fla path, fp32 deterministic-mode reference with the same weights)."""
     from megatron_patches.models.gdn import GDN_TINY_SHAPE, build_gdn_model
@@ -137,18 +155,9 @@ def run(device, *, dry_run: bool) -> dict:
     if not common.HAVE_FLA:
         return {"skipped": "flash-linear-attention (fla) is not installed: Megatron's "
                            "GatedDeltaNet needs it on a GPU"}
-    from megatron_patches.models.tiny import initialize_single_process
-    from prefix_schedule.attention.backends import set_default_backend
-
     kernel = check_kernel(device, dry_run=dry_run)
     work = DRY_WORK if dry_run else GPU_WORK
-    max_seq_len = work["prefix_len"] + work["suffix_len"]
-    megatron_patches.install()
-    private_rendezvous()
-    initialize_single_process(seed=1234)
-    set_default_backend("torch" if dry_run else "transformer_engine")
-    model16, model32, shape, settings = _models(dry_run, max_seq_len)
-    results, errors, steps_ok = bf16_steps(model16, model32, work, shape["vocab_size"])
+    results, errors, steps_ok, shape, settings = e2e_steps(_models, work, dry_run=dry_run)
     ok = kernel["ok"] and steps_ok
     return dict(claim="Gated DeltaNet (Qwen3-Next layout, linear_attention_freq=4), fla varlen "
                       "rule with per-sequence initial states: kernel vs torch rule, and bf16 "

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from benchlib.steps import private_rendezvous
-from gpu_check_gdn import bf16_steps
+from gpu_check_gdn import e2e_steps
 
 PATTERN = "M*M-"
 GPU_SHAPE = dict(hidden_size=1024, ffn_hidden_size=2816, num_attention_heads=8,
@@ -161,18 +160,9 @@ def run(device, *, dry_run: bool) -> dict:
     if mamba_mixer.causal_conv1d_fn is None or mamba_mixer.mamba_chunk_scan_combined is None:
         return {"skipped": "mamba-ssm and causal-conv1d are not installed: Megatron's "
                            "MambaMixer needs them on a GPU"}
-    from megatron_patches.models.tiny import initialize_single_process
-    from prefix_schedule.attention.backends import set_default_backend
-
     kernel = check_kernel(device, dry_run=dry_run)
     work = DRY_WORK if dry_run else GPU_WORK
-    max_seq_len = work["prefix_len"] + work["suffix_len"]
-    megatron_patches.install()
-    private_rendezvous()
-    initialize_single_process(seed=1234)
-    set_default_backend("torch" if dry_run else "transformer_engine")
-    model16, model32, shape, settings = _models(dry_run, max_seq_len)
-    results, errors, steps_ok = bf16_steps(model16, model32, work, shape["vocab_size"])
+    results, errors, steps_ok, shape, settings = e2e_steps(_models, work, dry_run=dry_run)
     ok = kernel["ok"] and steps_ok
     return dict(claim=f"Mamba-2 (HybridModel {PATTERN}), causal-conv1d's conv over [cached tail; "
                       "segment] and mamba-ssm's chunk scan from a cached state: chained == one "
