@@ -157,3 +157,50 @@ def test_qwen35_vlm_checkpoint_reads_as_its_text_model(tmp_path):
     assert dataclasses.replace(spec, name=QWEN35.name) == QWEN35
     got = read_hf_tensors(vlm, tensors)
     assert all(torch.equal(got[n], tensors[n].float()) for n in tensors)
+
+
+def test_export_with_source_writes_the_whole_vlm_checkpoint_back(megatron_env, tmp_path):
+    """A Qwen3.5 VLM checkpoint with a vision tower and MTP layers: `untrained_tensors` lists
+    what no parameter takes; an export with `source=` writes the source's config, every trained
+    tensor under the VLM's name (the model's values: one weight changed shows), and every
+    untrained tensor bit-identical, nothing else."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_patches.models.hf_checkpoints import (export_hf_weights, load_hf_weights,
+                                                        untrained_tensors)
+
+    text = tmp_path / "text"
+    hf_model(QWEN35).save_pretrained(text, safe_serialization=True)
+    tensors = {n.replace("model.", "model.language_model.", 1): t
+               for n, t in load_file(text / "model.safetensors").items()}
+    extra = {"mtp.fc.weight": torch.randn(8, 16), "mtp.layers.0.input_layernorm.weight":
+             torch.randn(8), "model.visual.patch_embed.proj.weight": torch.randn(4, 3).half()}
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    save_file({**tensors, **extra}, vlm / "model.safetensors")
+    text_config = json.loads((text / "config.json").read_text())
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": {**text_config, "model_type": "qwen3_5_text"}, "vision_config": {}}
+    (vlm / "config.json").write_text(json.dumps(config))
+    assert untrained_tensors(vlm) == {"model.visual.*": ["model.visual.patch_embed.proj.weight"],
+                                      "mtp.*": ["mtp.fc.weight",
+                                                "mtp.layers.0.input_layernorm.weight"]}
+    model = _megatron_model(QWEN35)
+    load_hf_weights(model, vlm)
+    with torch.no_grad():  # "training" moved the final norm
+        model.decoder.final_layernorm.weight.add_(0.5)
+    export_hf_weights([model], tmp_path / "export", config, source=vlm)
+    assert json.loads((tmp_path / "export" / "config.json").read_text()) == config
+    out = load_file(tmp_path / "export" / "model.safetensors")
+    assert out.keys() == {**tensors, **extra}.keys()
+    assert all(torch.equal(out[n], t) and out[n].dtype == t.dtype for n, t in extra.items())
+    changed = [n for n in tensors if not torch.equal(out[n].float(), tensors[n].float())]
+    assert changed == ["model.language_model.norm.weight"]
+    assert torch.equal(out[changed[0]].float(), (tensors[changed[0]].float() + 0.5).to(
+        out[changed[0]].dtype).float())
+    other = tmp_path / "other"  # not the checkpoint this model came from
+    other.mkdir()
+    save_file(extra, other / "model.safetensors")
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="lacks"):
+        export_hf_weights([model], tmp_path / "export2", config, source=other)

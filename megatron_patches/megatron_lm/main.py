@@ -198,13 +198,17 @@ def main() -> int:
             hf_checkpoints.load_hf_weights(chunk, args.hf_checkpoint)
         optimizer.reload_model_params()
         print_rank_0(f"> loaded weights from the Hugging Face checkpoint {args.hf_checkpoint}")
+        for kind, names in hf_checkpoints.untrained_tensors(args.hf_checkpoint).items():
+            print_rank_0(f"> not trained: {len(names)} tensors {kind} of the checkpoint "
+                         "(--export-hf writes them back unchanged)")
     status = 0
     if trainer.nothing_to_train(args):  # says so, loudly
         status = 0 if args.allow_nothing_to_train else 1
     else:
         trainer.train(chunks, optimizer, scheduler, source)
     if args.export_hf and status == 0:
-        hf_checkpoints.export_hf_weights(chunks, args.export_hf, hf_config)
+        hf_checkpoints.export_hf_weights(chunks, args.export_hf, hf_config,
+                                         source=args.hf_checkpoint)
         print_rank_0(f"> wrote the Hugging Face checkpoint {args.export_hf}")
     torch.distributed.barrier()
     return status

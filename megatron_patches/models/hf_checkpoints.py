@@ -5,13 +5,19 @@ megatron_patches/models/checkpoints.py's (GDN hybrids: checkpoints_gdn.py's).
     spec, config = read_hf_config(directory)
     load_hf_weights(model, directory)          # on every rank, after the model is built
     export_hf_weights([model], out_dir, config) # collective: every rank calls it; rank 0 writes
+    export_hf_weights([model], out_dir, config, source=directory)  # the whole checkpoint back
 
 A checkpoint directory is HF's `save_pretrained` layout: config.json and model.safetensors or
 model.safetensors.index.json with its shards. Each rank reads only the tensors its stage needs.
 Every parameter of the model must receive a tensor of its exact shape, else ValueError (nothing is
 left at its random initialisation). A Qwen3.5 VLM checkpoint (Qwen3_5ForConditionalGeneration)
-is read as its language model: `model.language_model.*` as `model.*`, the vision tower and MTP
-tensors unused; an export writes the text model (Qwen3_5ForCausalLM).
+is read as its language model: `model.language_model.*` as `model.*`; the tensors no parameter
+takes (a VLM's vision tower, multi-token-prediction `mtp.*` layers: MTP is not trained with
+prefix reuse) are listed by `untrained_tensors`. An export writes the text model
+(Qwen3_5ForCausalLM); with `source=` (the checkpoint loaded, as the entry point passes it) it
+writes that checkpoint back whole instead: its config.json, the trained tensors under its own
+names (a VLM's `model.language_model.*`), every untrained tensor copied unchanged, so an
+inference engine loads the same architecture it was given (tests/test_hf_checkpoints_gdn.py).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from megatron_patches.models.model_configs import ModelSpec, from_hf_config
 from megatron_patches.models.model_configs_hybrid import HYBRID_ARCH, unwrap_text_config
 
 __all__ = ["read_hf_config", "hf_tensor_names", "read_hf_tensors", "rank_layout", "load_hf_weights",
-           "export_hf_weights", "write_hf_checkpoint"]
+           "export_hf_weights", "untrained_tensors", "write_hf_checkpoint"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -91,6 +97,21 @@ def read_hf_tensors(directory, names: Iterable[str]) -> Dict[str, torch.Tensor]:
     return out
 
 
+def untrained_tensors(directory) -> Dict[str, List[str]]:
+    """The checkpoint's tensors no parameter of its model takes, by kind ("mtp.*",
+    "model.visual.*", or the name's first two parts): their stored names."""
+    directory = Path(directory)
+    spec, _ = read_hf_config(directory)
+    whole = RankLayout(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, padded_vocab_size=spec.vocab_size)
+    trained = set(_needed_names(spec, whole))
+    out: Dict[str, List[str]] = {}
+    for name, (_, stored) in sorted(_shards(directory).items()):
+        if name not in trained:
+            kind = "mtp.*" if stored.startswith("mtp.") else ".".join(stored.split(".")[:2]) + ".*"
+            out.setdefault(kind, []).append(stored)
+    return out
+
+
 def rank_layout(model) -> RankLayout:
     """This rank's RankLayout for a built GPTModel (parallel state + the model's names/shapes)."""
     from megatron.core import parallel_state as ps
@@ -146,23 +167,29 @@ def load_hf_weights(model, directory) -> ModelSpec:
     return spec
 
 
-def write_hf_checkpoint(directory, tensors: Dict[str, torch.Tensor], config: dict) -> None:
-    """config.json + model.safetensors in the checkpoint's dtype (config's torch_dtype/dtype)."""
+def write_hf_checkpoint(directory, tensors: Dict[str, torch.Tensor], config: dict,
+                        unchanged: Dict[str, torch.Tensor] | None = None) -> None:
+    """config.json + model.safetensors: `tensors` in the checkpoint's dtype (config's
+    torch_dtype/dtype, a VLM's text_config's), `unchanged` as they are."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    dtype = _DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+    text = unwrap_text_config(config)
+    dtype = _DTYPES.get(str(config.get("torch_dtype") or config.get("dtype")
+                            or text.get("torch_dtype") or text.get("dtype") or "float32"),
                         torch.float32)
-    save_file({n: t.to(dtype).contiguous() for n, t in tensors.items()},
-              os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    out = {n: t.to(dtype).contiguous() for n, t in tensors.items()}
+    out.update({n: t.contiguous() for n, t in (unchanged or {}).items()})
+    save_file(out, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
     Path(directory, "config.json").write_text(json.dumps(config, indent=2))
 
 
-def export_hf_weights(models, directory, config: dict) -> None:
+def export_hf_weights(models, directory, config: dict, source=None) -> None:
     """Gather every rank's tensors on global rank 0 and write a HF checkpoint there. Collective
     over the default group (all ranks call it); data-parallel replicas beyond the first are
     skipped (MoE: expert tensors come from the first expert-data-parallel replica of each
-    expert-parallel rank). Holds the whole model in rank 0's host memory."""
+    expert-parallel rank). Holds the whole model in rank 0's host memory. `source`: the HF
+    checkpoint the model was loaded from, written back whole (module docstring)."""
     from megatron.core import parallel_state as ps
     from megatron.core.utils import unwrap_model
 
@@ -196,4 +223,23 @@ def export_hf_weights(models, directory, config: dict) -> None:
         if expert_part is not None:
             expert_grid[expert_part[0]][expert_part[1]][expert_part[2]] = expert_part[3]
     tensors = to_hf(spec, grid, layout, expert_grid if spec.is_moe else None)
-    write_hf_checkpoint(directory, tensors, config)
+    if source is None:
+        write_hf_checkpoint(directory, tensors, config)
+        return
+    where = _shards(Path(source))
+    if set(tensors) - set(where):
+        raise ValueError(f"export source {source} lacks {sorted(set(tensors) - set(where))[:3]}: "
+                         "give the checkpoint this model was loaded from")
+    from safetensors import safe_open
+
+    files = {stored: file for file, stored in where.values()}
+    untrained = sorted(n for names in untrained_tensors(source).values() for n in names)
+    if spec.tie_word_embeddings and "lm_head.weight" in where:  # stored although tied: the trained one
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        untrained.remove(where["lm_head.weight"][1])
+    unchanged = {}
+    for stored in untrained:
+        with safe_open(str(files[stored]), framework="pt") as f:
+            unchanged[stored] = f.get_tensor(stored)
+    write_hf_checkpoint(directory, {where[n][1]: t for n, t in tensors.items()},
+                        json.loads((Path(source) / "config.json").read_text()), unchanged)
