@@ -124,7 +124,9 @@ def test_gdn_last_layer_kind(megatron_env, last):
     assert_equal_step(*run_both(model, batch, 11)[:4])
 
 
-def test_gdn_prefix_trees_are_refused_before_compute(qwen_next):
+def test_gdn_tree_read_inside_a_unit_is_refused_before_compute(qwen_next):
+    """A trajectory following a node with children stops one token before the node's end:
+    without StepPlan.state_reads no state exists there."""
     from prefix_schedule.planning.planner import plan_microbatches
 
     from megatron_patches.training import reuse_step
@@ -132,11 +134,30 @@ def test_gdn_prefix_trees_are_refused_before_compute(qwen_next):
     from tree_batches import make_tree_batch
 
     qwen_next.zero_grad(set_to_none=True)
-    batch = make_tree_batch(7, [dict(depth=2, branching=2, node_len=6, suffix_len=4)])
-    with pytest.raises(ValueError, match="prefix trees with Gated DeltaNet"):
+    batch = make_tree_batch(7, [dict(depth=2, branching=2, node_len=6, suffix_len=4, inner=1)])
+    with pytest.raises(ValueError, match="state_reads=True"):
         reuse_step(qwen_next, batch, plan_microbatches(batch, token_budget=12, max_seq_len=512),
                    LOSS)
     assert all(p.grad is None for p in qwen_next.parameters())
+
+
+@pytest.mark.parametrize("shape", [
+    dict(depth=2, branching=2, node_len=6, suffix_len=4, inner=1),
+    dict(depth=3, branching=2, node_len=5, suffix_len=3, inner=1, per_leaf=2, node_loss=True),
+])
+@pytest.mark.parametrize("chunk", [None, 4])
+def test_gdn_prefix_trees_equal_dense(qwen_next, shape, chunk):
+    """Prefix trees: every node's units start from their parent unit's state and conv tail,
+    readers of a node with children stop at the unit StepPlan.state_reads cuts; == dense."""
+    from prefix_schedule.planning.planner import plan_microbatches
+
+    from tree_batches import make_tree_batch
+
+    batch = make_tree_batch(8, [shape, dict(shape, depth=2)])
+    *result, plan = run_both(qwen_next, batch, 16, prefix_chunk_tokens=chunk, state_reads=True)
+    assert_equal_step(*result)
+    uncut = plan_microbatches(batch, token_budget=16, max_seq_len=512, prefix_chunk_tokens=chunk)
+    assert len(plan.prefix_units()) > len(uncut.prefix_units())  # really cut inside nodes
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -67,6 +67,25 @@ def test_mamba_reuse_equals_dense(megatron_env, name):
     assert_equal_step(dense, dense_grads, reuse, reuse_grads)
 
 
+@pytest.mark.parametrize("pattern,chunk", [("M*M-", None), ("*-MM", 4)])
+def test_mamba_prefix_trees_equal_dense(megatron_env, pattern, chunk):
+    """Prefix trees: a node's units resume their parent unit's SSD state and conv tail; readers
+    of a node with children stop at the unit StepPlan.state_reads cuts there; without it the
+    step is refused before compute."""
+    from megatron_patches.training import reuse_step
+    from tree_batches import make_tree_batch
+
+    model = _model(pattern)
+    batch = make_tree_batch(5, [dict(depth=3, branching=2, node_len=5, suffix_len=3, inner=1),
+                                dict(depth=2, branching=3, node_len=7, suffix_len=4, inner=2)])
+    *result, plan = run_both(model, batch, 16, prefix_chunk_tokens=chunk, state_reads=True)
+    assert_equal_step(*result)
+    uncut = plan_microbatches(batch, token_budget=16, max_seq_len=512, prefix_chunk_tokens=chunk)
+    assert len(plan.prefix_units()) > len(uncut.prefix_units())
+    with pytest.raises(ValueError, match="state_reads=True"):
+        reuse_step(model, batch, uncut, LOSS)
+
+
 def test_without_the_state_hook_reuse_is_far_from_dense(megatron_env):
     """The hook is what makes it exact: without it suffixes start from a zero state. (The last
     cache layer is attention here: a last Mamba layer is where its hook stops the prefix.)"""

@@ -84,20 +84,58 @@ def _rules(step):
 @settings(max_examples=40, deadline=None)
 @given(depth=st.integers(1, 4), branching=st.integers(1, 4), stages=st.integers(1, 4),
        chunk=st.sampled_from([None, 3]), budget=st.integers(6, 20), seed=st.integers(0, 99),
-       virtual=st.sampled_from([1, 2]))
+       virtual=st.sampled_from([1, 2]), state_reads=st.booleans())
 def test_every_tree_plan_validates_lowers_and_simulates(depth, branching, stages, chunk, budget,
-                                                         seed, virtual):
-    """On 1-4 ranks, with and without virtual stages (2 model chunks per rank)."""
+                                                         seed, virtual, state_reads):
+    """On 1-4 ranks, with and without virtual stages (2 model chunks per rank), with and without
+    the units StepPlan.state_reads cuts."""
     virtual = virtual if stages > 1 else 1
     batch = make_tree_batch(seed, [dict(depth=depth, branching=branching, node_len=5,
                                         suffix_len=4, inner=seed % 2),
                                    dict(depth=2, branching=2, node_len=4, suffix_len=3)])
     plan = plan_microbatches(batch, token_budget=budget, max_seq_len=512,
-                             prefix_chunk_tokens=chunk)
+                             prefix_chunk_tokens=chunk, state_reads=state_reads)
     step = ReuseStep(batch, plan, num_stages=stages, num_model_chunks=virtual)
     validate_schedule(step.schedule, **_rules(step))
     validate_schedule(step.lowered, **_rules(step))
     simulate(step.lowered)  # raises on deadlock or a p2p mismatch
+
+
+@settings(max_examples=30, deadline=None)
+@given(depth=st.integers(1, 4), branching=st.integers(1, 3), chunk=st.sampled_from([None, 2, 5]),
+       seed=st.integers(0, 99))
+def test_state_reads_cut_units_exactly_where_readers_stop(depth, branching, chunk, seed):
+    """StepPlan.state_reads: every reader's cached length is the end of a unit of its chain (a
+    recurrent layer's state exists there); the units of a node still tile its cached span, at
+    most `chunk` long; the suffix rows are unchanged. Without it, a reader of a node with
+    children stops inside a unit."""
+    batch = make_tree_batch(seed, [dict(depth=depth, branching=branching, node_len=6,
+                                        suffix_len=3, inner=1, per_leaf=2)])
+    kw = dict(token_budget=16, max_seq_len=512, prefix_chunk_tokens=chunk)
+    plan = plan_microbatches(batch, state_reads=True, **kw)
+    plain = plan_microbatches(batch, **kw)
+    assert plan.microbatches == plain.microbatches
+
+    def stops_inside(p):
+        units = {c.chunk: c for c in p.prefix_units().values()}
+        inside = []
+        for mb in p.microbatches:
+            for s in mb.segments:
+                if s.cached_len:
+                    chain = p.chain_chunks(s.group, s.node)
+                    ends = {sum(units[c].length for c in chain[:i + 1]) for i in range(len(chain))}
+                    inside.append(s.cached_len not in ends)
+        return any(inside)
+
+    assert not stops_inside(plan)
+    if chunk is None:  # inner trajectories read a node with children: one token short of it
+        assert stops_inside(plain) == (depth > 1)
+    for span in plan.prefixes[0].spans():
+        units = sorted((c.start, c.length) for c in plan.prefix_units().values()
+                       if c.node == span.node)
+        assert units[0][0] == span.start and sum(n for _, n in units) == span.length
+        assert all(a + n == b for (a, n), (b, _) in zip(units, units[1:]))
+        assert chunk is None or all(n <= chunk for _, n in units)
 
 
 def test_validator_refuses_a_parent_backward_before_its_child():

@@ -52,6 +52,7 @@ from megatron_patches.frameworks.indexing import (SEQ_INDEX, SEQ_POSITION, Index
                                                   shadow_batch)
 from megatron_patches.frameworks.rollout import RolloutBatch, TokenBatch
 from megatron_patches.rl import token_entropy, token_logprobs
+from megatron_patches.runtime.layers import has_recurrent_layers
 from megatron_patches.training import row_multiple_for
 
 __all__ = ["AdapterConfig", "AdapterResult", "PreparedStep", "PrefixReuseAdapter",
@@ -313,7 +314,9 @@ class PrefixReuseAdapter:
                                    max_seq_len=gpt.max_sequence_length,
                                    row_multiple=row_multiple_for(get_model_config(self.models[0])),
                                    prefix_chunk_tokens=self.config.prefix_chunk_tokens,
-                                   vocab_size=gpt.vocab_size)
+                                   vocab_size=gpt.vocab_size,
+                                   state_reads=has_recurrent_layers(
+                                       get_model_config(self.models[0]), gpt))
         model_config = get_model_config(self.models[0])
         per_token = bool(model_config.calculate_per_token_loss)
         if not per_token and model_config.num_moe_experts:

@@ -21,7 +21,8 @@ from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_h
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.utils import get_model_config, unwrap_model
 
-__all__ = ["check_layers_supported", "check_recurrent_step", "last_kv_layer_number",
+__all__ = ["check_layers_supported", "check_recurrent_step", "has_recurrent_layers",
+           "last_kv_layer_number",
            "prefix_stop", "stage_patterns"]
 
 _REFUSED = {
@@ -118,7 +119,8 @@ def _check_gdn_supported(config) -> None:
                          + "; ".join(why))
 
 
-def _has_recurrent(config, model) -> bool:
+def has_recurrent_layers(config, model) -> bool:
+    """Whether the model holds Gated DeltaNet or Mamba-2 layers (their prefix is a state)."""
     hybrid = _hybrid(model)
     if hybrid is not None:
         main = parse_hybrid_pattern(hybrid.hybrid_layer_pattern).main_pattern or ""
@@ -127,12 +129,26 @@ def _has_recurrent(config, model) -> bool:
 
 
 def check_recurrent_step(config, model, step) -> None:
-    """ValueError before compute: a step with prefix trees on a model with GDN layers (a tree
-    reader may stop inside a cached chunk, where no state exists; not verified yet)."""
-    if _has_recurrent(config, model) and any(w.nodes is not None for w in step.plan.prefixes):
-        raise ValueError("prefix trees with Gated DeltaNet or Mamba layers are not supported yet (a "
-                         "recurrent layer's state exists only at a chunk's end); plan these "
-                         "groups with one shared prompt each (no nodes)")
+    """ValueError before compute: a prefix-tree step on a model with GDN or Mamba-2 layers
+    whose reader stops inside a prefix unit (a recurrent layer's state exists only at a unit's
+    end; StepPlan.state_reads cuts the units there)."""
+    plan = step.plan
+    trees = {w.group for w in plan.prefixes if w.nodes is not None}
+    if not trees or not has_recurrent_layers(config, model):
+        return
+    units = {(c.group, c.chunk): c.length for c in plan.prefix_units().values()}
+    for mb in plan.microbatches:
+        for s in mb.segments:
+            if s.group not in trees or not s.cached_len:
+                continue
+            chain = plan.chain_chunks(s.group, s.node)
+            ends = {sum(units[s.group, c] for c in chain[:i + 1]) for i in range(len(chain))}
+            if s.cached_len not in ends:
+                raise ValueError(
+                    f"group {s.group} trajectory {s.trajectory} reads {s.cached_len} cached "
+                    "tokens, inside a prefix unit of its tree: Gated DeltaNet / Mamba layers keep "
+                    "a state only at a unit's end; plan with plan_microbatches(..., "
+                    "state_reads=True)")
 
 
 def last_kv_layer_number(model) -> int:

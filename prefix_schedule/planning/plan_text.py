@@ -16,6 +16,8 @@ def describe_plan(self) -> str:
     if self.prefix_chunk_tokens is not None or trees:
         size = (f"chunks of <= {self.prefix_chunk_tokens} tokens"
                 if self.prefix_chunk_tokens is not None else "one per tree node")
+        if trees and self.state_reads:
+            size += ", cut where a reader stops inside a node (state_reads)"
         lines.append(f"  prefix units ({size}): " + " ".join(
             f"u{u}=g{c.group}c{c.chunk}[{c.start}:{c.start + c.length}]"
             + (f"n{c.node}<c{c.parent_chunk}" if trees and c.parent_chunk is not None else "")

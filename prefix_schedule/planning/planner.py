@@ -38,8 +38,8 @@ from typing import Optional
 
 from prefix_schedule.planning.batch_checks import validate_batch
 from prefix_schedule.planning.data import GroupBatch
-from prefix_schedule.pipeline.units import chunk_spans
 from prefix_schedule.planning.budget import check_budget, check_dense_groups
+from prefix_schedule.planning.plan_units import PrefixChunk, node_chunks, padding as _padding
 from prefix_schedule.planning.tree import NodeSpan, cached_spans, is_tree
 
 __all__ = [
@@ -150,46 +150,6 @@ class PrefixWork:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PrefixChunk:
-    """One prefix unit: tokens start..start+length-1 of a group's cached prefix, run as one
-    PF/PB action ([Note: prefix chunks] in units.py)."""
-
-    group: int
-    """Index of the group in the batch."""
-    chunk: int
-    """Position of the chunk in its group (0 first)."""
-    start: int
-    """Offset of the chunk's first token in the cached prefix (= its first position)."""
-    length: int
-    """Tokens of the chunk (>= 1)."""
-    padding: int = 0
-    """Padding tokens after the chunk's tokens in its row ([Note: row padding]); never cached."""
-    node: int = 0
-    """The prefix-tree node the chunk belongs to ([Note: prefix trees] in tree.py)."""
-    parent: Optional[int] = None
-    """The chunk whose cached K/V (and its ancestors') this one continues; None: chunk - 1
-    (none for chunk 0, the root)."""
-
-    def __post_init__(self) -> None:
-        for name, minimum in (("group", 0), ("chunk", 0), ("start", 0), ("length", 1),
-                              ("padding", 0), ("node", 0)):
-            _check_int(getattr(self, name), f"PrefixChunk.{name}", minimum)
-        if self.parent is not None and not 0 <= self.parent < self.chunk:
-            raise ValueError(f"PrefixChunk.parent={self.parent!r}; a chunk continues an earlier "
-                             f"chunk of its group (0 <= parent < chunk={self.chunk})")
-
-    @property
-    def parent_chunk(self) -> Optional[int]:
-        """The chunk this one continues (None for chunk 0)."""
-        return self.parent if self.parent is not None else (self.chunk - 1 if self.chunk else None)
-
-    @property
-    def row_length(self) -> int:
-        """Length of the unit's row as it runs: real tokens + padding."""
-        return self.length + self.padding
-
-
-@dataclass(frozen=True, kw_only=True)
 class StepPlan:
     """What one optimizer step runs: cached prefixes and packed suffix microbatches."""
 
@@ -208,6 +168,11 @@ class StepPlan:
     memory: Optional[object] = None
     """With a memory budget: the memory_plan.MemoryChoice (offload, recompute, predicted peaks)
     the step must run with; None: planned without one."""
+    state_reads: bool = False
+    """For models with recurrent layers (Gated DeltaNet, Mamba-2), whose prefix state exists only
+    at a prefix unit's end: a tree node that a reader stops inside (a trajectory following a
+    node with children reads its chain minus the node's last token, [Note: prefix trees]) is
+    cut into units there. False: units as prefix_chunk_tokens alone makes them."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "microbatches", tuple(self.microbatches))
@@ -256,22 +221,8 @@ class StepPlan:
             return {w.group: PrefixChunk(group=w.group, chunk=0, start=0, length=w.length,
                                          padding=_padding(w.length, m))
                     for w in self.prefixes}
-        chunks = [chunk for w in self.prefixes for chunk in self._node_chunks(w)]
+        chunks = [chunk for w in self.prefixes for chunk in node_chunks(self, w)]
         return dict(enumerate(chunks))
-
-    def _node_chunks(self, work: PrefixWork) -> list[PrefixChunk]:
-        # [Note: prefix trees] (tree.py): a node's first chunk continues its parent's last chunk
-        chunks, last_of = [], {}
-        for span in work.spans():
-            parent = None if span.parent is None else last_of[span.parent]
-            for start, length in chunk_spans(span.length, self.prefix_chunk_tokens):
-                c = len(chunks)
-                chunks.append(PrefixChunk(group=work.group, chunk=c, start=span.start + start,
-                                          length=length, padding=_padding(length, self.row_multiple),
-                                          node=span.node, parent=parent if c else None))
-                parent = c
-            last_of[span.node] = parent
-        return chunks
 
     def chain_chunks(self, group: int, node: int) -> tuple[int, ...]:
         """Chunks of `group` that a reader after tree node `node` attends to, root first."""
@@ -315,11 +266,6 @@ def _prefix_work(batch: GroupBatch, group: int, cached_len: int) -> PrefixWork:
     return PrefixWork(group=group, length=sum(n.length for n in spans), nodes=spans)
 
 
-def _padding(length: int, multiple: int) -> int:
-    """Padding tokens that make a row of `length` tokens a multiple of `multiple`."""
-    return -length % multiple
-
-
 def _segment_lengths(batch: GroupBatch, *, capacity: int, multiple: int,
                      run_singletons_dense: bool, dense_groups: frozenset = frozenset()):
     """Yield (group, trajectory, length, cached_len) in packing order."""
@@ -338,7 +284,8 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
                       prefix_chunk_tokens: Optional[int] = None,
                       row_multiple: int = 1, vocab_size: Optional[int] = None,
                       dense_groups=(), memory_budget_bytes: Optional[int] = None,
-                      memory_model=None, memory_options=None) -> StepPlan:
+                      memory_model=None, memory_options=None,
+                      state_reads: bool = False) -> StepPlan:
     """Greedy, order-preserving packing of every trajectory's row; see the module docstring.
     `dense_groups`: indices of groups whose rows run whole, without the cache (as a dense
     trainer would; exact either way). prefix_schedule.planning.policy decides which, by FLOPs.
@@ -348,12 +295,15 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
     `vocab_size`: also check every token id (the executor checks both against the model).
     `memory_budget_bytes` (with `memory_model`, a memory_model.ActivationModel, and optionally
     `memory_options` to choose from): the token budget and chunking become upper bounds and the
-    plan fits the budget (memory_plan.py); its `memory` says what the step must run with."""
+    plan fits the budget (memory_plan.py); its `memory` says what the step must run with.
+    `state_reads`: see StepPlan (pass True for a model with Gated DeltaNet or Mamba-2 layers and
+    prefix trees; the executor refuses a tree plan those layers cannot read otherwise)."""
     if memory_budget_bytes is not None:
         from prefix_schedule.planning.memory_plan import plan_within_budget
 
         common = dict(max_seq_len=max_seq_len, run_singletons_dense=run_singletons_dense,
-                      row_multiple=row_multiple, vocab_size=vocab_size, dense_groups=dense_groups)
+                      row_multiple=row_multiple, vocab_size=vocab_size, dense_groups=dense_groups,
+                      state_reads=state_reads)
         plan_fn = lambda tb, chunk: plan_microbatches(  # noqa: E731
             batch, token_budget=tb, prefix_chunk_tokens=chunk, **common)
         plan_fn(token_budget, prefix_chunk_tokens)  # bad input: its own error first
@@ -391,5 +341,6 @@ def plan_microbatches(batch: GroupBatch, *, token_budget: int, max_seq_len: int,
             if s.cached_len > 0 and s.group not in prefixes:
                 prefixes[s.group] = _prefix_work(batch, s.group, s.cached_len)
     return StepPlan(microbatches=microbatches, prefixes=tuple(prefixes.values()), token_budget=token_budget,
-                    prefix_chunk_tokens=prefix_chunk_tokens, row_multiple=row_multiple)
+                    prefix_chunk_tokens=prefix_chunk_tokens, row_multiple=row_multiple,
+                    state_reads=bool(state_reads))
 

@@ -137,8 +137,9 @@ def _decide(g: int, group: Group, policy: ReusePolicy, budget: int, multiple: in
 
 def plan_with_policy(batch: GroupBatch, *, policy: ReusePolicy, max_seq_len: int,
                      row_multiple: int = 1, prefix_chunk_tokens: Optional[int] = None,
-                     vocab_size: Optional[int] = None) -> PolicyPlan:
-    """Plan `batch` as the module docstring says; ValueError on bad input (as plan_microbatches)."""
+                     vocab_size: Optional[int] = None, state_reads: bool = False) -> PolicyPlan:
+    """Plan `batch` as the module docstring says; ValueError on bad input (as plan_microbatches;
+    `state_reads` as there: a model with Gated DeltaNet or Mamba-2 layers)."""
     validate_batch(batch, max_seq_len=max_seq_len, vocab_size=vocab_size)
     longest_dense = max(g.context_len(i) - 1 + t.num_tokens for g in batch.groups
                         for i, t in enumerate(g.trajectories))
@@ -150,5 +151,6 @@ def plan_with_policy(batch: GroupBatch, *, policy: ReusePolicy, max_seq_len: int
     plan = plan_microbatches(batch, token_budget=budget, max_seq_len=max_seq_len,
                              prefix_chunk_tokens=prefix_chunk_tokens, row_multiple=row_multiple,
                              vocab_size=vocab_size, run_singletons_dense=False,
-                             dense_groups=[d.group for d in decisions if not d.reuse])
+                             dense_groups=[d.group for d in decisions if not d.reuse],
+                             state_reads=state_reads)
     return PolicyPlan(plan=plan, decisions=decisions, token_budget=budget)

@@ -14,9 +14,11 @@ attention layers' gK/gV. The cache is layer-agnostic: a layer stores any named t
 (`PrefixKVCache.store_state(group, layer, name, tensor)`), reads them back by name, and the cache
 never looks inside.
 
-Chunks: chunk c's state is the state after chunks 0..c (it started from chunk c-1's), so a
-reader of a chain reads its last chunk's state. A reader that attends to only part of a chunk (a
-prefix-tree node with children mid-chunk) would need a state in the middle of it: refused.
+Chunks: chunk c's state is the state after chunks 0..c (it started from chunk c-1's, or its
+tree parent's), so a reader of a chain reads the state of the chunk its length ends with: the
+last, or an earlier one (a trajectory following a tree node with children stops one token before
+the node's end; StepPlan.state_reads cuts the node into units there). A reader that stops inside
+a chunk would need a state in the middle of it: refused.
 """
 
 from __future__ import annotations
@@ -132,15 +134,17 @@ class StateCacheMixin:
         entries = [self._entry(group, c, layer) for c in chunks]
         if not all(isinstance(e, StateEntry) for e in entries):
             raise CacheProtocolError(f"group {group} layer {layer}: holds K/V, not state")
-        total = sum(e.num_tokens for e in entries)
-        if length is not None and length != total:
-            raise ValueError(f"group {group}: a reader attends to {length} of the {total} cached "
-                             "tokens of its chain; a recurrent layer's state exists only at a "
-                             "chunk's end (prefix-tree nodes must end where a chunk does)")
+        ends = [sum(e.num_tokens for e in entries[:i + 1]) for i in range(len(entries))]
+        last = len(entries) - 1 if length is None or length not in ends else ends.index(length)
+        if length is not None and length != ends[last]:
+            raise ValueError(f"group {group}: a reader attends to {length} of the {ends[-1]} "
+                             "cached tokens of its chain, inside a prefix unit; a recurrent "
+                             "layer's state exists only at a unit's end (plan with "
+                             "plan_microbatches(..., state_reads=True))")
         try:
-            return entries[-1].read(name)
+            return entries[last].read(name)
         except KeyError:
-            raise CacheProtocolError(f"{_name(group, chunks[-1])} layer {layer}: no state "
+            raise CacheProtocolError(f"{_name(group, chunks[last])} layer {layer}: no state "
                                      f"{name!r} stored") from None
 
 
