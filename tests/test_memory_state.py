@@ -63,3 +63,33 @@ def test_state_bytes_equal_the_real_cache(megatron_env, pattern):
     assert shape.kv_layers == pattern.count("*")
     assert report.cache_peak_bytes == shape.state_bytes + shape.state_grad_bytes + \
         39 * per_token  # the 40-token prompt's cached 39
+
+
+@pytest.mark.megatron
+def test_cached_conv_tails_own_their_storage(megatron_env, monkeypatch):
+    """A GDN / Mamba conv tail is cached as a copy: a view of the conv window would keep the whole
+    prefix window alive with the cache (and on the device under offload, which keeps every
+    storage the cache shares), though the cache counts only the tail."""
+    from megatron_patches.models.hybrid import build_hybrid_model
+    from megatron_patches.models.tiny import TinyLlamaConfig
+    from megatron_patches.training import reuse_step, scale_grads_by_token_count
+    from prefix_schedule.runtime.cache import PrefixKVCache
+
+    stored = []
+    original = PrefixKVCache.store_state
+
+    def record(self, group, layer, name, tensor, **kw):
+        stored.append((name, tensor))
+        return original(self, group, layer, name, tensor, **kw)
+
+    monkeypatch.setattr(PrefixKVCache, "store_state", record)
+    cfg = TinyLlamaConfig(num_layers=0, hidden_size=64, ffn_hidden_size=128,
+                          num_attention_heads=4, num_query_groups=2, vocab_size=256,
+                          max_seq_len=256)
+    model = build_hybrid_model(cfg, "G*M-", **GDN, **MAMBA)
+    model.config.finalize_model_grads_func = scale_grads_by_token_count
+    batch = make_batch(5, [(40, [6, 9, 4])])
+    reuse_step(model, batch, plan_microbatches(batch, token_budget=16, max_seq_len=256), LOSS)
+    tails = [t for name, t in stored if name == "conv"]
+    assert len(tails) == 2  # one GDN and one Mamba layer, one group
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tails)

@@ -119,8 +119,10 @@ def conv_window(context, layer: int, segment, x: torch.Tensor, width: int) -> to
         tail = x.new_zeros((1, width - 1, x.shape[-1]))
     window = torch.cat([tail.to(x.dtype), x], dim=1)  # [1, W-1+T, D]
     if segment.store and not context.recomputing:
+        # a copy: a view would keep the whole window's storage alive with the cache (and on
+        # the device under offload, which keeps every storage the cache shares)
         context.cache.store_state(context.group, layer, CONV_STATE,
-                                  window[:, window.shape[1] - (width - 1):],
+                                  window[:, window.shape[1] - (width - 1):].clone(),
                                   chunk=context.chunk, num_tokens=x.shape[1])
     return window
 
