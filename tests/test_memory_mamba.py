@@ -186,3 +186,92 @@ def test_layer_bytes_equal_the_prediction(fakes, monkeypatch, case):
         assert any(k[0] == "SF" and k[2] == k[3] > 1 for k in kinds), kinds
     else:  # a row holding the group of one, from zeros, beside sequences from states
         assert any(k[0] == "SF" and k[2] > k[3] > 0 for k in kinds), kinds
+
+
+def test_fakes_compute_what_the_stand_ins_compute(megatron_env, monkeypatch):
+    """The fakes change what is saved, not the step: with them reuse == dense (fp32, 1e-5), and
+    both equal the runs through the CPU layer's stand-ins."""
+    import mamba_saved_fake
+    from megatron_patches.training import max_relative_diff
+    from test_equivalence import TOL, assert_equal_step, make_batch, run_both
+
+    model = _model()
+    batch = make_batch(5, CASES["packed suffixes"][0])
+    _, plain_dense, _, plain_reuse, _ = run_both(model, batch, 20)
+    mamba_saved_fake.install(monkeypatch)
+    dense, dense_grads, reuse, reuse_grads, _ = run_both(model, batch, 20)
+    assert_equal_step(dense, dense_grads, reuse, reuse_grads)
+    assert max_relative_diff(plain_dense, dense_grads) <= TOL
+    assert max_relative_diff(plain_reuse, reuse_grads) <= TOL
+
+
+# the tensor each check adds a copy of, or drops: a storage nothing else in the layer saves
+CHANGED = {"CausalConv1dFn": 0, "MambaChunkScanCombinedFn": 3,  # the conv window; dA_cumsum
+           "MambaSplitConv1dScanCombinedFn": 3, "LayerNormFn": 4}  # out_x; the gated norm's rstd
+
+
+@pytest.mark.parametrize("change", ["more", "less"])
+@pytest.mark.parametrize("fn", list(CHANGED))
+def test_one_tensor_more_or_less_is_caught(fakes, monkeypatch, fn, change):
+    """A fake that saves one tensor more (a copy) or one less (kept outside autograd's saved
+    tensors, so its backward still runs) no longer matches the prediction."""
+    import torch
+
+    from test_equivalence import make_batch
+
+    index, save, load = CHANGED[fn], fakes.save, fakes.load
+
+    def changed_save(ctx, function, tensors):
+        if function.__name__ == fn:
+            tensors = list(tensors)
+            if change == "more":
+                tensors.append(torch.empty_like(tensors[index]))
+            else:
+                ctx.dropped, tensors[index] = tensors[index], None
+        save(ctx, function, tuple(tensors))
+
+    def changed_load(ctx):
+        tensors = list(load(ctx))
+        if hasattr(ctx, "dropped"):
+            tensors[index] = ctx.dropped
+        return tuple(tensors)
+
+    monkeypatch.setattr(fakes, "save", changed_save)
+    monkeypatch.setattr(fakes, "load", changed_load)
+    shapes, budget = CASES["packed suffixes"]
+    records = _recorded_steps(_model(), monkeypatch, make_batch(5, shapes), budget)
+    errors = [record[-1] - _predicted(record) for record in records]
+    assert any(errors), "the check did not see the changed fake"
+    assert all(e >= 0 for e in errors) if change == "more" else all(e <= 0 for e in errors)
+
+
+def test_fakes_stay_in_the_tests(megatron_env):
+    """install() refuses with CUDA (the real kernels run there), its patches end with the test,
+    and nothing outside tests/ imports the fakes."""
+    import pathlib
+    import re
+
+    import mamba_saved_fake
+    import torch
+    from megatron.core.ssm import mamba_mixer
+    from megatron_patches.support import mamba_cpu
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        with pytest.raises(RuntimeError, match="with CUDA the real kernels run"):
+            mamba_saved_fake.install(patch)
+    with pytest.MonkeyPatch.context() as patch:
+        mamba_saved_fake.install(patch)
+        assert mamba_mixer.causal_conv1d_fn is mamba_saved_fake.causal_conv1d_fn
+        with pytest.MonkeyPatch.context() as inner:  # over the real mamba-ssm: refused
+            inner.setattr(mamba_mixer, "mamba_chunk_scan_combined", object())
+            with pytest.raises(RuntimeError, match="not for mamba-ssm"):
+                mamba_saved_fake.install(inner)
+    assert mamba_mixer.causal_conv1d_fn is mamba_cpu.causal_conv1d_fn
+    assert mamba_mixer.mamba_chunk_scan_combined is mamba_cpu.mamba_chunk_scan_combined
+    assert mamba_cpu.RMSNormGated.forward is not mamba_saved_fake.rms_norm_forward
+    root = pathlib.Path(__file__).resolve().parents[1]
+    imports = re.compile(r"^\s*(import|from)\s+\S*mamba_saved_fake", re.M)
+    users = [p for d in ("prefix_schedule", "megatron_patches", "tools")
+             for p in (root / d).rglob("*.py") if imports.search(p.read_text())]
+    assert not users
