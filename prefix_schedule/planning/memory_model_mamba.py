@@ -29,7 +29,9 @@ d_in = 2 dim + 2 G N + H, conv width W, scan chunk Q; act = activation bytes, fp
   scan) keeps all of that but the gated norm and the out-projection: act 2 dim + 4 G less.
 tests/test_memory_mamba.py holds `mamba_row_bytes` to the bytes the saved-tensor accounting
 (prefix_schedule.runtime.memory) counts for a real Megatron MambaLayer on CPU whose kernels are
-fakes that save exactly what the source above saves (tests/mamba_saved_fake.py), fp32.
+fakes that save exactly what the source above saves (tests/mamba_saved_fake.py), fp32 and bf16
+(bf16 parameters as Megatron builds them: A_log and D fp32, dt_bias bf16; on CPU torch's input
+norm also up-casts its saved input to fp32, which this count, like ActivationModel's, leaves out).
 """
 from __future__ import annotations
 
