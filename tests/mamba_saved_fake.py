@@ -13,9 +13,9 @@ under no_grad, saves the real list, and in backward recomputes the stand-in unde
 - mamba-ssm v2.3.2.post1 mamba_ssm/ops/triton/ssd_combined.py: `MambaChunkScanCombinedFn.forward`
   lines 596-603 (`save_for_backward(out if z is None else out_x, x, dt, dA_cumsum, A, B, C, D, z,
   dt_bias, initial_states, seq_idx)`, x/dt/B/C/z the arguments as given); `_mamba_chunk_scan_
-  combined_fwd` 343-394; ssd_chunk_state.py `_chunk_cumsum_fwd` 718-725 (dA_cumsum fp32 [b, H,
+  combined_fwd` 343-393; ssd_chunk_state.py `_chunk_cumsum_fwd` 718-725 (dA_cumsum fp32 [b, H,
   ceil(L/Q), Q]); ssd_chunk_scan.py `_chunk_scan_fwd` 1276-1278 (out, out_x: x's shape and
-  dtype); `MambaSplitConv1dScanCombinedFn.forward` 819-895 (`save_for_backward(zxbcdt,
+  dtype); `MambaSplitConv1dScanCombinedFn.forward` 819-893 (`save_for_backward(zxbcdt,
   conv1d_weight, conv1d_bias, out_x, A, D, dt_bias, initial_states, seq_idx, rmsnorm_weight,
   rstd, outproj_weight, outproj_bias)`); layernorm_gated.py `LayerNormFn.forward` 341-366
   (`save_for_backward(x, weight, bias, mean, rstd, z)`, x 2-D, rstd fp32 [groups x rows]).

@@ -40,6 +40,12 @@ def test_formulas_by_hand():
     assert mamba_row_bytes(DIMS, 4, [16, 5]) == 21 * 5196 + 2 * 4608 + 11 * 32 + 64
     assert mamba_row_bytes(DIMS, 4, [16], to_state=True) == 16 * 4164 + 4608 + 64
     assert mamba_row_bytes(DIMS, 4, [40], path="stock") == 40 * 3628 + 64
+    # docs/MEMORY.md's Nemotron-H-8B-like widths, bf16: d_in 18560, ch 10240
+    nemotron = dataclasses.replace(DIMS, hidden_size=4096, mamba_num_heads=128, mamba_head_dim=64,
+                                   mamba_state_dim=128, mamba_num_groups=8, mamba_chunk_size=128)
+    assert mamba_mixer_bytes(nemotron, 2, path="stock").per_token == \
+        2 * (3 * 4096 + 18560 + 3 * 8192) + 4 * 9 == 110_884
+    assert mamba_mixer_bytes(nemotron, 2).per_token == 110_884 + 2 * 2 * 10240 + 4 * 128 == 152_356
 
 
 def test_mixer_bytes_bound_the_exact_count():
