@@ -104,7 +104,7 @@ def _model(dtype=None):
     return model
 
 
-def _recorded_steps(model, monkeypatch, batch, token_budget):
+def _recorded_steps(model, monkeypatch, batch, token_budget, steps=("dense", "reuse")):
     """Run a stock dense step and a reuse step; per MambaLayer forward: (action kind, layer
     number, row tokens, the kernel calls' (length, reads a cached state), whether it stopped at
     the state, device bytes it added: what it saved plus, in a prefix row, the state it stored
@@ -148,16 +148,18 @@ def _recorded_steps(model, monkeypatch, batch, token_budget):
                          m.register_forward_hook(after, always_call=True))]
     try:
         state["kind"] = "dense"
-        with DeviceMemoryMeter(exclude=list(model.parameters())) as state["meter"]:
-            dense_step(model, batch, LOSS)
+        if "dense" in steps:
+            with DeviceMemoryMeter(exclude=list(model.parameters())) as state["meter"]:
+                dense_step(model, batch, LOSS)
         plan = plan_microbatches(batch, token_budget=token_budget, max_seq_len=512)
         step = ReuseStep(batch, plan)
         state["meter"] = DeviceMemoryMeter(exclude=list(model.parameters()))
         watch_step(step, state["meter"])
         step.observers.append((lambda action: state.update(kind=action and action.kind.value),
                                lambda microbatch: None))
-        with state["meter"]:
-            reuse_step(model, batch, plan, LOSS, step=step)
+        if "reuse" in steps:
+            with state["meter"]:
+                reuse_step(model, batch, plan, LOSS, step=step)
     finally:
         for h in handles:
             h.remove()
@@ -232,9 +234,12 @@ def test_fakes_compute_what_the_stand_ins_compute(megatron_env, monkeypatch):
     assert max_relative_diff(plain_reuse, reuse_grads) <= TOL
 
 
-# the tensor each check adds a copy of, or drops: a storage nothing else in the layer saves
-CHANGED = {"CausalConv1dFn": 0, "MambaChunkScanCombinedFn": 3,  # the conv window; dA_cumsum
-           "MambaSplitConv1dScanCombinedFn": 3, "LayerNormFn": 4}  # out_x; the gated norm's rstd
+# the tensor each check adds a copy of, or drops (a storage nothing else in the layer saves),
+# and the steps that call the Function
+CHANGED = {"CausalConv1dFn": (0, ("reuse",)),  # the conv window
+           "MambaChunkScanCombinedFn": (3, ("reuse",)),  # dA_cumsum
+           "MambaSplitConv1dScanCombinedFn": (3, ("dense",)),  # out_x
+           "LayerNormFn": (4, ("dense", "reuse"))}  # the gated norm's rstd
 
 
 @pytest.mark.parametrize("change", ["more", "less"])
@@ -246,7 +251,7 @@ def test_one_tensor_more_or_less_is_caught(fakes, monkeypatch, fn, change):
 
     from test_equivalence import make_batch
 
-    index, save, load = CHANGED[fn], fakes.save, fakes.load
+    (index, steps), save, load = CHANGED[fn], fakes.save, fakes.load
 
     def changed_save(ctx, function, tensors):
         if function.__name__ == fn:
@@ -266,7 +271,7 @@ def test_one_tensor_more_or_less_is_caught(fakes, monkeypatch, fn, change):
     monkeypatch.setattr(fakes, "save", changed_save)
     monkeypatch.setattr(fakes, "load", changed_load)
     shapes, budget = CASES["packed suffixes"]
-    records = _recorded_steps(_model(), monkeypatch, make_batch(5, shapes), budget)
+    records = _recorded_steps(_model(), monkeypatch, make_batch(5, shapes), budget, steps)
     errors = [record[-1] - _predicted(record) for record in records]
     assert any(errors), "the check did not see the changed fake"
     assert all(e >= 0 for e in errors) if change == "more" else all(e <= 0 for e in errors)
