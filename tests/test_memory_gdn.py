@@ -209,3 +209,82 @@ def test_every_gdn_mixer_of_a_step_saves_what_the_formula_says(gdn_model, kind):
     for (tokens, lengths), (measured, done) in zip(calls, probe.forwards):
         assert measured == _exact(DIMS, 4, tokens, lengths, reuse=kind == "reuse",
                                   completed=done), (tokens, lengths, done)
+
+
+def _qwen_like(recompute):
+    """GDN, gated attention (partial RoPE), GDN; the dense twin's attention through fused SDPA
+    (the accounting model's attention, no s^2 term) on the same parameters."""
+    from megatron.core.transformer.attention import Attention
+    from megatron_patches.models.gdn import build_gdn_model
+    from megatron_patches.models.tiny import FusedSDPACoreAttention, TinyLlamaConfig
+    from megatron_patches.training import scale_grads_by_token_count
+
+    options = (dict(recompute_granularity="full", recompute_method="uniform",
+                    recompute_num_layers=1) if recompute == "full" else {})
+    cfg = TinyLlamaConfig(num_layers=3, hidden_size=64, ffn_hidden_size=128,
+                          num_attention_heads=4, num_query_groups=2, vocab_size=256,
+                          max_seq_len=1024)
+    model = build_gdn_model(cfg, linear_attention_freq=2, attention_output_gate=True,
+                            rotary_percent=0.5, **options)
+    model.config.finalize_model_grads_func = scale_grads_by_token_count
+    dense = build_gdn_model(cfg, linear_attention_freq=2, attention_output_gate=True,
+                            rotary_percent=0.5, **options)
+    dense.load_state_dict(model.state_dict())
+    dense.config.finalize_model_grads_func = scale_grads_by_token_count
+    for m in dense.modules():
+        if isinstance(m, Attention):
+            m.core_attention = FusedSDPACoreAttention(m.config, m.layer_number, None, None)
+    return model, dense
+
+
+@pytest.mark.megatron
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_step_predictions_of_a_gdn_hybrid_match_measured_bytes(megatron_env, recompute):
+    """The accounting model of the Qwen3.5-like tiny hybrid (fp32, with the fla fakes) within
+    10% of the measured bytes, as tests/test_memory_model.py holds attention models: dense
+    peak (recompute none and full), reuse suffix phase and whole step, with and without
+    offload (reuse refuses full recompute with GDN layers; so does the model)."""
+    import fla_saved_fake
+    from megatron_patches.training import dense_step, reuse_step
+    from prefix_schedule.planning.memory_model import (MemoryOptions, dense_peak_bytes,
+                                                       reuse_phase_peaks)
+    from prefix_schedule.planning.planner import plan_microbatches
+    from prefix_schedule.runtime.step import ReuseStep
+    from test_equivalence import make_batch
+    from tools_import import tool
+
+    probe = tool("memory_probe")
+    dims = dataclasses.replace(DIMS, attention_output_gate=True)
+    model = ActivationModel(dims=dims, act_bytes=4, rotary_percent=0.5)
+    local, fused = _qwen_like(recompute)
+    offloads = [False, True] if recompute == "none" else []  # reuse refuses full recompute
+    if recompute == "full":
+        with pytest.raises(ValueError, match="recompute='full' with Gated DeltaNet"):
+            reuse_phase_peaks(model, plan_microbatches(make_batch(3, [(50, [5, 5])]),
+                                                       token_budget=16, max_seq_len=1024),
+                              MemoryOptions(recompute="full"))
+    with fla_saved_fake.installed([local, fused]):
+        for prefix, suffix, group, budget in ((200, 40, 3, 40), (400, 80, 2, 160),
+                                              (300, 20, 4, 80)):
+            batch = make_batch(3, [(prefix, [suffix] * group)])
+            plan = plan_microbatches(batch, token_budget=budget, max_seq_len=1024)
+            dense = probe.measure_dense(fused, lambda: dense_step(fused, batch, LOSS))
+            predicted = dense_peak_bytes(model, [prefix + suffix - 1], recompute)
+            print(f"dense P={prefix} n={suffix}: predicted / measured "
+                  f"{predicted / dense.peak_saved_bytes:.3f}")
+            assert predicted == pytest.approx(dense.peak_saved_bytes, rel=0.10)
+            for offload in offloads:
+                step = ReuseStep(batch, plan, offload_prefix_activations=offload)
+                reuse = probe.measure_reuse(
+                    local, step, lambda s: reuse_step(local, batch, plan, LOSS, step=s))
+                peaks = reuse_phase_peaks(model, plan, MemoryOptions(offload=offload,
+                                                                     recompute=recompute))
+                where = f"P={prefix} n={suffix} G={group} offload={offload}"
+                print(f"reuse {where}: predicted / measured suffix phase "
+                      f"{peaks['suffix'] / reuse.suffix_phase_peak_bytes:.3f}, step "
+                      f"{peaks['step'] / reuse.peak_saved_bytes:.3f}")
+                assert peaks["suffix"] == pytest.approx(reuse.suffix_phase_peak_bytes,
+                                                        rel=0.10), where
+                assert peaks["step"] == pytest.approx(reuse.peak_saved_bytes, rel=0.10), where
+            local.zero_grad(set_to_none=True)
+            fused.zero_grad(set_to_none=True)
