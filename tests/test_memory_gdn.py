@@ -288,3 +288,27 @@ def test_step_predictions_of_a_gdn_hybrid_match_measured_bytes(megatron_env, rec
                 assert peaks["step"] == pytest.approx(reuse.peak_saved_bytes, rel=0.10), where
             local.zero_grad(set_to_none=True)
             fused.zero_grad(set_to_none=True)
+
+
+def test_budget_planner_leaves_out_full_recompute_for_gdn_layers():
+    """The planner's default options skip what reuse refuses for GDN layers (full recompute);
+    asking for it is a ValueError naming why."""
+    from prefix_schedule.planning.memory_model import MemoryOptions
+    from prefix_schedule.planning.planner import plan_microbatches
+    from test_equivalence import make_batch
+
+    model = ActivationModel(dims=DIMS, act_bytes=4)
+    batch = make_batch(3, [(120, [20, 24, 16]), (90, [18, 30])])
+    plain = plan_microbatches(batch, token_budget=64, max_seq_len=512,
+                              memory_budget_bytes=10 ** 9, memory_model=model)
+    budget = int(plain.memory.peaks["step"] * 0.7)
+    plan = plan_microbatches(batch, token_budget=64, max_seq_len=512,
+                             memory_budget_bytes=budget, memory_model=model)
+    assert plan.memory.options.recompute == "none" and plan.memory.peaks["step"] <= budget
+    with pytest.raises(ValueError, match="recompute='full' with Gated DeltaNet"):
+        plan_microbatches(batch, token_budget=64, max_seq_len=512, memory_budget_bytes=budget,
+                          memory_model=model, memory_options=[MemoryOptions(recompute="full")])
+    with pytest.raises(ValueError, match="Mamba-2 layers"):
+        ActivationModel(dims=dataclasses.replace(
+            DIMS, hybrid_pattern="G*M", linear_attention_freq=None, mamba_num_heads=8,
+            mamba_head_dim=16, mamba_state_dim=16, mamba_num_groups=2), act_bytes=4)
