@@ -33,6 +33,14 @@ Full recompute (uniform, one layer per checkpoint) keeps each layer's input (act
 backward, one layer's recompute at a time. With TP (sequence parallelism) every term is / TP;
 with CP tokens are / CP. MoE layers count top-k experts' fc1/SwiGLU/fc2 tensors, the routed
 copies of the hidden states and the fp32 router scores: an estimate, not measured yet.
+Attention with an output gate (Qwen3-Next / Qwen3.5) also saves the gate's fp32 sigmoid and the
+gated output (and its fused QKV output is wider by the gate); partial RoPE saves cos/sin of the
+rotated part only. Hybrid models (memory_model_layers.py: each layer by its kind): a Gated
+DeltaNet mixer saves what [Note: GDN saved tensors] (memory_model_gdn.py) says, per token and
+per packed sequence (its initial state), dense rows and reuse rows apart; its cache is a state
+and conv tail per prefix unit (memory_model_state.py) with fp32 gradients per unit, and with
+offload its conv window stays with the cached tail that views it. Reuse with full recompute is
+refused for state layers (so is the step); Mamba-2 layers are refused by name.
 
 The step is walked in the order the schedule runs it on one stage (PF, SF, SB, PB;
 pipeline/generate.py), each sample counting what is alive then: the peak per phase is an upper
