@@ -40,10 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from argtypes import (fraction, int_at_most, non_negative_float, positive_float,  # noqa: E402
                       positive_int)
-from layouts import layer_params  # noqa: E402
+from layouts import gdn_layer_params, layer_params  # noqa: E402
 from outputs import check_output, write_text_atomic  # noqa: E402
-from megatron_patches.models.model_configs import MODELS, PAPER_MODELS, ModelSpec  # noqa: E402
+from megatron_patches.models.model_configs import (HYBRID_MODELS, MODELS,  # noqa: E402
+                                                   PAPER_MODELS, ModelSpec)
 from prefix_schedule.planning.flops import ModelDims  # noqa: E402
+from prefix_schedule.planning.flops_layers import ATTENTION, GDN, layer_parts  # noqa: E402
 from prefix_schedule.planning.memory_model import (ActivationModel, MemoryOptions,  # noqa: E402
                                                    dense_peak_bytes, reuse_phase_peaks)
 from prefix_schedule.planning.planner import (PrefixWork, Segment, StepPlan,  # noqa: E402
@@ -53,7 +55,8 @@ __all__ = ["Layout", "MAX_GROUP_SIZE", "activation_models", "capacity", "check_m
            "dims_of", "longest", "main", "static_bytes"]
 
 GIB = 1024 ** 3
-CHOICES = {"tiny": "llama3-8b-tiny", **{name: name for name in PAPER_MODELS}}
+CHOICES = {"tiny": "llama3-8b-tiny", **{name: name for name in PAPER_MODELS},
+           **{name: name for name in HYBRID_MODELS}}
 REUSE_OPTIONS = (MemoryOptions(), MemoryOptions(offload=True), MemoryOptions(recompute="full"))
 MIN_CHUNK = 16
 MAX_CHUNKS = 64  # prefix chunks tried: halves of the prefix down to 1/64 of it, >= 16 tokens
@@ -70,41 +73,59 @@ class Layout:
     ep: int = 1
 
 
+_GDN_DIMS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+             "linear_value_head_dim", "linear_conv_kernel_dim")
+
+
 def check_modelled(spec: ModelSpec) -> None:
-    """ValueError for a model whose layers the accounting model does not count: Gated DeltaNet
-    layers (a ModelSpec with `linear_attention_freq`; absent or 0: none) cache a state, not K/V,
-    and save other tensors per token (docs/MEMORY.md, "Hybrid models")."""
-    if getattr(spec, "linear_attention_freq", 0):
-        raise ValueError(f"{spec.name}: Gated DeltaNet layers (linear_attention_freq="
-                         f"{spec.linear_attention_freq}) are not in the memory model yet "
-                         "(docs/MEMORY.md, \"Hybrid models\"); pick an attention-only model")
+    """ValueError for a model whose layers the accounting model does not count (none of the
+    registered specs: attention and Gated DeltaNet layers are counted, docs/MEMORY.md "Hybrid
+    models"); a GDN spec (`linear_attention_freq`) without its GDN dims is refused."""
+    freq = getattr(spec, "linear_attention_freq", None)
+    if freq and not all(getattr(spec, name, None) for name in _GDN_DIMS):
+        raise ValueError(f"{spec.name}: linear_attention_freq={freq} without the GDN dims "
+                         f"({', '.join(_GDN_DIMS)})")
 
 
 def dims_of(spec: ModelSpec) -> ModelDims:
+    """The accounting model's ModelDims of a spec (GDN hybrids: their GDN dims and the attention
+    output gate; MoE: the shared expert)."""
     check_modelled(spec)
+    gdn = {}
+    if getattr(spec, "linear_attention_freq", None):
+        gdn = {name: getattr(spec, name) for name in _GDN_DIMS}
+        gdn.update(linear_attention_freq=spec.linear_attention_freq,
+                   attention_output_gate=spec.attention_output_gate)
+    shared = getattr(spec, "moe_shared_expert_intermediate_size", None) or 0
     return ModelDims(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
                      ffn_hidden_size=spec.ffn_hidden_size,
                      num_attention_heads=spec.num_attention_heads,
                      num_query_groups=spec.num_query_groups, vocab_size=spec.vocab_size,
                      gated_linear_unit=True, kv_channels=spec.head_dim,
                      num_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk or 0,
-                     moe_ffn_hidden_size=spec.moe_ffn_hidden_size)
+                     moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+                     moe_shared_ffn_hidden_size=shared, **gdn)
 
 
 def static_bytes(spec: ModelSpec, layout: Layout) -> Dict[str, float]:
     """Weights, main gradients and distributed-optimizer state on one rank of the heaviest
     stage (the first: embedding; with PP=1 also the output layer)."""
     h, layers = spec.hidden_size, spec.num_layers // layout.pp
-    dense_layer = layer_params(spec)
+    dims = dims_of(spec)
+    kinds = [layer_parts(dims, i)[0] for i in range(layers)]  # the first stage's mixers
+    dense_layers = sum(gdn_layer_params(spec) if k == GDN else layer_params(spec) for k in kinds)
     experts = 0
     if spec.is_moe:
-        dense_layer -= 3 * h * spec.ffn_hidden_size
-        dense_layer += h * spec.num_experts  # the router
+        dense_layers -= layers * 3 * h * spec.ffn_hidden_size
+        dense_layers += layers * h * spec.num_experts  # the router
+        shared = getattr(spec, "moe_shared_expert_intermediate_size", None)
+        if shared:  # one shared expert and its sigmoid gate
+            dense_layers += layers * (3 * h * shared + h)
         experts = layers * spec.num_experts * 3 * h * spec.moe_ffn_hidden_size
     embedding = spec.vocab_size * h
     if layout.pp == 1 and not spec.tie_word_embeddings:
         embedding *= 2
-    dense = (layers * dense_layer + embedding) / layout.tp
+    dense = (dense_layers + embedding) / layout.tp
     expert = experts / (layout.tp * layout.ep)
     params = dense + expert
     return {"weights": 2 * params, "grads": 4 * params,
@@ -115,10 +136,12 @@ def static_bytes(spec: ModelSpec, layout: Layout) -> Dict[str, float]:
 
 def activation_models(spec: ModelSpec, layout: Layout, act_bytes: int) -> List[ActivationModel]:
     """The first stage (PP microbatches in flight) and, with PP > 1, the last (the loss)."""
+    stage = spec.num_layers // layout.pp
     common = dict(dims=dims_of(spec), act_bytes=act_bytes, qk_norm=spec.qk_norm, tp=layout.tp,
-                  stage_layers=spec.num_layers // layout.pp)
+                  rotary_percent=getattr(spec, "rotary_percent", 1.0), stage_layers=stage)
     first = ActivationModel(**common, head=layout.pp == 1, in_flight=layout.pp)
-    return [first] if layout.pp == 1 else [first, ActivationModel(**common, head=True)]
+    return [first] if layout.pp == 1 else \
+        [first, ActivationModel(**common, head=True, first_layer=spec.num_layers - stage)]
 
 
 def _split(T: int, share: float, cp: int) -> tuple:
@@ -166,7 +189,7 @@ def _cp_cache_extra(model, local: int, whole: int) -> float:
     suffix reads return, and fp32 gK/gV for every token of it (0 without CP)."""
     if whole <= local:
         return 0.0
-    return model.stage_layers * (model.kv_copy() * whole + model.gkv() * (whole - local))
+    return model.num_mixers(ATTENTION) * (model.kv_copy() * whole + model.gkv() * (whole - local))
 
 
 def longest(fits: Callable[[int], bool], limit: int = 1 << 24, low: int = 4) -> int:
@@ -225,6 +248,11 @@ def capacity(spec: ModelSpec, *, memory_gib: float, group_size: int, prefix_shar
         result["dense"][recompute] = longest(
             lambda T: dense_peak(models, T, G, pack, recompute, cp) <= free)
     for option in REUSE_OPTIONS:
+        refusal = models[0].refusal(option)
+        if refusal:  # e.g. full recompute with GDN layers
+            result["reuse"][option.describe()] = {"trajectory": 0, "prefix_chunk_tokens": None,
+                                                  "refused": refusal}
+            continue
         T = longest(lambda T: reuse_peak(models, T, G, pack, option, prefix_share, cp)[0] <= free,
                     low=_shortest_reuse(prefix_share, cp))
         chunk = reuse_peak(models, T, G, pack, option, prefix_share, cp)[1] if T else None
@@ -244,7 +272,8 @@ def assumptions(layout: Layout, act_bytes: int, reserve_gib: float, pack: str) -
             f"(TP={layout.tp}, PP={layout.pp}, CP={layout.cp}, EP={layout.ep}, sequence "
             f"parallel), {reserve_gib:g} GiB reserved; activations per "
             "prefix_schedule/planning/memory_model.py (Megatron local-spec layers, flash-style "
-            f"attention, no s^2 term); one group per step, packed per {pack}; each path at its "
+            "attention, no s^2 term; Gated DeltaNet mixers as fla-core 0.6.0 saves, "
+            f"memory_model_gdn.py); one group per step, packed per {pack}; each path at its "
             "best: dense recompute none or full, reuse none / offload / full recompute with "
             "prefix chunks")
 
@@ -261,6 +290,9 @@ def format_result(r: dict) -> str:
     for name, T in r["dense"].items():
         lines.append(f"  dense, recompute {name:<21}: T = {T:>7}  ({G * T} tokens per group)")
     for name, v in r["reuse"].items():
+        if v.get("refused"):
+            lines.append(f"  reuse, {name:<31}: refused ({v['refused']})")
+            continue
         chunk = f", prefix chunks <= {v['prefix_chunk_tokens']}" if v["prefix_chunk_tokens"] else ""
         lines.append(f"  reuse, {name:<31}: T = {v['trajectory']:>7}  ({G * v['trajectory']} "
                      f"tokens per group{chunk})")
@@ -332,9 +364,15 @@ def main(argv=None) -> int:
         p.error(str(exc))
     layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep)
     bad = [f"--{k}={v}" for k, v in dataclasses.asdict(layout).items() if v < 1]
-    if bad or spec.num_layers % args.pp or spec.num_query_groups % args.tp or (args.dp * args.cp) % args.ep:
+    gdn_heads = spec.linear_num_key_heads if spec.is_gdn else args.tp
+    if bad or spec.num_layers % args.pp or spec.num_query_groups % args.tp or \
+            gdn_heads % args.tp or (args.dp * args.cp) % args.ep:
         p.error(f"layout {layout}: sizes >= 1, --pp dividing {spec.num_layers} layers, --tp "
-                f"dividing {spec.num_query_groups} K/V heads, --ep dividing --dp x --cp")
+                f"dividing {spec.num_query_groups} K/V heads (and the GDN key heads), --ep "
+                "dividing --dp x --cp")
+    if spec.is_gdn and args.cp > 1:
+        p.error("Gated DeltaNet layers with --cp > 1: prefix reuse refuses context parallelism "
+                "for them (runtime/gdn_hooks.py); use --cp 1")
     if any(g < 1 for g in args.group_size) or not all(0 < s < 1 for s in args.prefix_share):
         p.error("--group-size >= 1 and --prefix-share in (0, 1)")
     kw = dict(memory_gib=args.memory_gib, layout=layout, pack=args.pack,

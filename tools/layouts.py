@@ -64,10 +64,35 @@ class Layout:
 
 
 def layer_params(spec: ModelSpec) -> int:
+    """A softmax-attention layer with a dense MLP (linear_qkv also makes the output gate with
+    attention_output_gate)."""
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
-    attention = h * (q + 2 * kv) + q * h + (2 * d if spec.qk_norm else 0)
+    gate = q if getattr(spec, "attention_output_gate", False) else 0
+    attention = h * (q + gate + 2 * kv) + q * h + (2 * d if spec.qk_norm else 0)
     return attention + 3 * h * spec.ffn_hidden_size + 2 * h
+
+
+def gdn_mixer_params(spec: ModelSpec) -> int:
+    """A Gated DeltaNet mixer (megatron-core 0.19 GatedDeltaNet): in_proj (q, k, v, z, beta,
+    alpha), the depthwise conv over q, k, v (no bias), A_log and dt_bias, the output norm (one
+    value head wide) and out_proj."""
+    h = spec.hidden_size
+    qk = spec.linear_num_key_heads * spec.linear_key_head_dim
+    vd = spec.linear_num_value_heads * spec.linear_value_head_dim
+    in_proj = h * (2 * qk + 2 * vd + 2 * spec.linear_num_value_heads)
+    conv = (2 * qk + vd) * spec.linear_conv_kernel_dim
+    return in_proj + conv + 2 * spec.linear_num_value_heads + spec.linear_value_head_dim + vd * h
+
+
+def gdn_layer_params(spec: ModelSpec) -> int:
+    """A GDN layer with a dense MLP: layer_params with the GDN mixer for the attention."""
+    h, d = spec.hidden_size, spec.head_dim
+    q = spec.num_attention_heads * d
+    gate = q if getattr(spec, "attention_output_gate", False) else 0
+    attention = h * (q + gate + 2 * spec.num_query_groups * d) + q * h + \
+        (2 * d if spec.qk_norm else 0)
+    return layer_params(spec) - attention + gdn_mixer_params(spec)
 
 
 def total_params(spec: ModelSpec) -> int:

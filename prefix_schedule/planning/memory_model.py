@@ -33,6 +33,14 @@ Full recompute (uniform, one layer per checkpoint) keeps each layer's input (act
 backward, one layer's recompute at a time. With TP (sequence parallelism) every term is / TP;
 with CP tokens are / CP. MoE layers count top-k experts' fc1/SwiGLU/fc2 tensors, the routed
 copies of the hidden states and the fp32 router scores: an estimate, not measured yet.
+Attention with an output gate (Qwen3-Next / Qwen3.5) also saves the gate's fp32 sigmoid and the
+gated output (and its fused QKV output is wider by the gate); partial RoPE saves cos/sin of the
+rotated part only. Hybrid models (memory_model_layers.py: each layer by its kind): a Gated
+DeltaNet mixer saves what [Note: GDN saved tensors] (memory_model_gdn.py) says, per token and
+per packed sequence (its initial state), dense rows and reuse rows apart; its cache is a state
+and conv tail per prefix unit (memory_model_state.py) with fp32 gradients per unit, and with
+offload its conv window stays with the cached tail that views it. Reuse with full recompute is
+refused for state layers (so is the step); Mamba-2 layers are refused by name.
 
 The step is walked in the order the schedule runs it on one stage (PF, SF, SB, PB;
 pipeline/generate.py), each sample counting what is alive then: the peak per phase is an upper
@@ -47,6 +55,8 @@ import dataclasses
 from typing import Dict, Optional, Sequence
 
 from prefix_schedule.planning.flops import ModelDims
+from prefix_schedule.planning.flops_layers import ATTENTION, GDN, MAMBA
+from prefix_schedule.planning.memory_model_layers import LayerTerms, check_mixers
 
 __all__ = ["ActivationModel", "MemoryOptions", "RECOMPUTE_MODES", "dense_peak_bytes",
            "reuse_phase_peaks", "unit_reads"]
@@ -55,6 +65,7 @@ RECOMPUTE_MODES = ("none", "full")
 FP32 = 4
 HEAD_CONST = 30  # labels (int64), masks (bool) and the policy loss's per-token fp32 terms
 EMBED_CONST = 8  # the token ids the embedding saves (int64)
+STATE_MIXERS = (GDN, MAMBA)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,18 +90,23 @@ class MemoryOptions:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ActivationModel:
-    """Per-token device bytes of one pipeline stage of a model (module docstring)."""
+class ActivationModel(LayerTerms):
+    """Per-token device bytes of one pipeline stage of a model (module docstring; the layers'
+    terms by kind: memory_model_layers.py)."""
 
     dims: ModelDims
     act_bytes: int = 2
     """Bytes of an activation element: 2 (bf16), 4 (fp32, the CPU tests)."""
     qk_norm: bool = False
     """Per-head RMSNorm of q and k (Qwen3): their inputs and rstd are saved too."""
+    rotary_percent: float = 1.0
+    """The rotated fraction of a head (Qwen3-Next / Qwen3.5: 0.25): RoPE's saved cos / sin."""
     tp: int = 1
     """Tensor-parallel size under sequence parallelism: every term / tp."""
     stage_layers: Optional[int] = None
     """Layers on this stage (None: all)."""
+    first_layer: int = 0
+    """0-based index of the stage's first layer (which layers are GDN / attention)."""
     head: bool = True
     """Whether this stage holds the output layer and loss (the last stage)."""
     in_flight: int = 1
@@ -104,40 +120,16 @@ class ActivationModel:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ActivationModel.{name}={value!r}; give an int >= 1")
+        if not 0 < self.rotary_percent <= 1:
+            raise ValueError(f"ActivationModel.rotary_percent={self.rotary_percent!r}; give a "
+                             "fraction in (0, 1]")
         if self.stage_layers is None:
-            object.__setattr__(self, "stage_layers", self.dims.num_layers)
-
-    # ---- per token, per layer (bytes on one TP rank)
-    def _widths(self):
-        d = self.dims
-        return d.hidden_size, d.num_attention_heads * d.kv_channels, \
-            d.num_query_groups * d.kv_channels, d.kv_channels
-
-    def attention(self) -> float:
-        """Saved bytes per token of one layer's attention half (input norm to output
-        projection)."""
-        h, q, kv, dk = self._widths()
-        d, a = self.dims, self.act_bytes
-        attention = a * (3 * h + 3 * q + 3 * kv + 4 * dk) + FP32 * (d.num_attention_heads + 1)
-        if self.qk_norm:
-            attention += a * 2 * (q + kv) + FP32 * (d.num_attention_heads + d.num_query_groups)
-        return attention / self.tp
-
-    def mlp(self) -> float:
-        """Saved bytes per token of one layer's MLP half (pre-MLP norm to fc2)."""
-        h, d, a = self.dims.hidden_size, self.dims, self.act_bytes
-        if d.num_experts:
-            k = d.moe_router_topk
-            mlp = a * (5 * k * d.moe_ffn_hidden_size + 2 * k * h) + FP32 * 2 * d.num_experts
-            if d.moe_shared_ffn_hidden_size:
-                mlp += a * 5 * d.moe_shared_ffn_hidden_size
-        else:
-            mlp = a * 5 * d.ffn_hidden_size
-        return (mlp + a * 3 * h + FP32) / self.tp
-
-    def layer(self) -> float:
-        """Saved bytes per token of one layer."""
-        return self.attention() + self.mlp()
+            object.__setattr__(self, "stage_layers", self.dims.num_layers - self.first_layer)
+        if not (0 <= self.first_layer and self.stage_layers >= 1
+                and self.first_layer + self.stage_layers <= self.dims.num_layers):
+            raise ValueError(f"ActivationModel: layers {self.first_layer} + {self.stage_layers} "
+                             f"outside the model's {self.dims.num_layers}")
+        check_mixers(self.dims, range(self.first_layer, self.first_layer + self.stage_layers))
 
     def head_bytes(self) -> float:
         """Output layer and loss, per token (0 off the last stage)."""
@@ -150,91 +142,136 @@ class ActivationModel:
         """What full recompute keeps per layer: the layer's input."""
         return self.act_bytes * self.dims.hidden_size / self.tp
 
-    def kv_storage(self, compact: bool) -> float:
-        """Device bytes of one layer's cached K/V, per cached token."""
-        _, q, kv, _ = self._widths()
-        return self.act_bytes * (2 * kv if compact else q + 3 * kv) / self.tp
-
-    def kv_copy(self) -> float:
-        """One layer's concatenated K/V read of several cached units, per chain token."""
-        return self.act_bytes * 2 * self._widths()[2] / self.tp
-
-    def gkv(self) -> float:
-        """fp32 gK/gV of one layer, per cached token."""
-        return FP32 * 2 * self._widths()[2] / self.tp
-
     # ---- per token, this stage
     def row_token(self, recompute: str, *, suffix: bool = False) -> float:
         """Peak bytes per token of one microbatch row (dense, or a suffix row: `suffix`)."""
-        L = self.stage_layers
-        layer = self.layer() + (self.act_bytes * self._widths()[1] / self.tp if suffix else 0)
+        L, row = self.stage_layers, "suffix" if suffix else "dense"
         if recompute == "full":
-            return L * self.checkpoint() + EMBED_CONST + max(self.head_bytes(), layer)
-        return L * layer + self.head_bytes() + EMBED_CONST
+            return L * self.checkpoint() + EMBED_CONST + max(self.head_bytes(), self.layer(row))
+        return self.layers_bytes(row) + self.head_bytes() + EMBED_CONST
+
+    def row_sequence(self, recompute: str, *, suffix: bool = False) -> float:
+        """Peak bytes per packed sequence of one microbatch row, beside row_token's."""
+        row = "suffix" if suffix else "dense"
+        return self.sequence_bytes(row, every=recompute != "full")
+
+    def _last_share(self, new_kv: float, new_state: float) -> float:
+        """The gK/gV or state gradients the stage's last mixer creates (its backward comes
+        first)."""
+        kinds = [m for m, _ in self.kinds() if m is not None]
+        if not kinds:
+            return 0.0
+        if kinds[-1] == ATTENTION:
+            return new_kv / kinds.count(ATTENTION)
+        return new_state / (len(kinds) - kinds.count(ATTENTION))
+
+    def _first_mixer(self, tokens: int, copy: float, sequences: int) -> float:
+        """The stage's first layer's mixer half of a suffix row (what its backward reads)."""
+        kind = self.kinds()[0][0]
+        if kind in (None, ATTENTION):
+            return tokens * self.mixer(kind, "suffix") + (copy if kind else 0.0)
+        mixer = self.state_mixer(kind, "suffix")
+        return (tokens * mixer.per_token + sequences * mixer.per_sequence) / self.tp
 
     def suffix_backward(self, tokens: int, recompute: str, new_gkv: float,
-                        copy_tokens: int = 0) -> float:
-        """Peak of a suffix row's backward that creates `new_gkv` bytes of gK/gV and whose
-        attention reads `copy_tokens` concatenated prefix tokens per layer: layer by layer the
-        row's saved tensors go as the gK/gV of the layers done arrive, so the peak is at one end:
-        the last layer (all saved, 1/L of the gK/gV) or the first (its attention half, all;
-        under full recompute also its whole re-run layer with (L-1)/L of the gK/gV)."""
+                        copy_tokens: int = 0, new_state: float = 0.0,
+                        sequences: int = 1) -> float:
+        """Peak of a suffix row's backward that creates `new_gkv` bytes of gK/gV and
+        `new_state` of state gradients, whose attention reads `copy_tokens` concatenated prefix
+        tokens per layer and which packs `sequences` sequences: layer by layer the row's saved
+        tensors go as the gradients of the layers done arrive, so the peak is at one end: the
+        last layer (all saved, its share of the gradients) or the first (its mixer half, all;
+        under full recompute also its whole re-run layer with the others' gradients)."""
         L = self.stage_layers
-        layer = self.layer() + self.act_bytes * self._widths()[1] / self.tp
-        first = layer - self.mlp()  # the first layer's gK/gV come after its MLP's backward
-        copy = copy_tokens * self.kv_copy()  # one layer's
+        n_kv = self.num_mixers(ATTENTION)
+        re_run = tokens * self.layer("suffix") + sequences * self.row_sequence("full", suffix=True)
+        copy = copy_tokens * self.kv_copy() if n_kv else 0.0  # one layer's
+        first = self._first_mixer(tokens, copy, sequences)
+        last = self._last_share(new_gkv, new_state)
+        new = new_gkv + new_state
         if recompute == "full":  # only the re-run layer holds its saved tensors and copy
-            # k layers done: (L - k) inputs kept, one layer re-run, k/L of the gK/gV -- linear
-            # in k, so the peak is at k = 0 or at the first layer's re-run (k = L - 1)
+            # k layers done: (L - k) inputs kept, one layer re-run, the done layers' gradients
+            # -- linear in k, so the peak is at k = 0 or at the first layer's re-run or mixer
             kept = self.checkpoint() + EMBED_CONST
-            return max(tokens * (L * self.checkpoint() + EMBED_CONST + layer) + copy + new_gkv / L,
-                       tokens * (kept + layer) + copy + new_gkv * (L - 1) / L,
-                       tokens * (kept + first) + copy + new_gkv)
-        return max(tokens * self.row_token("none", suffix=True) + L * copy + new_gkv / L,
-                   tokens * (first + EMBED_CONST) + copy + new_gkv)
+            return max(tokens * (L * self.checkpoint() + EMBED_CONST) + re_run + copy + last,
+                       tokens * kept + re_run + copy + new - last,
+                       tokens * kept + first + new)
+        return max(tokens * self.row_token("none", suffix=True) + n_kv * copy +
+                   sequences * self.row_sequence("none", suffix=True) + last,
+                   tokens * EMBED_CONST + first + new)
 
-    def suffix_forward(self, tokens: int, recompute: str, copy_tokens: int = 0) -> float:
-        """What a suffix row holds at the end of its forward (`copy_tokens`: suffix_backward)."""
+    def suffix_forward(self, tokens: int, recompute: str, copy_tokens: int = 0,
+                       sequences: int = 1) -> float:
+        """What a suffix row holds at the end of its forward (`copy_tokens`, `sequences`:
+        suffix_backward)."""
         if recompute == "full":  # checkpointed layers save nothing in forward
             return tokens * (self.stage_layers * self.checkpoint() + EMBED_CONST
                              + self.head_bytes())
         return tokens * self.row_token("none", suffix=True) + \
-            self.stage_layers * copy_tokens * self.kv_copy()
+            self.num_mixers(ATTENTION) * copy_tokens * self.kv_copy() + \
+            sequences * self.row_sequence("none", suffix=True)
 
     def prefix_reads(self, row_tokens: int, copy_tokens: int, options: MemoryOptions) -> tuple:
         """(dormant, Phase C) extra bytes of a prefix unit of `row_tokens` whose forward reads
         earlier cached units (a later chunk, a tree node below the root): its two-part attention
-        saves its output apart from the output projection's input (act x q, every layer but the
-        last, which stops at its K/V) and, reading several units, their concatenated K/V
-        (`copy_tokens` per layer). Saved until Phase C; offloaded until then with offload; under
-        full recompute only the re-run layer's, in Phase C."""
+        saves its output apart from the output projection's input (act x q, every attention
+        layer but the last mixer, which stops at its K/V) and, reading several units, their
+        concatenated K/V (`copy_tokens` per attention layer). Saved until Phase C; offloaded
+        until then with offload; under full recompute only the re-run layer's, in Phase C."""
+        n_kv = self.num_mixers(ATTENTION)
+        if not n_kv:
+            return 0.0, 0.0
         out = row_tokens * self.act_bytes * self._widths()[1] / self.tp
         copy = copy_tokens * self.kv_copy()
         if options.recompute == "full":
             return 0.0, out + copy
-        every = (self.stage_layers - 1) * out + self.stage_layers * copy
+        last = [m for m, _ in self.kinds() if m is not None][-1] == ATTENTION
+        every = (n_kv - last) * out + n_kv * copy
         return (0.0, every) if options.offload else (every, 0.0)
 
     def dormant_token(self, options: MemoryOptions) -> float:
-        """Bytes a cached prefix token holds from Phase A to Phase C (cache K/V included)."""
-        L, h, dk = self.stage_layers, self.dims.hidden_size, self._widths()[3]
+        """Bytes a cached prefix token holds from Phase A to Phase C (cache K/V included; with
+        offload also the GDN conv windows the cached conv tails view, which stay)."""
+        n_kv = self.num_mixers(ATTENTION)
         if options.recompute == "full":
-            return L * self.kv_storage(compact=True)
+            return n_kv * self.kv_storage(compact=True)
         if options.offload:
-            return L * self.kv_storage(compact=False)
-        last = (self.act_bytes * (3 * h + 4 * dk) + FP32) / self.tp + self.kv_storage(False)
-        return (L - 1) * self.layer() + last + EMBED_CONST
+            return n_kv * self.kv_storage(compact=False) + self.conv_windows()[0]
+        return self.dormant_layers() + EMBED_CONST
+
+    def dormant_unit(self, options: MemoryOptions) -> float:
+        """Bytes a prefix unit holds from Phase A to Phase C whatever its length: the state
+        layers' states and conv tails and, without offload, their per-sequence saved tensors
+        (whose conv windows the cached tails view: counted once)."""
+        if options == MemoryOptions():
+            return self.state_unit() - self.conv_windows()[1] + self.sequence_bytes("prefix")
+        return self.state_unit()
 
     def phase_c_token(self, options: MemoryOptions) -> float:
         """Extra bytes per token of the prefix unit whose Phase C runs."""
         if options.recompute == "full":
-            return self.stage_layers * self.checkpoint() + self.layer()
+            return self.stage_layers * self.checkpoint() + self.layer("prefix")
         if options.offload:
             return self.dormant_token(MemoryOptions()) - self.dormant_token(options)
         return 0.0
 
+    def phase_c_unit(self, options: MemoryOptions) -> float:
+        """Extra bytes of the prefix unit whose Phase C runs, whatever its length."""
+        if options.recompute == "full":
+            return self.sequence_bytes("prefix", every=False)
+        if options.offload:
+            return self.sequence_bytes("prefix") - self.conv_windows()[1]
+        return 0.0
+
+    def refusal(self, options: MemoryOptions) -> Optional[str]:
+        """Why a reuse step of this stage cannot run with `options` (None: it can)."""
+        if options.recompute == "full" and self.num_mixers(*STATE_MIXERS):
+            return ("recompute='full' with Gated DeltaNet / Mamba-2 layers: prefix reuse refuses "
+                    "it (Phase C replays K/V only); use offload or no recompute")
+        return None
+
     def gkv_token(self) -> float:
-        return self.stage_layers * self.gkv()
+        return self.num_mixers(ATTENTION) * self.gkv()
 
 
 def dense_peak_bytes(model: ActivationModel, row_tokens: Sequence[int],
@@ -242,7 +279,8 @@ def dense_peak_bytes(model: ActivationModel, row_tokens: Sequence[int],
     """Peak of a dense step whose microbatches hold `row_tokens` tokens each (rows x longest
     row when batched): the model's `in_flight` largest held at once."""
     largest = sorted(row_tokens, reverse=True)[:model.in_flight]
-    return sum(largest) * model.row_token(recompute)
+    return sum(largest) * model.row_token(recompute) + \
+        len(largest) * model.row_sequence(recompute)
 
 
 def unit_reads(plan) -> tuple:
@@ -278,6 +316,12 @@ def unit_reads(plan) -> tuple:
     return slots, ancestors
 
 
+def _sequences(mb) -> int:
+    """Packed sequences of a suffix row as the state hook cuts it: its segments, and its
+    padding as one more."""
+    return len(mb.segments) + (mb.row_length > sum(s.length for s in mb.segments))
+
+
 def reuse_phase_peaks(model: ActivationModel, plan,
                       options: MemoryOptions = MemoryOptions()) -> Dict[str, float]:
     """Peak bytes per phase ("PF", "suffix", "PB", "step") of a reuse step on one stage, walked
@@ -286,6 +330,9 @@ def reuse_phase_peaks(model: ActivationModel, plan,
     from prefix_schedule.pipeline import ActionKind
     from prefix_schedule.pipeline.generate import build_schedule
 
+    refusal = model.refusal(options)
+    if refusal:
+        raise ValueError(refusal)
     units = plan.prefix_units()
     schedule = build_schedule(num_stages=1, microbatch_groups=plan.microbatch_groups(),
                               prefix_groups=[w.group for w in plan.prefixes],
@@ -296,39 +343,46 @@ def reuse_phase_peaks(model: ActivationModel, plan,
         return sum(units[u].length for chain in chains if len(chain) > 1 for u in chain)
 
     rows = {mb.index: mb.row_length for mb in plan.microbatches}
+    seqs = {mb.index: _sequences(mb) for mb in plan.microbatches}
     copies = {i: copy_tokens(chains) for i, chains in slots.items()}
-    forward = {i: model.suffix_forward(rows[i], options.recompute, copies[i]) for i in rows}
+    forward = {i: model.suffix_forward(rows[i], options.recompute, copies[i], seqs[i])
+               for i in rows}
     if options.recompute == "full":  # as a pipeline holds them: inputs and the head's
         forward = {i: rows[i] * model.row_token("full", suffix=True) for i in rows}
     extra = sorted(forward.values(), reverse=True)[1:model.in_flight]  # the others a stage holds
     held = sum(extra)
-    dormant, gkv, reads = {}, {}, {}
+    dormant, grads, reads = {}, {}, {}
     peaks = {"PF": 0.0, "suffix": 0.0, "PB": 0.0}
 
     def sample(phase: str, transient: float) -> None:
-        total = sum(dormant.values()) + sum(gkv.values()) + held + transient
+        total = sum(dormant.values()) + sum(sum(g) for g in grads.values()) + held + transient
         peaks[phase] = max(peaks[phase], total)
+
+    def unit_grads(u: int) -> tuple:  # (gK/gV, state gradients) of prefix unit u
+        return units[u].length * model.gkv_token(), model.state_grad_unit()
 
     for action in schedule.actions[0]:
         kind, i = action.kind, action.index
         if kind is ActionKind.PREFIX_FORWARD:
             reads[i] = model.prefix_reads(units[i].row_length, copy_tokens([ancestors[i]]),
                                           options) if ancestors[i] else (0.0, 0.0)
-            dormant[i] = units[i].row_length * model.dormant_token(options) + reads[i][0]
+            dormant[i] = units[i].row_length * model.dormant_token(options) + reads[i][0] + \
+                model.dormant_unit(options)
             sample("PF", 0.0)
         elif kind is ActionKind.SUFFIX_FORWARD:
-            sample("suffix", model.suffix_forward(rows[i], options.recompute, copies[i]))
+            sample("suffix", model.suffix_forward(rows[i], options.recompute, copies[i], seqs[i]))
         elif kind is ActionKind.SUFFIX_BACKWARD:
             read = {u for chain in slots[i] for u in chain}
-            new = {u: units[u].length * model.gkv_token() for u in read
-                   if u in dormant and u not in gkv}
-            sample("suffix", model.suffix_backward(rows[i], options.recompute,
-                                                   sum(new.values()), copies[i]))
-            gkv.update(new)
+            new = {u: unit_grads(u) for u in read if u in dormant and u not in grads}
+            sample("suffix", model.suffix_backward(
+                rows[i], options.recompute, sum(g for g, _ in new.values()), copies[i],
+                new_state=sum(s for _, s in new.values()), sequences=seqs[i]))
+            grads.update(new)
         elif kind is ActionKind.PREFIX_BACKWARD:
-            gkv.setdefault(i, units[i].length * model.gkv_token())
-            sample("PB", units[i].row_length * model.phase_c_token(options) + reads[i][1])
+            grads.setdefault(i, unit_grads(i))
+            sample("PB", units[i].row_length * model.phase_c_token(options) + reads[i][1] +
+                   model.phase_c_unit(options))
             dormant.pop(i, None)
-            gkv.pop(i, None)
+            grads.pop(i, None)
     peaks["step"] = max(peaks.values())
     return peaks

@@ -15,8 +15,8 @@ keep their K/V per cached token (memory_model.ActivationModel.kv_storage / gkv),
 only as how many layers do. tests/test_memory_state.py holds `state_bytes` and
 `state_grad_bytes` to the bytes PrefixKVCache holds in a real tiny hybrid step.
 
-Not modelled here: what GDN and Mamba layers save for backward per token (their kernels'
-internals differ between the GPU kernels and the CPU stand-ins: docs/MEMORY.md "Hybrid models").
+What GDN layers save for backward per token is memory_model_gdn.py's (as fla's GPU kernels
+save it, not the CPU stand-ins); Mamba-2's is not modelled yet (docs/MEMORY.md "Hybrid models").
 """
 from __future__ import annotations
 

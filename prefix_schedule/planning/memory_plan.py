@@ -94,6 +94,11 @@ def plan_within_budget(batch, *, plan_fn, token_budget: int, memory_budget_bytes
     options = tuple(DEFAULT_MEMORY_OPTIONS if memory_options is None else memory_options)
     if not options or not all(isinstance(o, MemoryOptions) for o in options):
         raise ValueError(f"memory_options={memory_options!r}; give MemoryOptions to choose from")
+    if memory_options is None:  # what the model's layers support (GDN: no full recompute)
+        options = tuple(o for o in options if memory_model.refusal(o) is None)
+    for option in options:
+        if memory_model.refusal(option):
+            raise ValueError(f"memory_options: {memory_model.refusal(option)}")
     longest_suffix = max(t.num_tokens for g in batch.groups for t in g.trajectories)
     smallest = longest_suffix + (-longest_suffix % row_multiple)
     longest_prefix = max(g.prefix_len for g in batch.groups)

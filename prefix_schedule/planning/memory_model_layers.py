@@ -1,0 +1,180 @@
+"""Per-token saved bytes of one pipeline stage's layers, layer by layer and by kind of mixer
+([Note: predicted device memory] in memory_model.py says what is counted for attention and MLP
+halves; [Note: GDN saved tensors] in memory_model_gdn.py for Gated DeltaNet mixers).
+
+A stage holds layers `first_layer .. first_layer + stage_layers - 1`; `flops_layers.layer_parts`
+gives each its (mixer, MLP) symbols. Three kinds of row save differently:
+- "dense": a stock Megatron row (GDN: fla's conv keeps the in_proj output);
+- "prefix": a prefix unit's row in a reuse step (GDN: the state hook's per-segment conv, one
+  initial state per sequence);
+- "suffix": a suffix row (as "prefix", and the two-part attention also saves its output for the
+  output projection).
+The cache of a state layer is per prefix unit (memory_model_state.prefix_cache_shape), not per
+token: `state_unit` / `state_grad_unit`.
+"""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional, Tuple
+
+from prefix_schedule.planning.flops_layers import ATTENTION, GDN, MAMBA, MOE, layer_parts
+from prefix_schedule.planning.memory_model_gdn import gdn_mixer_bytes
+from prefix_schedule.planning.memory_model_mixers import MixerBytes
+from prefix_schedule.planning.memory_model_state import prefix_cache_shape
+
+__all__ = ["MIXER_BYTES", "ROWS", "LayerTerms", "check_mixers"]
+
+FP32 = 4
+ROWS = ("dense", "prefix", "suffix")
+
+MIXER_BYTES: Dict[str, Callable[..., MixerBytes]] = {
+    GDN: lambda dims, act_bytes, reuse: gdn_mixer_bytes(dims, act_bytes, reuse=reuse),
+}
+"""Kind of state mixer -> its formula (dims, act_bytes, reuse: a reuse step's row) -> MixerBytes.
+Mamba-2 joins with one line: `MAMBA: lambda dims, a, reuse: mamba_mixer_bytes(dims, a)`."""
+
+
+def check_mixers(dims, layers: range) -> None:
+    """ValueError naming a state mixer the accounting model does not count yet."""
+    missing = {layer_parts(dims, i)[0] for i in layers} - set(MIXER_BYTES) - {ATTENTION, None}
+    if MAMBA in missing:
+        raise ValueError("Mamba-2 layers (`M`) are not in the memory model yet: what mamba-ssm's "
+                         "kernels save per token is not counted (docs/MEMORY.md, \"Hybrid "
+                         "models\"); predict a model without them")
+    if missing:
+        raise ValueError(f"layers of kind {sorted(missing)} are not in the memory model")
+
+
+class LayerTerms:
+    """Mixin of ActivationModel: needs dims, act_bytes, qk_norm, rotary_percent, tp,
+    stage_layers, first_layer."""
+
+    # ---- the stage's layers
+    def kinds(self) -> List[Tuple[Optional[str], Optional[str]]]:
+        """(mixer, MLP) symbols of the stage's layers, in order."""
+        return [layer_parts(self.dims, i)
+                for i in range(self.first_layer, self.first_layer + self.stage_layers)]
+
+    def num_mixers(self, *kinds: str) -> int:
+        return sum(m in kinds for m, _ in self.kinds())
+
+    def _widths(self):
+        d = self.dims
+        return d.hidden_size, d.num_attention_heads * d.kv_channels, \
+            d.num_query_groups * d.kv_channels, d.kv_channels
+
+    # ---- per token, one layer's halves (bytes on one TP rank)
+    def attention(self) -> float:
+        """Saved bytes per token of one layer's attention half (input norm to output
+        projection); an output gate saves its sigmoid (fp32), the gated output and a fused QKV
+        output wider by the gate; RoPE's cos / sin are as wide as the rotated part."""
+        h, q, kv, dk = self._widths()
+        d, a = self.dims, self.act_bytes
+        rope = 4 * dk * self.rotary_percent
+        attention = a * (3 * h + 3 * q + 3 * kv + rope) + FP32 * (d.num_attention_heads + 1)
+        if self.qk_norm:
+            attention += a * 2 * (q + kv) + FP32 * (d.num_attention_heads + d.num_query_groups)
+        if d.attention_output_gate:
+            attention += a * 2 * q + FP32 * q
+        return attention / self.tp
+
+    def mlp(self, symbol: Optional[str] = None) -> float:
+        """Saved bytes per token of one layer's MLP half (pre-MLP norm to fc2); `symbol` "-" /
+        "E" (None: MoE if the model has experts)."""
+        h, d, a = self.dims.hidden_size, self.dims, self.act_bytes
+        moe = symbol == MOE if symbol is not None else bool(d.num_experts)
+        if moe:
+            k = d.moe_router_topk
+            mlp = a * (5 * k * d.moe_ffn_hidden_size + 2 * k * h) + FP32 * 2 * d.num_experts
+            if d.moe_shared_ffn_hidden_size:
+                mlp += a * 5 * d.moe_shared_ffn_hidden_size
+        else:
+            mlp = a * 5 * d.ffn_hidden_size
+        return (mlp + a * 3 * h + FP32) / self.tp
+
+    def state_mixer(self, kind: str, row: str) -> MixerBytes:
+        return MIXER_BYTES[kind](self.dims, self.act_bytes, reuse=row != "dense")
+
+    def mixer(self, kind: Optional[str], row: str) -> float:
+        """Per token of one mixer half in a row of kind `row` (module docstring)."""
+        if kind is None:
+            return 0.0
+        if kind == ATTENTION:
+            extra = self.act_bytes * self._widths()[1] / self.tp if row == "suffix" else 0.0
+            return self.attention() + extra
+        return self.state_mixer(kind, row).per_token / self.tp
+
+    def layer_bytes(self, parts, row: str) -> float:
+        mixer, mlp = parts
+        return self.mixer(mixer, row) + (self.mlp(mlp) if mlp is not None else 0.0)
+
+    def layers_bytes(self, row: str) -> float:
+        """All the stage's layers, per token."""
+        return sum(self.layer_bytes(p, row) for p in self.kinds())
+
+    def layer(self, row: str = "dense") -> float:
+        """The largest layer of the stage, per token (one layer's recompute)."""
+        return max(self.layer_bytes(p, row) for p in self.kinds())
+
+    def sequence_bytes(self, row: str, every: bool = True) -> float:
+        """Per sequence of a row: the state mixers' per-sequence terms, of all the stage's
+        layers (`every`) or of the largest one (one layer's recompute)."""
+        terms = [self.state_mixer(m, row).per_sequence / self.tp
+                 for m, _ in self.kinds() if m not in (None, ATTENTION)]
+        return (sum(terms) if every else max(terms)) if terms else 0.0
+
+    def dormant_layers(self) -> float:
+        """A dormant prefix token's saved bytes over the stage's layers: every layer before the
+        last mixer, the last mixer up to what the cache keeps (an attention layer's input norm,
+        RoPE and K/V storage; a state layer's mixer up to its state), nothing after it (Phase A
+        stops there: docs/DESIGN.md)."""
+        kinds = self.kinds()
+        mixers = [i for i, (m, _) in enumerate(kinds) if m is not None]
+        if not mixers:
+            return self.layers_bytes("prefix")
+        last = mixers[-1]
+        before = sum(self.layer_bytes(p, "prefix") for p in kinds[:last])
+        kind = kinds[last][0]
+        if kind == ATTENTION:
+            h, dk, a = self.dims.hidden_size, self._widths()[3], self.act_bytes
+            norm = (a * (3 * h + 4 * dk * self.rotary_percent) + FP32) / self.tp
+            return before + norm + self.kv_storage(compact=False)
+        return before + self.state_mixer(kind, "prefix").to_state_per_token / self.tp
+
+    # ---- the cache: per attention layer and cached token; per state layer and prefix unit
+    def kv_storage(self, compact: bool) -> float:
+        """Device bytes of one attention layer's cached K/V, per cached token (V views the
+        fused QKV output, gate included)."""
+        _, q, kv, _ = self._widths()
+        fused = q * (2 if self.dims.attention_output_gate else 1) + 3 * kv
+        return self.act_bytes * (2 * kv if compact else fused) / self.tp
+
+    def kv_copy(self) -> float:
+        """One layer's concatenated K/V read of several cached units, per chain token."""
+        return self.act_bytes * 2 * self._widths()[2] / self.tp
+
+    def gkv(self) -> float:
+        """fp32 gK/gV of one layer, per cached token."""
+        return FP32 * 2 * self._widths()[2] / self.tp
+
+    def conv_windows(self) -> tuple:
+        """(per token, per sequence) bytes of the GDN layers' conv windows in a reuse row: the
+        state hook's [tail; x] that the cached conv tail views (runtime/gdn_hooks.py
+        conv_window), so it stays with the cache, offloaded or not."""
+        n = self.num_mixers(GDN)
+        d = self.dims
+        channels = 2 * d.linear_num_key_heads * d.linear_key_head_dim + \
+            d.linear_num_value_heads * d.linear_value_head_dim
+        width = self.act_bytes * channels * n / self.tp
+        return width, width * (d.linear_conv_kernel_dim - 1)
+
+    def _cache_shape(self):
+        layers = range(self.first_layer, self.first_layer + self.stage_layers)
+        return prefix_cache_shape(self.dims, act_bytes=self.act_bytes, tp=self.tp, layers=layers)
+
+    def state_unit(self) -> float:
+        """The state layers' states and conv tails, per prefix unit."""
+        return self._cache_shape().state_bytes
+
+    def state_grad_unit(self) -> float:
+        """Their fp32 gradient buffers, per prefix unit."""
+        return self._cache_shape().state_grad_bytes
