@@ -330,10 +330,6 @@ def test_budget_planner_leaves_out_full_recompute_for_gdn_layers():
     with pytest.raises(ValueError, match="recompute='full' with Gated DeltaNet"):
         plan_microbatches(batch, token_budget=64, max_seq_len=512, memory_budget_bytes=budget,
                           memory_model=model, memory_options=[MemoryOptions(recompute="full")])
-    with pytest.raises(ValueError, match="Mamba-2 layers"):
-        ActivationModel(dims=dataclasses.replace(
-            DIMS, hybrid_pattern="G*M", linear_attention_freq=None, mamba_num_heads=8,
-            mamba_head_dim=16, mamba_state_dim=16, mamba_num_groups=2), act_bytes=4)
 
 
 @pytest.mark.megatron

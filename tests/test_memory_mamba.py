@@ -30,22 +30,24 @@ def test_formulas_by_hand():
                                to_state_per_token=common + 4 * 128 + after_scan,
                                per_sequence=2 * 4 * 8)  # exp(A_log), A
     reuse = mamba_mixer_bytes(DIMS, 4)
-    to_state = common + 4 * (2 * 192 + 128) + 4 * 8  # window, conv out, out_x, dA_cumsum
-    assert reuse.to_state_per_token == to_state == 4164
-    assert reuse.per_token == to_state + after_scan == 5196
-    # per sequence: 3 more steps of window and conv out, at most 15 padded dA_cumsum steps
-    assert reuse.per_sequence == 2 * 3 * 192 * 4 + 15 * 4 * 8 + 2 * 4 * 8
+    # the hook's z and dt copies instead of zxBCdt; the conv window, x B C copies, out_x;
+    # dA_cumsum
+    to_state = 4 * 3 * 64 + 4 + 4 * (128 + 8) + 4 * (2 * 192 + 128) + 4 * 8
+    assert reuse.to_state_per_token == to_state == 3396
+    assert reuse.per_token == to_state + after_scan == 4428
+    # per sequence: 3 more steps of the window, at most 15 padded dA_cumsum steps
+    assert reuse.per_sequence == 3 * 192 * 4 + 15 * 4 * 8 + 2 * 4 * 8
     # bf16 parameters: dt_bias.float() is a new fp32 tensor too
     assert mamba_mixer_bytes(DIMS, 2, path="stock").per_sequence == 3 * 4 * 8
-    assert mamba_row_bytes(DIMS, 4, [16, 5]) == 21 * 5196 + 2 * 4608 + 11 * 32 + 64
-    assert mamba_row_bytes(DIMS, 4, [16], to_state=True) == 16 * 4164 + 4608 + 64
+    assert mamba_row_bytes(DIMS, 4, [16, 5]) == 21 * 4428 + 2 * 2304 + 11 * 32 + 64
+    assert mamba_row_bytes(DIMS, 4, [16], to_state=True) == 16 * 3396 + 2304 + 64
     assert mamba_row_bytes(DIMS, 4, [40], path="stock") == 40 * 3628 + 64
     # docs/MEMORY.md's Nemotron-H-8B-like widths, bf16: d_in 18560, ch 10240
     nemotron = dataclasses.replace(DIMS, hidden_size=4096, mamba_num_heads=128, mamba_head_dim=64,
                                    mamba_state_dim=128, mamba_num_groups=8, mamba_chunk_size=128)
     assert mamba_mixer_bytes(nemotron, 2, path="stock").per_token == \
         2 * (3 * 4096 + 18560 + 3 * 8192) + 4 * 9 == 110_884
-    assert mamba_mixer_bytes(nemotron, 2).per_token == 110_884 + 2 * 2 * 10240 + 4 * 128 == 152_356
+    assert mamba_mixer_bytes(nemotron, 2).per_token == 110_884 + 2 * 10240 + 4 * 128 == 131_876
 
 
 def test_mixer_bytes_bound_the_exact_count():
@@ -172,7 +174,9 @@ def _predicted(record, act_bytes=4) -> int:
     lengths = [n for n, _ in calls]
     assert sum(lengths) == tokens, record  # the kernel calls cover the row
     path = "stock" if kind == "dense" else "reuse"
-    stored = STATE_BYTES if kind == "PF" else 0  # a prefix row's final state, into the cache
+    # a prefix row's final state and conv tail (a copy of the window's last W - 1 steps), into
+    # the cache
+    stored = STATE_BYTES + 3 * 192 * act_bytes if kind == "PF" else 0
     # bf16 on CPU: torch's rms_norm (the local input norm) saves its input and the normalised
     # input up-cast to fp32; the formula keeps memory_model.ActivationModel's act x 3h + rstd
     upcast = tokens * 2 * DIMS.hidden_size * (4 - act_bytes)

@@ -78,13 +78,17 @@ def _split_conv_scan(module, context, segments, zxbcdt, conv1d_weight, conv1d_bi
         conv = mamba_mixer.causal_conv1d_fn(window.transpose(1, 2), conv1d_weight, conv1d_bias,
                                             activation=activation)
         conv = conv[..., width - 1:].transpose(1, 2)  # [1, L, channels]
-        x, bmat, cmat = torch.split(conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1)
+        # contiguous copies of what the scan saves: its views would keep the whole zxBCdt and
+        # conv output alive, and offload would copy each view's span of them apart
+        x, bmat, cmat = (t.contiguous() for t in torch.split(
+            conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1))
         length = b - a
         state = _read(context, layer, segment.read, SSM_STATE)
         result = mamba_mixer.mamba_chunk_scan_combined(
-            x.reshape(1, length, heads, headdim), dt[:, a:b], A,
+            x.reshape(1, length, heads, headdim), dt[:, a:b].contiguous(), A,
             bmat.reshape(1, length, ngroups, dstate), cmat.reshape(1, length, ngroups, dstate),
-            chunk_size, D=D, z=z[:, a:b].reshape(1, length, heads, headdim), dt_bias=dt_bias,
+            chunk_size, D=D, z=z[:, a:b].contiguous().reshape(1, length, heads, headdim),
+            dt_bias=dt_bias,
             dt_softplus=True, initial_states=state, return_final_states=segment.store,
             **kernel_kwargs)
         y, final = result if segment.store else (result, None)

@@ -38,9 +38,11 @@ gated output (and its fused QKV output is wider by the gate); partial RoPE saves
 rotated part only. Hybrid models (memory_model_layers.py: each layer by its kind): a Gated
 DeltaNet mixer saves what [Note: GDN saved tensors] (memory_model_gdn.py) says, per token and
 per packed sequence (its initial state), dense rows and reuse rows apart; its cache is a state
-and conv tail per prefix unit (memory_model_state.py) with fp32 gradients per unit, and with
-offload its conv window stays with the cached tail that views it. Reuse with full recompute is
-refused for state layers (so is the step); Mamba-2 layers are refused by name.
+and conv tail per prefix unit (memory_model_state.py) with fp32 gradients per unit (the tail is
+a copy of the conv window's end, so offload moves the window to the host). A Mamba-2 mixer
+saves what [Note: Mamba-2 saved tensors] (memory_model_mamba.py) says: Megatron's fused path in
+dense rows, the state hook's conv + scan in reuse rows. Reuse with full recompute is refused
+for state layers (so is the step).
 
 The step is walked in the order the schedule runs it on one stage (PF, SF, SB, PB;
 pipeline/generate.py), each sample counting what is alive then: the peak per phase is an upper
@@ -230,21 +232,20 @@ class ActivationModel(LayerTerms):
         return (0.0, every) if options.offload else (every, 0.0)
 
     def dormant_token(self, options: MemoryOptions) -> float:
-        """Bytes a cached prefix token holds from Phase A to Phase C (cache K/V included; with
-        offload also the GDN conv windows the cached conv tails view, which stay)."""
+        """Bytes a cached prefix token holds from Phase A to Phase C (cache K/V included)."""
         n_kv = self.num_mixers(ATTENTION)
         if options.recompute == "full":
             return n_kv * self.kv_storage(compact=True)
         if options.offload:
-            return n_kv * self.kv_storage(compact=False) + self.conv_windows()[0]
+            return n_kv * self.kv_storage(compact=False)
         return self.dormant_layers() + EMBED_CONST
 
     def dormant_unit(self, options: MemoryOptions) -> float:
         """Bytes a prefix unit holds from Phase A to Phase C whatever its length: the state
-        layers' states and conv tails and, without offload, their per-sequence saved tensors
-        (whose conv windows the cached tails view: counted once)."""
+        layers' states and conv tails (copies of the windows' ends: runtime/gdn_hooks.py
+        conv_window) and, without offload, their per-sequence saved tensors."""
         if options == MemoryOptions():
-            return self.state_unit() - self.conv_windows()[1] + self.sequence_bytes("prefix")
+            return self.state_unit() + self.sequence_bytes("prefix")
         return self.state_unit()
 
     def phase_c_token(self, options: MemoryOptions) -> float:
@@ -260,7 +261,7 @@ class ActivationModel(LayerTerms):
         if options.recompute == "full":
             return self.sequence_bytes("prefix", every=False)
         if options.offload:
-            return self.sequence_bytes("prefix") - self.conv_windows()[1]
+            return self.sequence_bytes("prefix")
         return 0.0
 
     def refusal(self, options: MemoryOptions) -> Optional[str]:

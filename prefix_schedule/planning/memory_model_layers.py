@@ -1,6 +1,7 @@
 """Per-token saved bytes of one pipeline stage's layers, layer by layer and by kind of mixer
 ([Note: predicted device memory] in memory_model.py says what is counted for attention and MLP
-halves; [Note: GDN saved tensors] in memory_model_gdn.py for Gated DeltaNet mixers).
+halves; [Note: GDN saved tensors] in memory_model_gdn.py for Gated DeltaNet mixers, [Note:
+Mamba-2 saved tensors] in memory_model_mamba.py for Mamba-2 mixers).
 
 A stage holds layers `first_layer .. first_layer + stage_layers - 1`; `flops_layers.layer_parts`
 gives each its (mixer, MLP) symbols. Three kinds of row save differently:
@@ -18,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from prefix_schedule.planning.flops_layers import ATTENTION, GDN, MAMBA, MOE, layer_parts
 from prefix_schedule.planning.memory_model_gdn import gdn_mixer_bytes
+from prefix_schedule.planning.memory_model_mamba import mamba_mixer_bytes
 from prefix_schedule.planning.memory_model_mixers import MixerBytes
 from prefix_schedule.planning.memory_model_state import prefix_cache_shape
 
@@ -28,18 +30,15 @@ ROWS = ("dense", "prefix", "suffix")
 
 MIXER_BYTES: Dict[str, Callable[..., MixerBytes]] = {
     GDN: lambda dims, act_bytes, reuse: gdn_mixer_bytes(dims, act_bytes, reuse=reuse),
+    MAMBA: lambda dims, act_bytes, reuse: mamba_mixer_bytes(
+        dims, act_bytes, path="reuse" if reuse else "stock"),
 }
-"""Kind of state mixer -> its formula (dims, act_bytes, reuse: a reuse step's row) -> MixerBytes.
-Mamba-2 joins with one line: `MAMBA: lambda dims, a, reuse: mamba_mixer_bytes(dims, a)`."""
+"""Kind of state mixer -> its formula (dims, act_bytes, reuse: a reuse step's row) -> MixerBytes."""
 
 
 def check_mixers(dims, layers: range) -> None:
     """ValueError naming a state mixer the accounting model does not count yet."""
     missing = {layer_parts(dims, i)[0] for i in layers} - set(MIXER_BYTES) - {ATTENTION, None}
-    if MAMBA in missing:
-        raise ValueError("Mamba-2 layers (`M`) are not in the memory model yet: what mamba-ssm's "
-                         "kernels save per token is not counted (docs/MEMORY.md, \"Hybrid "
-                         "models\"); predict a model without them")
     if missing:
         raise ValueError(f"layers of kind {sorted(missing)} are not in the memory model")
 
@@ -155,17 +154,6 @@ class LayerTerms:
     def gkv(self) -> float:
         """fp32 gK/gV of one layer, per cached token."""
         return FP32 * 2 * self._widths()[2] / self.tp
-
-    def conv_windows(self) -> tuple:
-        """(per token, per sequence) bytes of the GDN layers' conv windows in a reuse row: the
-        state hook's [tail; x] that the cached conv tail views (runtime/gdn_hooks.py
-        conv_window), so it stays with the cache, offloaded or not."""
-        n = self.num_mixers(GDN)
-        d = self.dims
-        channels = 2 * d.linear_num_key_heads * d.linear_key_head_dim + \
-            d.linear_num_value_heads * d.linear_value_head_dim
-        width = self.act_bytes * channels * n / self.tp
-        return width, width * (d.linear_conv_kernel_dim - 1)
 
     def _cache_shape(self):
         layers = range(self.first_layer, self.first_layer + self.stage_layers)

@@ -10,21 +10,22 @@ H heads of P, G groups of state N, dim = H P, conv channels ch = dim + 2 G N, in
 d_in = 2 dim + 2 G N + H, conv width W, scan chunk Q; act = activation bytes, fp32 = 4.
 - Both paths: the input norm (Megatron's local RMSNorm, as memory_model.ActivationModel counts
   it: input, normalised input, output = the in-projection's input; fp32 rstd): act 3h + 4; the
-  in-projection's output zxBCdt, which the kernels keep (whole, or through views of z and dt):
-  act d_in; the gated RMSNorm after the scan (LayerNormFn: its input, fp32 rstd per group) and
+  gated RMSNorm after the scan (LayerNormFn: its input, fp32 rstd per group) and
   the out-projection's input: act 2 dim + 4 G; per layer call -exp(A_log) and exp's output (fp32
   H each; bf16 parameters: dt_bias.float() too).
 - "stock" (Megatron's dense training, use_mamba_mem_eff_path): one fused
-  MambaSplitConv1dScanCombinedFn over the row; it saves zxbcdt, out_x (the scan's output before
-  the z gate, act dim), A, D, dt_bias (its conv output, chunk states and dA_cumsum are recomputed
+  MambaSplitConv1dScanCombinedFn over the row; it saves zxbcdt (act d_in), out_x (the scan's
+  output before the z gate, act dim), A, D, dt_bias (its conv output, chunk states and dA_cumsum are recomputed
   in backward). Per token act (3h + d_in + 3 dim) + 4 (1 + G).
 - "reuse" (megatron_patches/runtime/mamba_hooks.py: every row of a reuse step, one call pair per
   packed sequence): CausalConv1dFn on [cached tail; segment] saves that window (act ch per token,
-  W - 1 more per sequence) and returns a like-sized output whose x, B, C views the scan saves;
-  MambaChunkScanCombinedFn saves out_x (act dim), x, dt, dA_cumsum (fp32 [H, ceil(T/Q) Q]: a
-  sequence of T tokens pads to whole chunks), A, B, C, D, z, dt_bias and initial_states (a view
-  of the cache's state: counted as cache by memory_model_state, not here). Per token
-  act (3h + d_in + 2 ch + 3 dim) + 4 (1 + G + H).
+  W - 1 more per sequence); MambaChunkScanCombinedFn saves out_x (act dim), x, dt, dA_cumsum
+  (fp32 [H, ceil(T/Q) Q]: a sequence of T tokens pads to whole chunks), A, B, C, D, z, dt_bias
+  and initial_states (a view of the cache's state: counted as cache by memory_model_state, not
+  here). The hook hands the scan contiguous copies of x, B, C (act ch) and of z, dt (act
+  dim + H), so neither the conv output nor zxBCdt stays alive through views (and offload never
+  copies a view's span of them apart). Per token act (3h + 2 ch + 4 dim + H) + 4 (1 + G + H):
+  act ch + 4 H more than stock.
 - A prefix whose stage stops in this layer (the reuse hook raises PrefixForwardDone after the
   scan) keeps all of that but the gated norm and the out-projection: act 2 dim + 4 G less.
 tests/test_memory_mamba.py holds `mamba_row_bytes` to the bytes the saved-tensor accounting
@@ -67,25 +68,25 @@ def _terms(dims: ModelDims, a: int, path: str):
     """(per token whole layer, per token to the state, per layer call) bytes."""
     h = dims.hidden_size
     heads, groups, dim, ch, d_in = _widths(dims)
-    common = a * (3 * h + d_in) + FP32  # input norm, in-projection input, zxBCdt
+    norm = a * 3 * h + FP32  # input norm (its output is the in-projection's input)
     after_scan = a * 2 * dim + FP32 * groups  # gated norm input and rstd, out_proj input
     if path == "stock":
-        whole = common + a * dim + after_scan  # + out_x
+        whole = norm + a * (d_in + dim) + after_scan  # zxBCdt, out_x
         to_state = whole  # stock runs no prefix phase
-    else:
-        to_state = common + a * (2 * ch + dim) + FP32 * heads  # window, conv out, out_x, dA_cumsum
+    else:  # z and dt copies, the conv window, x B C copies, out_x; dA_cumsum
+        to_state = norm + a * (dim + heads + 2 * ch + dim) + FP32 * heads
         whole = to_state + after_scan
     per_call = FP32 * heads * (2 if a == FP32 else 3)  # exp(A_log), A (+ dt_bias.float())
     return whole, to_state, per_call
 
 
 def _sequence_extra(dims: ModelDims, a: int, length: int) -> int:
-    """Reuse path, one packed sequence of `length` tokens: the conv window's and output's W - 1
-    leading steps, dA_cumsum's padding to whole chunks."""
+    """Reuse path, one packed sequence of `length` tokens: the conv window's W - 1 leading
+    steps, dA_cumsum's padding to whole chunks."""
     heads, _, _, ch, _ = _widths(dims)
     chunk = dims.mamba_chunk_size
     padded = -(-length // chunk) * chunk
-    return 2 * (dims.mamba_conv_kernel_dim - 1) * ch * a + FP32 * heads * (padded - length)
+    return (dims.mamba_conv_kernel_dim - 1) * ch * a + FP32 * heads * (padded - length)
 
 
 def mamba_mixer_bytes(dims: ModelDims, act_bytes: int, *, path: str = "reuse") -> MixerBytes:
