@@ -25,6 +25,8 @@ Layouts (megatron-core 0.19 / 0.20, local and Transformer Engine layer specs):
   fc1 = [gate; up] and fc2 = down, split over the expert-tensor-parallel ranks like the dense
   MLP's; `pre_mlp_layernorm` is a separate norm in both layer specs.
 * Gated DeltaNet hybrids (Qwen3-Next, Qwen3.5; dense MLPs): checkpoints_gdn.py.
+* Nemotron-H (Megatron HybridModel: Mamba-2, attention, relu^2 MLP layers):
+  checkpoints_nemotron.py.
 """
 
 from __future__ import annotations
@@ -35,13 +37,27 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from megatron_patches.models.checkpoints_base import (RankLayout, _cols, _megatron_layer_names,
-                                                      _mlp_to_hf, _mlp_to_megatron, _rows,
-                                                      local_experts, mlp_hf_names)
+                                                      _mlp_to_hf, _mlp_to_megatron, _qkv_groups,
+                                                      _rows, _split_qkv, local_experts,
+                                                      mlp_hf_names)
 from megatron_patches.models.checkpoints_gdn import (gdn_hf_names, gdn_layer_to_hf,
                                                      gdn_layer_to_megatron)
+from megatron_patches.models.checkpoints_nemotron import (NEMOTRON_TOP_NAMES, nemotron_hf_names,
+                                                          nemotron_layer_to_hf,
+                                                          nemotron_layer_to_megatron)
 from megatron_patches.models.model_configs import ModelSpec
 
-__all__ = ["RankLayout", "stage_layers", "to_megatron", "to_hf", "hf_names", "local_experts"]
+__all__ = ["RankLayout", "stage_layers", "to_megatron", "to_hf", "hf_names", "top_names",
+           "local_experts"]
+
+_GPT_TOP_NAMES = {"embed": "model.embed_tokens.weight", "norm": "model.norm.weight",
+                  "head": "lm_head.weight", "final_norm": "decoder.final_layernorm.weight"}
+
+
+def top_names(spec: ModelSpec) -> Dict[str, str]:
+    """HF names of the embedding, final norm and head ("embed", "norm", "head") and Megatron's
+    final norm ("final_norm": GPTModel's or, Nemotron-H, HybridModel's)."""
+    return NEMOTRON_TOP_NAMES if spec.is_nemotron_h else _GPT_TOP_NAMES
 
 
 def stage_layers(spec: ModelSpec, layout: RankLayout) -> range:
@@ -55,6 +71,8 @@ def hf_names(spec: ModelSpec, layer: int, experts: Optional[Sequence[int]] = Non
     """Short name -> HF tensor name of one decoder layer (MoE: of `experts`, default all)."""
     if spec.is_gdn:
         return gdn_hf_names(spec, layer, experts)
+    if spec.is_nemotron_h:
+        return nemotron_hf_names(spec, layer)
     p = f"model.layers.{layer}"
     names = {"input_norm": f"{p}.input_layernorm.weight", "q": f"{p}.self_attn.q_proj.weight",
              "k": f"{p}.self_attn.k_proj.weight", "v": f"{p}.self_attn.v_proj.weight",
@@ -63,13 +81,6 @@ def hf_names(spec: ModelSpec, layer: int, experts: Optional[Sequence[int]] = Non
     if spec.qk_norm:
         names.update(q_norm=f"{p}.self_attn.q_norm.weight", k_norm=f"{p}.self_attn.k_norm.weight")
     return names
-
-
-def _qkv_groups(spec: ModelSpec, q, k, v) -> torch.Tensor:
-    """[G, (q heads per group + 2) * d, hidden]: per group [its q heads; k; v]."""
-    g, d = spec.num_query_groups, spec.head_dim
-    per = spec.num_attention_heads // g
-    return torch.cat([q.reshape(g, per * d, -1), k.reshape(g, d, -1), v.reshape(g, d, -1)], dim=1)
 
 
 def _norm_to_megatron(spec: ModelSpec, w: torch.Tensor) -> torch.Tensor:
@@ -88,6 +99,8 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
 def _layer_to_megatron(spec, layout, hf, layer: int, local: int) -> Dict[str, torch.Tensor]:
     if spec.is_gdn:
         return gdn_layer_to_megatron(spec, layout, hf, layer, local)
+    if spec.is_nemotron_h:
+        return nemotron_layer_to_megatron(spec, layout, hf, layer, local)
     src = hf_names(spec, layer, local_experts(spec, layout) if spec.is_moe else None)
     dst = _megatron_layer_names(local, layout, spec.is_moe)
     qkv = _rows(_qkv_groups(spec, hf[src["q"]], hf[src["k"]], hf[src["v"]]), layout)
@@ -105,31 +118,26 @@ def to_megatron(spec: ModelSpec, hf: Dict[str, torch.Tensor], layout: RankLayout
     layout.check(spec)
     out: Dict[str, torch.Tensor] = {}
     first, last = layout.pp_rank == 0, layout.pp_rank == layout.pp_size - 1
+    top = top_names(spec)
     if first:
-        embed = _padded(hf["model.embed_tokens.weight"], layout.padded_vocab_size)
+        embed = _padded(hf[top["embed"]], layout.padded_vocab_size)
         out["embedding.word_embeddings.weight"] = _rows(embed, layout)
     for local, layer in enumerate(stage_layers(spec, layout)):
         out.update(_layer_to_megatron(spec, layout, hf, layer, local))
     if last:
-        out["decoder.final_layernorm.weight"] = _norm_to_megatron(spec, hf["model.norm.weight"])
-        head = hf["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]
+        out[top["final_norm"]] = _norm_to_megatron(spec, hf[top["norm"]])
+        head = hf[top["embed"] if spec.tie_word_embeddings else top["head"]]
         if not (spec.tie_word_embeddings and first):  # else the embedding is the output layer
             out["output_layer.weight"] = _rows(_padded(head, layout.padded_vocab_size), layout)
     return {name: t.contiguous() for name, t in out.items()}
-
-
-def _split_qkv(spec: ModelSpec, qkv: torch.Tensor):
-    g, d = spec.num_query_groups, spec.head_dim
-    per = spec.num_attention_heads // g
-    grouped = qkv.reshape(g, (per + 2) * d, -1)
-    q, k, v = grouped.split([per * d, d, d], dim=1)
-    return q.reshape(-1, q.shape[-1]), k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
 
 
 def _layer_to_hf(spec, layouts, ranks, layer: int, local: int, experts=None
                  ) -> Dict[str, torch.Tensor]:
     if spec.is_gdn:
         return gdn_layer_to_hf(spec, layouts, ranks, layer, local, experts)
+    if spec.is_nemotron_h:
+        return nemotron_layer_to_hf(spec, layouts, ranks, layer, local)
     src = [_megatron_layer_names(local, lay, spec.is_moe) for lay in layouts]
     dst = hf_names(spec, layer)
     cat0 = lambda key: torch.cat([r[s[key]] for r, s in zip(ranks, src)], dim=0)  # noqa: E731
@@ -159,7 +167,7 @@ def to_hf(spec: ModelSpec, ranks: Sequence[Sequence[Dict[str, torch.Tensor]]],
                              "experts[pp][ep][expert_tp]")
         experts = [[stage] for stage in ranks]
     out: Dict[str, torch.Tensor] = {}
-    vocab = spec.vocab_size
+    vocab, top = spec.vocab_size, top_names(spec)
     for pp_rank, stage in enumerate(ranks):
         layouts: List[RankLayout] = [dataclasses.replace(layout, tp_rank=t, pp_rank=pp_rank)
                                      for t in range(layout.tp_size)]
@@ -168,10 +176,10 @@ def to_hf(spec: ModelSpec, ranks: Sequence[Sequence[Dict[str, torch.Tensor]]],
             out.update(_layer_to_hf(spec, layouts, stage, layer, local,
                                     experts[pp_rank] if spec.is_moe else None))
         if pp_rank == 0:
-            out["model.embed_tokens.weight"] = torch.cat(
+            out[top["embed"]] = torch.cat(
                 [r["embedding.word_embeddings.weight"] for r in stage])[:vocab]
         if pp_rank == layout.pp_size - 1:
-            out["model.norm.weight"] = _norm_to_hf(spec, stage[0]["decoder.final_layernorm.weight"])
+            out[top["norm"]] = _norm_to_hf(spec, stage[0][top["final_norm"]])
             if not spec.tie_word_embeddings:
-                out["lm_head.weight"] = torch.cat([r["output_layer.weight"] for r in stage])[:vocab]
+                out[top["head"]] = torch.cat([r["output_layer.weight"] for r in stage])[:vocab]
     return {name: t.contiguous() for name, t in out.items()}

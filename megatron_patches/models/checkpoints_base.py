@@ -55,6 +55,10 @@ class RankLayout:
                             f"vocab_size={spec.vocab_size} and a multiple of TP")
         if spec.is_gdn:
             problems += _gdn_problems(spec, self)
+        if spec.is_nemotron_h:
+            problems += [f"{n}={getattr(spec, n)} is not divisible by TP={self.tp_size}"
+                         for n in ("mamba_num_heads", "mamba_num_groups")
+                         if getattr(spec, n) % self.tp_size]
         if spec.is_moe:
             problems += _moe_problems(spec, self)
         elif self.ep_size > 1:
@@ -137,6 +141,21 @@ def _rows(t: torch.Tensor, layout: RankLayout) -> torch.Tensor:
 
 def _cols(t: torch.Tensor, layout: RankLayout) -> torch.Tensor:
     return t.chunk(layout.tp_size, dim=1)[layout.tp_rank]
+
+
+def _qkv_groups(spec: ModelSpec, q, k, v) -> torch.Tensor:
+    """[G, (q heads per group + 2) * d, hidden]: per group [its q heads; k; v]."""
+    g, d = spec.num_query_groups, spec.head_dim
+    per = spec.num_attention_heads // g
+    return torch.cat([q.reshape(g, per * d, -1), k.reshape(g, d, -1), v.reshape(g, d, -1)], dim=1)
+
+
+def _split_qkv(spec: ModelSpec, qkv: torch.Tensor):
+    g, d = spec.num_query_groups, spec.head_dim
+    per = spec.num_attention_heads // g
+    grouped = qkv.reshape(g, (per + 2) * d, -1)
+    q, k, v = grouped.split([per * d, d, d], dim=1)
+    return q.reshape(-1, q.shape[-1]), k.reshape(-1, k.shape[-1]), v.reshape(-1, v.shape[-1])
 
 
 def _expert_layout(layout: RankLayout) -> RankLayout:

@@ -1,6 +1,7 @@
 """Load a Hugging Face Llama 3 / Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 checkpoint into a
-(TP x PP x EP sharded) Megatron GPTModel, and write one back; the tensor layouts are
-megatron_patches/models/checkpoints.py's (GDN hybrids: checkpoints_gdn.py's).
+(TP x PP x EP sharded) Megatron GPTModel, or a Nemotron-H one into a HybridModel, and write one
+back; the tensor layouts are megatron_patches/models/checkpoints.py's (GDN hybrids:
+checkpoints_gdn.py's, Nemotron-H: checkpoints_nemotron.py's).
 
     spec, config = read_hf_config(directory)
     load_hf_weights(model, directory)          # on every rank, after the model is built
@@ -30,7 +31,7 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 
 from megatron_patches.models.checkpoints import (RankLayout, hf_names, local_experts, stage_layers,
-                                          to_hf, to_megatron)
+                                                 to_hf, to_megatron, top_names)
 from megatron_patches.models.model_configs import ModelSpec, from_hf_config
 from megatron_patches.models.model_configs_hybrid import HYBRID_ARCH, unwrap_text_config
 
@@ -113,7 +114,8 @@ def untrained_tensors(directory) -> Dict[str, List[str]]:
 
 
 def rank_layout(model) -> RankLayout:
-    """This rank's RankLayout for a built GPTModel (parallel state + the model's names/shapes)."""
+    """This rank's RankLayout for a built GPTModel or HybridModel (parallel state + the
+    model's names/shapes)."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -137,17 +139,19 @@ def _needed_names(spec: ModelSpec, layout: RankLayout) -> List[str]:
     experts = local_experts(spec, layout) if spec.is_moe else None
     names = [n for layer in stage_layers(spec, layout)
              for n in hf_names(spec, layer, experts).values()]
+    top = top_names(spec)
     if layout.pp_rank == 0:
-        names.append("model.embed_tokens.weight")
+        names.append(top["embed"])
     if layout.pp_rank == layout.pp_size - 1:
-        names.append("model.norm.weight")
-        names.append("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight")
+        names.append(top["norm"])
+        names.append(top["embed"] if spec.tie_word_embeddings else top["head"])
     return sorted(set(names))
 
 
 def load_hf_weights(model, directory) -> ModelSpec:
-    """Copy the HF checkpoint's weights into this rank's part of `model` (a GPTModel, or a
-    DDP/Float16Module wrapper of one); returns the checkpoint's ModelSpec."""
+    """Copy the HF checkpoint's weights into this rank's part of `model` (a GPTModel or, for
+    Nemotron-H, a HybridModel, or a DDP/Float16Module wrapper of one); returns the checkpoint's
+    ModelSpec."""
     from megatron.core.utils import unwrap_model
 
     gpt = unwrap_model(model)

@@ -121,7 +121,7 @@ def pattern_num_layers(pattern: str) -> int:
 
 def build_hybrid_model(cfg: TinyLlamaConfig, pattern: str, *, seed: Optional[int] = 1234,
                        num_moe_experts: Optional[int] = None, config=None,
-                       **config_overrides) -> HybridModel:
+                       position_embedding_type: str = "rope", **config_overrides) -> HybridModel:
     """This pipeline stage's part of a tiny Llama-style HybridModel (RoPE, SwiGLU, RMSNorm, GQA).
 
     `cfg.num_layers` is ignored: the pattern says how many layers there are. With pipeline
@@ -129,6 +129,7 @@ def build_hybrid_model(cfg: TinyLlamaConfig, pattern: str, *, seed: Optional[int
     `config`: a ready TransformerConfig to build with instead (e.g. Megatron-LM's
     `core_transformer_config_from_args`, which sets `is_hybrid_model=True` for a
     `--hybrid-layer-pattern`); `cfg` then gives the vocabulary and maximum length only.
+    `position_embedding_type="none"`: attention without positions (Nemotron-H).
     """
     overrides = {"num_layers": pattern_num_layers(pattern)}
     if num_moe_experts:
@@ -156,7 +157,7 @@ def build_hybrid_model(cfg: TinyLlamaConfig, pattern: str, *, seed: Optional[int
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
+        position_embedding_type=position_embedding_type,
         rotary_base=10000,
     )
     model = model.to(cfg.params_dtype)

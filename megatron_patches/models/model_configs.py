@@ -16,10 +16,7 @@ model_configs_hybrid.py's.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import shlex
 from typing import Dict, List, Optional
 
 from megatron_patches.models.model_configs_hybrid import (GDN_FAMILIES, HYBRID_ARCH,
@@ -28,8 +25,15 @@ from megatron_patches.models.model_configs_hybrid import (GDN_FAMILIES, HYBRID_A
                                                           gdn_megatron_args,
                                                           unwrap_text_config)
 from megatron_patches.models.model_configs_args import mismatches_with_args
+from megatron_patches.models.model_configs_nemotron import (NEMOTRON_ARCH, NEMOTRON_FAMILY,
+                                                            NEMOTRON_MODEL_FIELDS,
+                                                            nemotron_hf_config,
+                                                            nemotron_megatron_args,
+                                                            nemotron_problems,
+                                                            nemotron_spec_fields,
+                                                            nemotron_tiny_fields)
 
-__all__ = ["ModelSpec", "PAPER_MODELS", "HYBRID_MODELS", "MODELS", "get_model_spec",
+__all__ = ["ModelSpec", "PAPER_MODELS", "HYBRID_MODELS", "NEMOTRON_MODELS", "MODELS", "get_model_spec",
            "from_hf_config", "check_trainable", "mismatches_with_args"]
 
 _MOE_FAMILIES = ("qwen3_moe", *HYBRID_MOE_FAMILIES)
@@ -38,14 +42,15 @@ _DENSE_ALLOWED = ("qwen3_next",)  # HF Qwen3-Next with num_experts=0 has dense M
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """A decoder-only Llama 3 / Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 shape, in Hugging Face
-    terms."""
+    """A decoder-only Llama 3 / Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 / Nemotron-H shape, in
+    Hugging Face terms."""
 
     name: str
     """Registry name (e.g. "qwen3-8b")."""
     family: str
     """The HF model_type: "llama" (LlamaForCausalLM), "qwen3" (Qwen3ForCausalLM), "qwen3_moe",
-    or a GDN hybrid: "qwen3_next", "qwen3_5_text" (Qwen3_5ForCausalLM), "qwen3_5_moe_text"."""
+    a GDN hybrid: "qwen3_next", "qwen3_5_text" (Qwen3_5ForCausalLM), "qwen3_5_moe_text", or
+    "nemotron_h" (NemotronHForCausalLM: a Megatron HybridModel, model_configs_nemotron.py)."""
     num_layers: int
     """num_hidden_layers."""
     hidden_size: int
@@ -62,8 +67,8 @@ class ModelSpec:
     """vocab_size."""
     max_position_embeddings: int
     """max_position_embeddings."""
-    rope_theta: float
-    """rope_theta."""
+    rope_theta: Optional[float]
+    """rope_theta (None: attention without positional embedding, Nemotron-H)."""
     rope_scaling_factor: Optional[float] = None
     """Llama 3.1 "llama3" RoPE scaling factor (low/high freq factor 1/4, original context 8192:
     the values Megatron's `--use-rope-scaling` fixes); None: no scaling."""
@@ -102,6 +107,17 @@ class ModelSpec:
     """Softmax attention's sigmoid output gate (HF q_proj rows [query; gate] per head)."""
     rotary_percent: float = 1.0
     """Fraction of the head RoPE rotates (HF partial_rotary_factor)."""
+    hybrid_layer_pattern: Optional[str] = None
+    """Nemotron-H: one symbol per layer, `M` Mamba-2, `*` attention, `-` MLP (Megatron
+    --hybrid-layer-pattern, HF hybrid_override_pattern); None: a GPTModel."""
+    mamba_num_heads: Optional[int] = None
+    """Nemotron-H: mamba_num_heads (inner width = heads x mamba_head_dim)."""
+    mamba_head_dim: Optional[int] = None
+    """Nemotron-H: mamba_head_dim."""
+    mamba_state_dim: Optional[int] = None
+    """Nemotron-H: ssm_state_size (Megatron --mamba-state-dim)."""
+    mamba_num_groups: Optional[int] = None
+    """Nemotron-H: n_groups, the B/C groups (Megatron --mamba-num-groups)."""
 
     def __post_init__(self):
         if self.family not in _ARCH:
@@ -125,6 +141,9 @@ class ModelSpec:
         if self.is_gdn and self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"{self.name}: linear_num_value_heads must be a multiple of "
                              "linear_num_key_heads")
+        problems = nemotron_problems(self)
+        if problems:
+            raise ValueError(f"{self.name}: " + "; ".join(problems))
 
     @property
     def is_moe(self) -> bool:
@@ -135,9 +154,16 @@ class ModelSpec:
         """A Gated DeltaNet hybrid (HF norms (1 + w), gated attention, GDN layers)."""
         return self.linear_attention_freq is not None
 
+    @property
+    def is_nemotron_h(self) -> bool:
+        """A Nemotron-H HybridModel (Mamba-2, attention without positions, relu^2 MLPs)."""
+        return self.hybrid_layer_pattern is not None
+
     def megatron_args(self) -> List[str]:
         """Megatron-LM command-line arguments building this model (vocabulary unpadded:
         `--make-vocab-size-divisible-by 1`, so logits cover exactly the HF vocabulary)."""
+        if self.is_nemotron_h:
+            return nemotron_megatron_args(self)
         args = ["--num-layers", self.num_layers, "--hidden-size", self.hidden_size,
                 "--ffn-hidden-size", self.ffn_hidden_size,
                 "--num-attention-heads", self.num_attention_heads,
@@ -170,6 +196,8 @@ class ModelSpec:
 
     def hf_config(self) -> Dict[str, object]:
         """The config.json fields of the matching Hugging Face model."""
+        if self.is_nemotron_h:
+            return nemotron_hf_config(self)
         config = {"architectures": [_ARCH[self.family]], "model_type": self.family,
                   "num_hidden_layers": self.num_layers, "hidden_size": self.hidden_size,
                   "intermediate_size": self.ffn_hidden_size,
@@ -199,6 +227,8 @@ class ModelSpec:
         """The scaled-down twin: same architecture at tiny sizes (CPU-runnable): the GQA ratio,
         head_dim = hidden / heads (Llama) or an explicit head_dim != hidden / heads (Qwen3),
         qk-norm, RoPE theta and scaling, norm epsilon, embedding tying, MoE top-k routing."""
+        if self.is_nemotron_h:
+            return dataclasses.replace(self, name=f"{self.name}-tiny", **nemotron_tiny_fields(self))
         ratio = self.num_attention_heads // self.num_query_groups
         heads = 2 * ratio
         gdn = {} if not self.is_gdn else dict(
@@ -216,7 +246,7 @@ class ModelSpec:
 
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM",
-         "qwen3_moe": "Qwen3MoeForCausalLM", **HYBRID_ARCH}
+         "qwen3_moe": "Qwen3MoeForCausalLM", **HYBRID_ARCH, **NEMOTRON_ARCH}
 _GDN_FIELDS = ("linear_attention_freq", "linear_num_key_heads", "linear_num_value_heads",
                "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
 
@@ -250,10 +280,14 @@ HYBRID_MODELS: Dict[str, ModelSpec] = {
     name: ModelSpec(name=name, **fields) for name, fields in HYBRID_MODEL_FIELDS.items()}
 """The GDN hybrids (Qwen3-Next-80B-A3B, Qwen3.5-27B, Qwen3.5-35B-A3B: model_configs_hybrid.py)."""
 
+NEMOTRON_MODELS: Dict[str, ModelSpec] = {
+    name: ModelSpec(name=name, **fields) for name, fields in NEMOTRON_MODEL_FIELDS.items()}
+"""Nemotron-H (Mamba-2 / attention / MLP HybridModels: model_configs_nemotron.py)."""
+
 MODELS: Dict[str, ModelSpec] = {
-    **PAPER_MODELS, **{f"{n}-tiny": s.tiny() for n, s in PAPER_MODELS.items()},
-    **HYBRID_MODELS, **{f"{n}-tiny": s.tiny() for n, s in HYBRID_MODELS.items()}}
-"""Every registered model: the paper's, the GDN hybrids and their tiny twins."""
+    name: spec for group in (PAPER_MODELS, HYBRID_MODELS, NEMOTRON_MODELS)
+    for name, spec in [*group.items(), *((f"{n}-tiny", s.tiny()) for n, s in group.items())]}
+"""Every registered model: the paper's, the GDN hybrids, Nemotron-H and their tiny twins."""
 
 
 def get_model_spec(name: str) -> ModelSpec:
@@ -269,18 +303,20 @@ def check_trainable(spec: ModelSpec) -> None:
     (megatron_patches/runtime/moe.py), within the MoE limits the reuse executor checks
     (moe.check_moe_supported, config_support_moe.py: dropless, token-local routing, TP=1).
     The GDN hybrids train too (tests/test_megatron_lm_gdn.py: Qwen3.5 dense, Qwen3-Next MoE
-    with its gated shared expert)."""
+    with its gated shared expert), and Nemotron-H (tests/test_megatron_lm_nemotron.py)."""
     if spec.family not in _ARCH:
         raise ValueError(f"{spec.name}: family {spec.family!r} is not supported")
 
 
 def from_hf_config(config: Dict[str, object], name: str = "hf") -> ModelSpec:
-    """A ModelSpec from a Llama 3 / Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 (text) config.json
-    (dict; a Qwen3.5 VLM's: its text_config); ValueError otherwise."""
+    """A ModelSpec from a Llama 3 / Qwen3 / Qwen3-MoE / Qwen3-Next / Qwen3.5 (text) / Nemotron-H
+    config.json (dict; a Qwen3.5 VLM's: its text_config); ValueError otherwise."""
     config = unwrap_text_config(config)
     family = config.get("model_type")
     if family not in _ARCH:
         raise ValueError(f"model_type {family!r} is not supported; supported: {sorted(_ARCH)}")
+    if family == NEMOTRON_FAMILY:
+        return ModelSpec(name=name, **nemotron_spec_fields(config))
     rope = _rope_parameters(config)
     scaling = config.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                              else None)
@@ -343,26 +379,7 @@ def _check_llama3_scaling(scaling: Dict[str, object]) -> None:
                          f"is Llama 3.1's llama3 scaling with {fixed}")
 
 
-def _main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_patches.models.model_configs",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["list", "megatron-args", "hf-config"])
-    parser.add_argument("model", nargs="?")
-    ns = parser.parse_args(argv)
-    if ns.command == "list":
-        for name, spec in MODELS.items():
-            kinds = " ".join(k for k, on in (("MoE", spec.is_moe), ("GDN", spec.is_gdn)) if on)
-            print(f"{name:24s} {spec.family:16s} {kinds}".rstrip())
-        return 0
-    if ns.model is None:
-        parser.error(f"{ns.command} needs a model name: one of {sorted(MODELS)}")
-    spec = get_model_spec(ns.model)
-    if ns.command == "megatron-args":
-        print(shlex.join(spec.megatron_args()))
-    else:
-        print(json.dumps(spec.hf_config(), indent=2))
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(_main())
+    from megatron_patches.models.model_configs_cli import main
+
+    raise SystemExit(main())

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import List
 
 from megatron_patches.models.model_configs_hybrid import gdn_mismatches
+from megatron_patches.models.model_configs_nemotron import nemotron_mismatches
 
 __all__ = ["mismatches_with_args"]
 
@@ -24,12 +25,13 @@ def mismatches_with_args(spec, args) -> List[str]:
                 f"{field}={getattr(spec, field)}"
                 for field, arg in _ARG_FIELDS.items()
                 if getattr(args, "layernorm_epsilon" if arg == "norm_epsilon" else arg, None)
-                != getattr(spec, field)]
+                != getattr(spec, field) and not (field == "rope_theta" and spec.is_nemotron_h)]
+    gpt = not spec.is_nemotron_h  # Nemotron-H: relu^2 MLPs, no positions (nemotron_mismatches)
     checks = {"untied embeddings": (args.untie_embeddings_and_output_weights,
                                     not spec.tie_word_embeddings),
               "RoPE scaling": (args.use_rope_scaling, spec.rope_scaling_factor is not None),
-              "RMSNorm": (args.normalization, "RMSNorm"), "SwiGLU": (args.swiglu, True),
-              "rope positions": (args.position_embedding_type, "rope"),
+              "RMSNorm": (args.normalization, "RMSNorm"), "SwiGLU": (args.swiglu, gpt),
+              **({"rope positions": (args.position_embedding_type, "rope")} if gpt else {}),
               "no linear biases": (args.add_bias_linear, False),
               # the converters give Megatron plain-w norms (GDN hybrids: HF (1 + w) -> w + 1)
               "--apply-layernorm-1p": (getattr(args, "layernorm_zero_centered_gamma", False),
@@ -38,7 +40,7 @@ def mismatches_with_args(spec, args) -> List[str]:
                  for what, (got, want) in checks.items() if got != want]
     if spec.is_moe or getattr(args, "num_experts", None):
         problems += _moe_mismatches(spec, args)
-    problems += gdn_mismatches(spec, args)
+    problems += gdn_mismatches(spec, args) + nemotron_mismatches(spec, args)
     factor = spec.rope_scaling_factor
     if factor is not None and args.rope_scaling_factor != factor:
         problems.append(f"--rope-scaling-factor {args.rope_scaling_factor} but the checkpoint "
