@@ -24,6 +24,14 @@ gpt_builder runs it returns `megatron_patches.models.gdn.gdn_block_spec` instead
 per-layer pattern from Megatron's local layer spec, GDN layers being Megatron's own
 `GatedDeltaNet` behind the layer's input norm (what TE's fused norm + in_proj computes). With
 TE nothing is changed.
+
+HybridModels (`--hybrid-layer-pattern`: Nemotron-H's `M`, `*`, `-` layers): Megatron-LM builds
+them with `hybrid_builders.hybrid_builder`, which the core_r0.19.0 tree this entry point runs on
+does not ship (its train_rl.py imports it); `hybrid_builder` below is that builder's legacy
+(non-recipe) path, read from Megatron-LM main's hybrid_builders.py: the same HybridModel
+arguments, the layer spec from `--spec` when given, else Megatron's `hybrid_stack_spec` (TE)
+or, without TE, `megatron_patches.models.hybrid.local_hybrid_stack_spec` (the same layers from
+Megatron's local modules).
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from megatron_patches.config.config_support import is_gdn_variant
 from megatron.training import get_args
 from megatron.training.arguments import core_transformer_config_from_args
 
-__all__ = ["model_provider", "megatron_lm_root"]
+__all__ = ["model_provider", "hybrid_builder", "megatron_lm_root"]
 
 
 def megatron_lm_root() -> Path:
@@ -74,9 +82,14 @@ def reuse_transformer_config(args):
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None,
                    pg_collection=None):
-    """`get_model`'s model_provider_func: a GPTModel from Megatron-LM's gpt_builder."""
+    """`get_model`'s model_provider_func: a GPTModel from Megatron-LM's gpt_builder, or a
+    HybridModel from `hybrid_builder` for a `--hybrid-layer-pattern`."""
     args = get_args()
     provider = _checkout_module("model_provider").model_provider
+    if args.hybrid_layer_pattern is not None:
+        return provider(hybrid_builder, pre_process, post_process, vp_stage,
+                        config=config or reuse_transformer_config(args),
+                        pg_collection=pg_collection)
     builders = _checkout_module("gpt_builders")
     local = args.transformer_impl == "local"
     norms = _sequence_parallel_torch_norms(builders, vp_stage) if (
@@ -87,6 +100,33 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         return provider(builders.gpt_builder, pre_process, post_process, vp_stage,
                         config=config or reuse_transformer_config(args),
                         pg_collection=pg_collection)
+
+
+def hybrid_builder(args, pre_process, post_process, vp_stage=None, config=None,
+                   pg_collection=None):
+    """A HybridModel from the arguments (Megatron-LM main's hybrid_builder without recipes)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.spec_utils import import_module
+
+    config = config or reuse_transformer_config(args)
+    if args.spec is not None:
+        spec = import_module(args.spec)
+    elif args.transformer_impl == "local":
+        from megatron_patches.models.hybrid import local_hybrid_stack_spec
+
+        spec = local_hybrid_stack_spec(num_moe_experts=config.num_moe_experts,
+                                       mamba="M" in args.hybrid_layer_pattern)
+    else:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as spec
+    return HybridModel(
+        config=config, hybrid_stack_spec=spec, vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+        post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base, pg_collection=pg_collection, vp_stage=vp_stage,
+        hybrid_layer_pattern=args.hybrid_layer_pattern)
 
 
 GDN_SPEC_FUNCTION = "get_transformer_block_with_experimental_attention_variant_spec"
