@@ -25,6 +25,7 @@ from megatron_patches.models.model_configs_hybrid import (GDN_FAMILIES, HYBRID_A
                                                           gdn_megatron_args,
                                                           unwrap_text_config)
 from megatron_patches.models.model_configs_args import mismatches_with_args
+from megatron_patches.models.model_configs_cli import main
 from megatron_patches.models.model_configs_nemotron import (NEMOTRON_ARCH, NEMOTRON_FAMILY,
                                                             NEMOTRON_MODEL_FIELDS,
                                                             nemotron_hf_config,
@@ -380,6 +381,4 @@ def _check_llama3_scaling(scaling: Dict[str, object]) -> None:
 
 
 if __name__ == "__main__":
-    from megatron_patches.models.model_configs_cli import main
-
-    raise SystemExit(main())
+    raise SystemExit(main(MODELS, __doc__.splitlines()[0]))

@@ -1,33 +1,33 @@
-"""`python -m megatron_patches.models.model_configs list | megatron-args NAME | hf-config NAME`
-(model_configs.py's command line)."""
+"""`python -m megatron_patches.models.model_configs list | megatron-args NAME | hf-config NAME`:
+model_configs.py's command line over the registry it passes in (no import back)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import shlex
-
-from megatron_patches.models import model_configs
+from typing import Mapping
 
 __all__ = ["main"]
 
 
-def main(argv=None) -> int:
+def main(models: Mapping[str, object], description: str, argv=None) -> int:
+    """List `models` (name -> ModelSpec) or print one's Megatron-LM arguments / config.json."""
     parser = argparse.ArgumentParser(prog="python -m megatron_patches.models.model_configs",
-                                     description=model_configs.__doc__.splitlines()[0])
+                                     description=description)
     parser.add_argument("command", choices=["list", "megatron-args", "hf-config"])
     parser.add_argument("model", nargs="?")
     ns = parser.parse_args(argv)
-    models = model_configs.MODELS
     if ns.command == "list":
         for name, spec in models.items():
             kinds = " ".join(k for k, on in (("MoE", spec.is_moe), ("GDN", spec.is_gdn),
                                              ("Mamba", spec.is_nemotron_h)) if on)
             print(f"{name:24s} {spec.family:16s} {kinds}".rstrip())
         return 0
-    if ns.model is None:
-        parser.error(f"{ns.command} needs a model name: one of {sorted(models)}")
-    spec = model_configs.get_model_spec(ns.model)
+    if ns.model not in models:
+        what = "needs a model name" if ns.model is None else f"unknown model {ns.model!r}"
+        parser.error(f"{ns.command} {what}: choose one of {sorted(models)}")
+    spec = models[ns.model]
     if ns.command == "megatron-args":
         print(shlex.join(spec.megatron_args()))
     else:
