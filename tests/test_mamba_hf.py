@@ -4,9 +4,11 @@ weights copied: logits and every parameter gradient of a cross-entropy loss.
 
 Megatron's `MambaMixer` trains through mamba-ssm's fused `mamba_split_conv1d_scan_combined`
 (gate inside, then the grouped RMS norm, `norm_before_gate=False`); HF's NemotronH mixer runs the
-same layer from its own conv, chunked scan and `NemotronHRMSNormGated`. HF clamps dt at
+same layer from its own conv, chunked scan and `NemotronHRMSNormGated`. Weights go to HF and
+HF's gradients come back through the Nemotron-H checkpoint converter (checkpoints_nemotron.py). HF clamps dt at
 `time_step_min` where Megatron's training path does not: the reference's limit is (0, inf)."""
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -37,33 +39,40 @@ def _pair(pattern, vocab=97, chunk=8):
     hf = transformers.NemotronHForCausalLM(hf_cfg).double()
     for layer in hf.model.layers:  # Megatron's training path does not clamp dt
         layer.mixer.time_step_limit = (0.0, float("inf"))
-    return model, hf, _copy_weights(model, hf)
+    return model, hf, _copy_weights(model, hf, pattern, vocab)
 
 
-def _copy_weights(model, hf):
-    """Megatron name -> HF name, copying Megatron's weights into HF (same layouts)."""
-    names = {"embedding.word_embeddings.weight": "model.embeddings.weight",
-             "decoder.final_norm.weight": "model.norm_f.weight",
-             "output_layer.weight": "lm_head.weight"}
-    for i, _ in enumerate(model.decoder.layers):
-        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
-        names.update({m + "norm.weight": h + "norm.weight",
-                      m + "mixer.in_proj.weight": h + "mixer.in_proj.weight",
-                      m + "mixer.conv1d_weight": h + "mixer.conv1d.weight",
-                      m + "mixer.conv1d_bias": h + "mixer.conv1d.bias",
-                      m + "mixer.dt_bias": h + "mixer.dt_bias", m + "mixer.A_log": h + "mixer.A_log",
-                      m + "mixer.D": h + "mixer.D", m + "mixer.norm.weight": h + "mixer.norm.weight",
-                      m + "mixer.out_proj.weight": h + "mixer.out_proj.weight"})
+def _spec(pattern, vocab):
+    """The ModelSpec of these Mamba-only models (the checkpoint converter's input)."""
+    from megatron_patches.models.model_configs import MODELS
+
+    return dataclasses.replace(
+        MODELS["nemotron-h-8b-tiny"], name="mamba-hf", num_layers=len(pattern),
+        hybrid_layer_pattern=pattern, hidden_size=HIDDEN, vocab_size=vocab,
+        mamba_num_heads=HEADS, mamba_head_dim=HEAD_DIM, mamba_state_dim=STATE,
+        mamba_num_groups=GROUPS, rms_norm_eps=1e-5)
+
+
+def _copy_weights(model, hf, pattern, vocab):
+    """Megatron's weights into HF through the checkpoint converter
+    (megatron_patches/models/checkpoints_nemotron.py: HF `backbone.*` = transformers' `model.*`),
+    A_log made a generic value on both sides (the inits differ); returns (the spec, the layout)."""
+    from megatron_patches.models.checkpoints import RankLayout, to_hf, to_megatron
+
+    spec, layout = _spec(pattern, vocab), RankLayout(padded_vocab_size=vocab)
     ours = dict(model.named_parameters())
-    theirs = dict(hf.named_parameters())
-    assert set(ours) == set(names), sorted(set(ours) ^ set(names))
     with torch.no_grad():
-        for m, h in names.items():
-            theirs[h].copy_(ours[m].detach().to(theirs[h].dtype).reshape(theirs[h].shape))
-            if m.endswith("A_log"):  # init differs: make it a generic value on both sides
-                ours[m].uniform_(-1.0, 1.5)
-                theirs[h].copy_(ours[m])
-    return names
+        for name, p in ours.items():
+            if name.endswith("A_log"):
+                p.uniform_(-1.0, 1.5)
+    tensors = to_hf(spec, [[{n: p.detach() for n, p in ours.items()}]], layout)
+    assert to_megatron(spec, tensors, layout).keys() == ours.keys()  # every parameter mapped
+    theirs = dict(hf.named_parameters())
+    assert {n.replace("backbone.", "model.", 1) for n in tensors} == set(theirs)
+    with torch.no_grad():
+        for name, t in tensors.items():
+            theirs[name.replace("backbone.", "model.", 1)].copy_(t)
+    return spec, layout
 
 
 @contextlib.contextmanager
@@ -91,7 +100,9 @@ def _float64_upcasts():
 
 @pytest.mark.parametrize("pattern,length", [("M", 13), ("MM", 21), ("MMM", 5)])
 def test_mamba_layers_match_hugging_face_nemotron_h(megatron_env, pattern, length):
-    model, hf, names = _pair(pattern)
+    from megatron_patches.models.checkpoints import to_megatron
+
+    model, hf, (spec, layout) = _pair(pattern)
     tokens = torch.randint(0, 97, (1, length))
     labels = torch.randint(0, 97, (1, length))
     pos = torch.arange(length)[None]
@@ -105,10 +116,12 @@ def test_mamba_layers_match_hugging_face_nemotron_h(megatron_env, pattern, lengt
         hf_loss.backward()
     assert torch.isfinite(logits).all() and torch.isfinite(hf_logits).all()
     torch.testing.assert_close(logits, hf_logits, rtol=1e-9, atol=1e-9)
-    theirs = dict(hf.named_parameters())
+    theirs = {n.replace("model.", "backbone.", 1): p.grad for n, p in hf.named_parameters()}
+    assert all(g is not None for g in theirs.values())
+    wants = to_megatron(spec, theirs, layout)  # HF's gradients in Megatron's layout
     for m, p in model.named_parameters():
-        want = theirs[names[m]].grad
-        assert p.grad is not None and want is not None, m
+        want = wants[m]
+        assert p.grad is not None, m
         assert torch.isfinite(p.grad).all(), m
         scale = want.abs().max().clamp_min(1e-30)
         err = ((p.grad.reshape(want.shape) - want).abs().max() / scale).item()
