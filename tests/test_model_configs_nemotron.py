@@ -131,6 +131,7 @@ def test_published_numbers_and_tiny_twin():
     for spec in (big, tiny):  # Mamba inner width 2 x hidden (expand 2); GQA ratio 4
         assert spec.mamba_num_heads * spec.mamba_head_dim == 2 * spec.hidden_size
         assert spec.num_attention_heads // spec.num_query_groups == 4
+        assert spec.num_attention_heads * spec.head_dim == spec.hidden_size
     assert tiny.hidden_size * tiny.num_layers < 1000
     check_trainable(tiny)
 

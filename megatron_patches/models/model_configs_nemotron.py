@@ -196,8 +196,10 @@ def nemotron_mismatches(spec, args) -> List[str]:
 def nemotron_tiny_fields(spec) -> Dict[str, object]:
     """The tiny twin's sizes: pattern M-M*M- (Mamba, MLP, attention after Mamba, MLP last; two
     even PP stages "M-M" | "*M-"), inner width 2 x hidden as in the published models (expand 2),
-    2 B/C groups, the GQA ratio kept."""
+    2 B/C groups, the GQA ratio and head_dim = hidden / heads (8B: 4096 / 32 = 128) kept."""
     ratio = spec.num_attention_heads // spec.num_query_groups
+    heads = 2 * ratio
     return dict(num_layers=6, hybrid_layer_pattern="M-M*M-", hidden_size=64, ffn_hidden_size=160,
-                num_attention_heads=2 * ratio, num_query_groups=2, head_dim=16, vocab_size=512,
+                num_attention_heads=heads, num_query_groups=2, head_dim=64 // heads,
+                vocab_size=512,
                 mamba_num_heads=8, mamba_head_dim=16, mamba_state_dim=16, mamba_num_groups=2)
