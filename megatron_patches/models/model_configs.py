@@ -34,8 +34,8 @@ from megatron_patches.models.model_configs_nemotron import (NEMOTRON_ARCH, NEMOT
                                                             nemotron_spec_fields,
                                                             nemotron_tiny_fields)
 
-__all__ = ["ModelSpec", "PAPER_MODELS", "HYBRID_MODELS", "NEMOTRON_MODELS", "MODELS", "get_model_spec",
-           "from_hf_config", "check_trainable", "mismatches_with_args"]
+__all__ = ["ModelSpec", "PAPER_MODELS", "HYBRID_MODELS", "NEMOTRON_MODELS", "MODELS",
+           "get_model_spec", "from_hf_config", "check_trainable", "mismatches_with_args"]
 
 _MOE_FAMILIES = ("qwen3_moe", *HYBRID_MOE_FAMILIES)
 _DENSE_ALLOWED = ("qwen3_next",)  # HF Qwen3-Next with num_experts=0 has dense MLPs
