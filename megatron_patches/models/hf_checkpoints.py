@@ -238,9 +238,10 @@ def export_hf_weights(models, directory, config: dict, source=None) -> None:
 
     files = {stored: file for file, stored in where.values()}
     untrained = sorted(n for names in untrained_tensors(source).values() for n in names)
-    if spec.tie_word_embeddings and "lm_head.weight" in where:  # stored although tied: the trained one
-        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-        untrained.remove(where["lm_head.weight"][1])
+    top = top_names(spec)
+    if spec.tie_word_embeddings and top["head"] in where:  # stored although tied: the trained one
+        tensors[top["head"]] = tensors[top["embed"]]
+        untrained.remove(where[top["head"]][1])
     unchanged = {}
     for stored in untrained:
         with safe_open(str(files[stored]), framework="pt") as f:
