@@ -54,8 +54,9 @@ def add_prefix_reuse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                             "--rl-synthetic-max-response-len tokens (MoE with tensor parallelism "
                             "needs rows of one length)")
     group.add_argument("--hf-checkpoint", default=None, metavar="DIR",
-                       help="start from this Hugging Face checkpoint (Llama 3 / Qwen3 "
-                            "safetensors) when no --load checkpoint exists")
+                       help="start from this Hugging Face checkpoint (Llama 3 / Qwen3 / "
+                            "Qwen3.5 / Qwen3-Next / Nemotron-H safetensors: model_configs) when "
+                            "no --load checkpoint exists")
     group.add_argument("--export-hf", default=None, metavar="DIR",
                        help="after training, write the weights as a Hugging Face checkpoint "
                             "(needs --hf-checkpoint for the config and the dtype)")
