@@ -78,14 +78,9 @@ _GDN_DIMS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_
 
 
 def check_modelled(spec: ModelSpec) -> None:
-    """ValueError for a model whose layers the accounting model does not count (attention and
-    Gated DeltaNet layers are counted, docs/MEMORY.md "Hybrid models"; Nemotron-H's Mamba-2
-    HybridModels, `hybrid_layer_pattern`, are not yet); a GDN spec (`linear_attention_freq`)
-    without its GDN dims is refused."""
-    if getattr(spec, "hybrid_layer_pattern", None):
-        raise ValueError(f"{spec.name}: a Nemotron-H HybridModel (pattern "
-                         f"{spec.hybrid_layer_pattern}): Mamba-2 layers are not in the memory "
-                         "model yet (docs/MEMORY.md, \"Hybrid models\")")
+    """ValueError for a spec the accounting model cannot count (Nemotron-H; GDN without dims)."""
+    if getattr(spec, "hybrid_layer_pattern", None):  # docs/MEMORY.md "Hybrid models"
+        raise ValueError(f"{spec.name}: Nemotron-H's Mamba-2 layers are not modelled yet")
     freq = getattr(spec, "linear_attention_freq", None)
     if freq and not all(getattr(spec, name, None) for name in _GDN_DIMS):
         raise ValueError(f"{spec.name}: linear_attention_freq={freq} without the GDN dims "
