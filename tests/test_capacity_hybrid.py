@@ -1,8 +1,8 @@
 """tools/capacity.py on Gated DeltaNet hybrids (Qwen3.5 / Qwen3-Next specs): their GDN dims reach
 the accounting model (memory_model_gdn.py, held to measured bytes in tests/test_memory_gdn.py),
 their parameters are counted per layer kind, and reuse options prefix reuse refuses for GDN
-layers (full recompute, context parallelism) are refused by name; Nemotron-H specs (Mamba-2 layers,
-not in the memory model yet) are refused."""
+layers (full recompute, context parallelism) are refused by name; Nemotron-H specs (their
+pattern and Mamba dims not yet mapped to ModelDims) are refused, not counted as attention."""
 import dataclasses
 from types import SimpleNamespace
 
@@ -29,7 +29,7 @@ def test_gdn_specs_reach_the_accounting_model():
     broken = SimpleNamespace(**{**fields, "name": "no-dims", "linear_num_value_heads": None})
     with pytest.raises(ValueError, match="without the GDN dims"):
         capacity.check_modelled(broken)
-    with pytest.raises(ValueError, match="Nemotron-H's Mamba-2 layers are not modelled yet"):
+    with pytest.raises(ValueError, match="Nemotron-H specs are not mapped to ModelDims yet"):
         capacity.dims_of(capacity.MODELS["nemotron-h-8b-tiny"])  # not counted as attention
 
 

@@ -79,8 +79,8 @@ _GDN_DIMS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_
 
 def check_modelled(spec: ModelSpec) -> None:
     """ValueError for a spec the accounting model cannot count (Nemotron-H; GDN without dims)."""
-    if getattr(spec, "hybrid_layer_pattern", None):  # docs/MEMORY.md "Hybrid models"
-        raise ValueError(f"{spec.name}: Nemotron-H's Mamba-2 layers are not modelled yet")
+    if getattr(spec, "hybrid_layer_pattern", None):  # pattern + Mamba dims: not passed on yet
+        raise ValueError(f"{spec.name}: Nemotron-H specs are not mapped to ModelDims yet")
     freq = getattr(spec, "linear_attention_freq", None)
     if freq and not all(getattr(spec, name, None) for name in _GDN_DIMS):
         raise ValueError(f"{spec.name}: linear_attention_freq={freq} without the GDN dims "
