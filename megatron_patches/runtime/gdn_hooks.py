@@ -28,7 +28,7 @@ from prefix_schedule.runtime.context import (
     current_context,
 )
 
-__all__ = ["gdn_state_hook", "conv_window", "CONV_STATE", "RULE_STATE"]
+__all__ = ["gdn_state_hook", "conv_window", "keep_state", "CONV_STATE", "RULE_STATE"]
 
 CONV_STATE = "conv"
 """Cache name of a GDN layer's conv tail: [B=1, kernel_size - 1, conv channels] raw inputs."""
@@ -118,13 +118,33 @@ def conv_window(context, layer: int, segment, x: torch.Tensor, width: int) -> to
     if tail is None:
         tail = x.new_zeros((1, width - 1, x.shape[-1]))
     window = torch.cat([tail.to(x.dtype), x], dim=1)  # [1, W-1+T, D]
-    if segment.store and not context.recomputing:
-        # a copy: a view would keep the whole window's storage alive with the cache (and on
-        # the device under offload, which keeps every storage the cache shares)
-        context.cache.store_state(context.group, layer, CONV_STATE,
-                                  window[:, window.shape[1] - (width - 1):].clone(),
-                                  chunk=context.chunk, num_tokens=x.shape[1])
+    if segment.store:
+        # a cached copy: a view would keep the whole window's storage alive with the cache (and
+        # on the device under offload, which keeps every storage the cache shares)
+        window = keep_state(context, layer, CONV_STATE, window[:, window.shape[1] - (width - 1):],
+                            window, num_tokens=x.shape[1], copy=True)
     return window
+
+
+def keep_state(context, layer: int, name: str, state: torch.Tensor, out: torch.Tensor, *,
+               num_tokens: int, copy: bool = False) -> torch.Tensor:
+    """The state `name` a prefix segment of `num_tokens` tokens reached (`state`, computed along
+    with the layer's `out`); returns `out`. Phase A stores it (a copy if `copy`). Phase C under
+    full recompute ([Note: prefix full recompute] in docs/DESIGN.md): a re-run with Megatron's
+    checkpoints ("inject") returns `out` through `inject_state_grad` wherever it runs with grad
+    (CheckpointFunction's recompute in backward), so the state's accumulated gradient enters
+    that backward; a whole re-run ("replay") binds `state` to the entry; any other recompute
+    leaves the cache alone. Shared by the GDN and Mamba hooks."""
+    cache, group, chunk = context.cache, context.group, context.chunk
+    if context.inject:
+        if torch.is_grad_enabled():
+            return cache.inject_state_grad(group, layer, name, out, state, chunk=chunk)
+    elif context.replay:
+        cache.rebind_state(group, layer, name, state.clone() if copy else state, chunk=chunk)
+    elif not context.recomputing:
+        cache.store_state(group, layer, name, state.clone() if copy else state, chunk=chunk,
+                          num_tokens=num_tokens)
+    return out
 
 
 def _conv(module, context, segments, qkv, weight, bias):
@@ -168,9 +188,8 @@ def _rule(module, context, segments, *args, initial_state=None, output_final_sta
             output_final_state=True, cu_seqlens=_cu_seqlens(bounds, inputs["q"].device),
             **kwargs)
     for n, (segment, a, b) in enumerate(bounds):
-        if segment.store and not context.recomputing:
-            context.cache.store_state(context.group, layer, RULE_STATE, final[n:n + 1],
-                                      chunk=context.chunk, num_tokens=b - a)
+        if segment.store:
+            out = keep_state(context, layer, RULE_STATE, final[n:n + 1], out, num_tokens=b - a)
     if (isinstance(context, PrefixForwardContext) and not context.recomputing
             and context.stop_after_layer == layer and not context.stop_in_router):
         raise PrefixForwardDone()

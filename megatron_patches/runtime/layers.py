@@ -105,14 +105,13 @@ def check_layers_supported(config, model) -> None:
 
 def _check_gdn_supported(config) -> None:
     """Gated DeltaNet and Mamba layers cache a recurrent state ([Note: recurrent prefix state]);
-    the paths below would need it split or replayed, which is not implemented."""
+    context parallelism would need it split, which is not implemented. (Full recompute: a
+    GPTModel's re-run hands the states their gradients, [Note: prefix full recompute]; a
+    HybridModel's is refused in check_layers_supported.)"""
     why = []
     if config.context_parallel_size > 1:
         why.append("context parallelism (GDN's CP all-to-all splits heads, and a zigzag shard "
                    "has no prefix state of its own): use context_parallel_size=1")
-    if config.recompute_granularity == "full":
-        why.append("recompute_granularity='full' (Phase C replays K/V only): use selective "
-                   "recompute or none")
     if why:
         raise ValueError("Gated DeltaNet (experimental_attention_variant='gated_delta_net', "
                          "'G') and Mamba ('M') layers with prefix reuse do not support: "

@@ -28,7 +28,8 @@ from prefix_schedule.runtime.context import (
     current_context,
 )
 
-from megatron_patches.runtime.gdn_hooks import CONV_STATE, _bounds, _read, _segments, conv_window
+from megatron_patches.runtime.gdn_hooks import (CONV_STATE, _bounds, _read, _segments, conv_window,
+                                                keep_state)
 
 __all__ = ["mamba_state_hook", "CONV_STATE", "SSM_STATE"]
 # CONV_STATE ("conv": [1, kernel_size - 1, conv channels] raw xBC inputs) is the GDN hooks'
@@ -92,10 +93,9 @@ def _split_conv_scan(module, context, segments, zxbcdt, conv1d_weight, conv1d_bi
             dt_softplus=True, initial_states=state, return_final_states=segment.store,
             **kernel_kwargs)
         y, final = result if segment.store else (result, None)
+        if segment.store:
+            y = keep_state(context, layer, SSM_STATE, final, y, num_tokens=length)
         outs.append(y.reshape(1, length, dim))
-        if segment.store and not context.recomputing:
-            context.cache.store_state(context.group, layer, SSM_STATE, final,
-                                      chunk=context.chunk, num_tokens=length)
     if (isinstance(context, PrefixForwardContext) and not context.recomputing
             and context.stop_after_layer == layer and not context.stop_in_router):
         raise PrefixForwardDone()

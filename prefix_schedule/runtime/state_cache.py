@@ -59,6 +59,25 @@ class _AccumulateInto(torch.autograd.Function):
         return None, None
 
 
+class _InjectStateGrad(torch.autograd.Function):
+    """Identity on a layer output whose backward also gives `tensor` (the state the layer
+    reached, recomputed with its graph) the cached state's accumulated fp32 gradient, read when
+    the backward runs: [Note: prefix full recompute] in docs/DESIGN.md. Nothing downstream of the
+    layer consumes that state, so without this its gradient would never enter the backward."""
+
+    @staticmethod
+    def forward(ctx, out, tensor, state):
+        ctx.state, ctx.dtype = state, tensor.dtype
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad = ctx.state.grad
+        if grad is not None:
+            grad = grad.to(ctx.dtype).reshape(ctx.state.leaf.shape)
+        return grad_out, grad, None
+
+
 @dataclasses.dataclass(eq=False)
 class StateEntry:
     """The named state tensors one layer stored for one (group, chunk): [Note: recurrent prefix
@@ -81,6 +100,16 @@ class StateEntry:
         self.num_reads += 1
         state = self.states[name]
         return _AccumulateInto.apply(state.leaf, state)
+
+    def state(self, name: str, tensor: torch.Tensor) -> _State:
+        """The stored state `name`, checked against a re-run's `tensor` of it."""
+        if name not in self.states:
+            raise KeyError(name)
+        state = self.states[name]
+        if tensor.shape != state.leaf.shape:
+            raise ValueError(f"the re-run prefix forward gave state {name!r} of shape "
+                             f"{tuple(tensor.shape)}, Phase A {tuple(state.leaf.shape)}")
+        return state
 
     def backward_pairs(self) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """(prefix-graph tensor, accumulated fp32 gradient or None) per stored state."""
@@ -119,6 +148,39 @@ class StateCacheMixin:
         self._to_local.setdefault((group, chunk), None)
         ptr = tensor.untyped_storage().data_ptr()
         self._storages[ptr] = self._storages.get(ptr, 0) + 1
+
+    def rebind_state(self, group: int, layer: int, name: str, tensor: torch.Tensor, *,
+                     chunk: int = 0) -> None:
+        """Phase C under full recompute without checkpoints (`PrefixKVCache.rebind` for K/V):
+        the re-run forward's `tensor` (same values, now with its graph) becomes the state's graph
+        tensor; its leaf and fp32 gradient stay."""
+        state = self._stored_state(group, chunk, layer, name, tensor)
+        self._forget_storage(state.graph)
+        ptr = tensor.untyped_storage().data_ptr()
+        self._storages[ptr] = self._storages.get(ptr, 0) + 1
+        state.graph = tensor
+
+    def inject_state_grad(self, group: int, layer: int, name: str, out: torch.Tensor,
+                          tensor: torch.Tensor, *, chunk: int = 0) -> torch.Tensor:
+        """Phase C under full recompute with Megatron's checkpointing ([Note: prefix full
+        recompute] in docs/DESIGN.md): `out` (the layer's output, computed along with the state
+        `tensor` it reached at the end of the unit), whose backward also hands the state `name`'s
+        accumulated fp32 gradient to `tensor`."""
+        state = self._stored_state(group, chunk, layer, name, tensor)
+        return _InjectStateGrad.apply(out, tensor, state)
+
+    def _stored_state(self, group: int, chunk: int, layer: int, name: str,
+                      tensor: torch.Tensor) -> _State:
+        entry = self._entry(group, chunk, layer)
+        if not isinstance(entry, StateEntry):
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: holds K/V, not state")
+        try:
+            return entry.state(name, tensor)
+        except KeyError:
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: no state {name!r} "
+                                     "stored") from None
+        except ValueError as error:
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: {error}") from None
 
     def read_state(self, group: int, layer: int, name: str, *,
                    before_chunk: Optional[int] = None, chunks: Optional[Tuple[int, ...]] = None,
