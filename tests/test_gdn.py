@@ -160,24 +160,6 @@ def test_gdn_prefix_trees_equal_dense(qwen_next, shape, chunk):
     assert len(plan.prefix_units()) > len(uncut.prefix_units())  # really cut inside nodes
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-     "recompute_granularity='full'"),
-])
-def test_gdn_refusals_before_compute(megatron_env, overrides, message):
-    from prefix_schedule.planning.planner import plan_microbatches
-
-    from megatron_patches.training import reuse_step
-    from test_equivalence import LOSS
-
-    model = _gdn_model(**overrides)
-    batch = make_batch(2, [(12, [4, 5])])
-    with pytest.raises(ValueError, match=message):
-        reuse_step(model, batch, plan_microbatches(batch, token_budget=12, max_seq_len=512),
-                   LOSS)
-    assert all(p.grad is None for p in model.parameters())
-
-
 def test_gdn_deterministic_mode_runs_the_torch_rule_per_segment(megatron_env):
     """deterministic_mode: Megatron's GDN takes F.conv1d and its torch chunked rule (no varlen);
     the hook then runs the rule per segment. Otherwise (the fla contract, here the CPU layer's

@@ -91,3 +91,112 @@ def test_gdn_full_recompute_equals_dense(qwen35, name):
     if "chunks" in name:
         assert any(c.chunk > 0 for c in plan.prefix_units().values()), "no prefix was chunked"
     _assert_equal(runs)
+
+
+def test_gdn_last_layer_full_recompute(megatron_env):
+    """A GDN last layer: Phase A stops after its state; Phase C's re-run stops at the final
+    norm's input (zero gradient there), so only the injected state gradients drive that layer."""
+    model = _gdn_model(linear_attention_freq=[1, 0, 1, 1], **QWEN35, **FULL)
+    _assert_equal(_three_ways(model, make_batch(9, [(21, [5, 5, 5]), (19, [5, 5, 5])]), 11)[0])
+
+
+def test_gdn_block_recompute_with_layers_run_whole(megatron_env):
+    """recompute_method="block" with 2 of 4 layers checkpointed: the last GDN and attention
+    layers run with grad in Phase C's forward itself (the injection happens there, not in a
+    checkpoint's backward)."""
+    model = _gdn_model(**QWEN35, recompute_granularity="full", recompute_method="block",
+                       recompute_num_layers=2)
+    _assert_equal(_three_ways(model, make_batch(4, [(26, [7, 5]), (14, [6, 6, 3])]), 12,
+                              prefix_chunk_tokens=10)[0])
+
+
+def test_gdn_full_recompute_without_a_final_norm_rebinds_states(megatron_env, monkeypatch):
+    """A last stage without a final norm to stop at re-runs its prefix whole and binds the
+    re-run's K/V and states to the cache entries (PrefixKVCache.rebind / rebind_state); dense
+    runs without the norm too."""
+    from prefix_schedule.runtime.cache import PrefixKVCache
+
+    calls = []
+    for method in ("rebind_state", "inject_state_grad"):
+        original = getattr(PrefixKVCache, method)
+        monkeypatch.setattr(PrefixKVCache, method, lambda *a, _f=original, _m=method, **k: (
+            calls.append(_m), _f(*a, **k))[1])
+    model = _gdn_model(**QWEN35, **FULL)
+    model.decoder.final_layernorm = None
+    _assert_equal(_three_ways(model, make_batch(6, [(25, [6, 4, 5]), (11, [3, 7])]), 12,
+                              prefix_chunk_tokens=9)[0])
+    assert "rebind_state" in calls and "inject_state_grad" not in calls, set(calls)
+
+
+@pytest.mark.parametrize("dropped", ["rule", "conv"])
+def test_without_the_injected_state_gradient_the_step_differs(qwen35, monkeypatch, dropped):
+    """The checks above can fail: a Phase C that leaves out one state's gradient (the rule
+    state or the conv tail) is far from dense."""
+    from prefix_schedule.runtime.cache import PrefixKVCache
+
+    from megatron_patches.training import max_relative_diff
+
+    inject = PrefixKVCache.inject_state_grad
+
+    def without(self, group, layer, name, out, tensor, **kwargs):
+        return out if name == dropped else inject(self, group, layer, name, out, tensor, **kwargs)
+
+    monkeypatch.setattr(PrefixKVCache, "inject_state_grad", without)
+    (dense, dense_grads), _, (reuse, reuse_grads) = _three_ways(
+        qwen35, make_batch(8, [(30, [6, 9, 4]), (17, [8, 3])]), 12, prefix_chunk_tokens=12)[0]
+    assert abs(dense.loss - reuse.loss) <= TOL * abs(dense.loss)  # the forward is untouched
+    assert max_relative_diff(dense_grads, reuse_grads) > 1e-3
+
+
+def test_hybrid_model_gdn_full_recompute_stays_refused(megatron_env):
+    """HybridModel's full recompute is refused wholesale (docs/HYBRID.md says why), `G` too."""
+    from prefix_schedule.planning.planner import plan_microbatches
+
+    from megatron_patches.training import reuse_step
+    from test_gdn_hybrid import _hybrid
+
+    model = _hybrid("G-*-", **FULL)
+    batch = make_batch(2, [(12, [4, 5])])
+    with pytest.raises(ValueError, match="recompute_granularity='full' with a HybridModel"):
+        reuse_step(model, batch, plan_microbatches(batch, token_budget=12, max_seq_len=512),
+                   LOSS)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _pp2_rank(pattern):
+    import megatron_patches
+    from megatron.core import parallel_state
+    from megatron_patches.models.tiny import initialize_distributed
+    from megatron_patches.training import max_relative_diff, missing_grads
+
+    megatron_patches.install()
+    initialize_distributed(seed=1234, pp=2)
+    model = _gdn_model(num_layers=len(pattern), linear_attention_freq=list(pattern), **QWEN35,
+                       **FULL)
+    runs, _ = _three_ways(model, make_batch(4, [(33, [6, 9, 4]), (17, [8, 3]), (26, [5, 7])]),
+                          10, prefix_chunk_tokens=14)
+    (dense, dense_grads), (plain, plain_grads), (reuse, reuse_grads) = runs
+    kinds = sorted({type(layer.self_attention).__name__ for layer in model.decoder.layers})
+    return dict(stage=parallel_state.get_pipeline_model_parallel_rank(), kinds=kinds,
+                losses=(dense.loss, plain.loss, reuse.loss),
+                tokens=(dense.num_tokens, reuse.num_tokens),
+                grad_diff=max(max_relative_diff(dense_grads, reuse_grads),
+                              max_relative_diff(plain_grads, reuse_grads)),
+                nonzero=not missing_grads(dense=dense_grads, reuse=reuse_grads))
+
+
+def test_pp2_full_recompute_with_a_gdn_only_stage():
+    """PP=2, stage 0 holds only GDN layers: its Phase C re-run ends at its output (the received
+    gradient) and injects its states' gradients; the last stage stops at the final norm."""
+    try:
+        results = run_distributed(_pp2_rank, world_size=2, args=((1, 1, 1, 0),),
+                                  timeout_s=400)
+    except DistributedRunError as error:
+        pytest.fail(str(error))
+    assert results[0]["kinds"] == ["GatedDeltaNet"], "stage 0 must hold only GDN layers"
+    dense_loss, plain_loss, reuse_loss = results[-1]["losses"]
+    assert results[-1]["tokens"][0] == results[-1]["tokens"][1] > 0
+    for loss in (dense_loss, plain_loss):
+        assert abs(loss - reuse_loss) <= TOL * abs(loss)
+    for r in results:
+        assert r["nonzero"] and r["grad_diff"] <= TOL, r
