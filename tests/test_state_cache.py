@@ -54,3 +54,37 @@ def test_chunks_chain_and_bad_reads_raise():
     with pytest.raises(CacheProtocolError, match="holds K/V, not state"):
         cache.read_state(3, 2, "conv", chunks=(0,))
     assert cache.nbytes() > 0
+
+
+def test_full_recompute_injects_and_rebinds_the_state_gradient():
+    """[Note: prefix full recompute]: Phase A stored the state without a graph; a re-run's
+    output, through inject_state_grad, hands the recomputed state its accumulated fp32 gradient
+    (cast to the state's dtype) in the output's backward; rebind_state makes the re-run's state
+    the one Phase C backpropagates. Wrong shapes and K/V entries raise."""
+    x = torch.randn(5, 3, requires_grad=True)
+    w = torch.randn(5, 3).bfloat16().float()  # d(state) * w exact in bf16 and fp32
+
+    def _state(x, w):  # a bf16 state (like a conv tail) computed from the prefix
+        return (x * w).sum(0, keepdim=True).bfloat16()
+    cache = PrefixKVCache()
+    with torch.no_grad():
+        cache.store_state(0, 1, "rule", _state(x, w), num_tokens=5)
+    cache.store(0, 2, x.reshape(5, 1, 1, 3), x.reshape(5, 1, 1, 3))
+    read = cache.read_state(0, 1, "rule")
+    assert read.dtype == torch.bfloat16
+    read.float().mul(2.0).sum().backward()  # a suffix: d(state) = 2, kept in fp32
+    state = _state(x, w)  # the re-run, with its graph
+    out = cache.inject_state_grad(0, 1, "rule", x * 3, state)
+    out.float().sum().backward()
+    assert torch.equal(x.grad, 3 + 2 * w)  # d(out) + d(state) through the state
+    with pytest.raises(CacheProtocolError, match="shape"):
+        cache.inject_state_grad(0, 1, "rule", x, state[:, :2])
+    with pytest.raises(CacheProtocolError, match="holds K/V"):
+        cache.inject_state_grad(0, 2, "rule", x, state)
+    with pytest.raises(CacheProtocolError, match="no state 'conv'"):
+        cache.rebind_state(0, 1, "conv", state)
+    x.grad = None
+    cache.rebind_state(0, 1, "rule", _state(x, w))
+    cache.backward(0)
+    assert torch.equal(x.grad, 2 * w)
+    assert cache.live_groups() == ()
