@@ -12,6 +12,8 @@ prefix_schedule/runtime/state_cache.py):
 The conv runs in torch per segment (its tail prepended; the same depthwise causal conv as the
 stock one); the rule is the layer's own kernel (`self.gated_delta_rule`), called per segment with
 `initial_state` / `output_final_state`, whose backward returns the initial state's gradient.
+Under full recompute Phase A stores the states without a graph, and Phase C's re-run attaches
+their accumulated gradients to the recomputed ones (`keep_state`; [Note: prefix full recompute]).
 """
 
 from __future__ import annotations
