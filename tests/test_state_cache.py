@@ -41,7 +41,7 @@ def test_chunks_chain_and_bad_reads_raise():
     cache.store_state(3, 1, "conv", x[2:].clone(), chunk=1, num_tokens=4)
     assert torch.equal(cache.read_state(3, 1, "conv"), x[2:])  # the chain's last chunk
     assert torch.equal(cache.read_state(3, 1, "conv", before_chunk=1), x[:2])
-    with pytest.raises(ValueError, match="state exists only at a chunk's end"):
+    with pytest.raises(ValueError, match="state exists only at a unit's end"):
         cache.read_state(3, 1, "conv", chunks=(0, 1), length=7)
     with pytest.raises(CacheProtocolError, match="no state 'rule'"):
         cache.read_state(3, 1, "rule")
