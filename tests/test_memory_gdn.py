@@ -265,7 +265,7 @@ def test_step_predictions_of_a_gdn_hybrid_match_measured_bytes(megatron_env, rec
     """The accounting model of the Qwen3.5-like tiny hybrid (fp32, with the fla fakes) within
     10% of the measured bytes, as tests/test_memory_model.py holds attention models: dense
     peak (recompute none and full), reuse suffix phase and whole step, with and without
-    offload (reuse refuses full recompute with GDN layers; so does the model)."""
+    offload; and reuse under full recompute (docs/DESIGN.md [Note: prefix full recompute])."""
     import fla_saved_fake
     from megatron_patches.training import dense_step, reuse_step
     from prefix_schedule.planning.memory_model import (MemoryOptions, dense_peak_bytes,
@@ -279,12 +279,7 @@ def test_step_predictions_of_a_gdn_hybrid_match_measured_bytes(megatron_env, rec
     dims = dataclasses.replace(DIMS, attention_output_gate=True)
     model = ActivationModel(dims=dims, act_bytes=4, rotary_percent=0.5)
     local, fused = _qwen_like(recompute)
-    offloads = [False, True] if recompute == "none" else []  # reuse refuses full recompute
-    if recompute == "full":
-        with pytest.raises(ValueError, match="recompute='full' with Gated DeltaNet"):
-            reuse_phase_peaks(model, plan_microbatches(make_batch(3, [(50, [5, 5])]),
-                                                       token_budget=16, max_seq_len=1024),
-                              MemoryOptions(recompute="full"))
+    offloads = [False, True] if recompute == "none" else [False]  # offload excludes full
     with fla_saved_fake.installed([local, fused]):
         for prefix, suffix, group, budget in ((200, 40, 3, 40), (400, 80, 2, 160),
                                               (300, 20, 4, 80)):
@@ -312,24 +307,32 @@ def test_step_predictions_of_a_gdn_hybrid_match_measured_bytes(megatron_env, rec
             fused.zero_grad(set_to_none=True)
 
 
-def test_budget_planner_leaves_out_full_recompute_for_gdn_layers():
-    """The planner's default options skip what reuse refuses for GDN layers (full recompute);
-    asking for it is a ValueError naming why."""
+def test_budget_planner_takes_full_recompute_for_gdn_gptmodels_not_hybridmodels():
+    """Reuse runs full recompute with GDN layers in a GPTModel (tests/test_gdn_recompute.py), so
+    the planner may choose it; a HybridModel's full recompute is refused by reuse, so the planner
+    leaves it out and asking for it is a ValueError naming why."""
     from prefix_schedule.planning.memory_model import MemoryOptions
     from prefix_schedule.planning.planner import plan_microbatches
     from test_equivalence import make_batch
 
-    model = ActivationModel(dims=DIMS, act_bytes=4)
     batch = make_batch(3, [(120, [20, 24, 16]), (90, [18, 30])])
+    full = [MemoryOptions(recompute="full")]
+    gpt = ActivationModel(dims=DIMS, act_bytes=4)
+    plan = plan_microbatches(batch, token_budget=64, max_seq_len=512, memory_budget_bytes=10 ** 9,
+                             memory_model=gpt, memory_options=full)
+    assert plan.memory.options.recompute == "full"
+    hybrid = ActivationModel(dims=dataclasses.replace(
+        DIMS, num_layers=len(HYBRID), hybrid_pattern=HYBRID, linear_attention_freq=None),
+        act_bytes=4)
     plain = plan_microbatches(batch, token_budget=64, max_seq_len=512,
-                              memory_budget_bytes=10 ** 9, memory_model=model)
+                              memory_budget_bytes=10 ** 9, memory_model=hybrid)
     budget = int(plain.memory.peaks["step"] * 0.7)
     plan = plan_microbatches(batch, token_budget=64, max_seq_len=512,
-                             memory_budget_bytes=budget, memory_model=model)
+                             memory_budget_bytes=budget, memory_model=hybrid)
     assert plan.memory.options.recompute == "none" and plan.memory.peaks["step"] <= budget
-    with pytest.raises(ValueError, match="recompute='full' with Gated DeltaNet"):
+    with pytest.raises(ValueError, match="recompute='full' with a HybridModel"):
         plan_microbatches(batch, token_budget=64, max_seq_len=512, memory_budget_bytes=budget,
-                          memory_model=model, memory_options=[MemoryOptions(recompute="full")])
+                          memory_model=hybrid, memory_options=full)
 
 
 @pytest.mark.megatron
