@@ -26,7 +26,8 @@ RUNS = {"gdn": ["--linear-attention-freq", "2", "--num-layers", "4"],
 # two stock dense orders (1 vs 4 rows per microbatch) already differ by 5.1e-6 relative, reuse
 # by 1.1e-5 / 8.4e-6 (measured); seed 1's gradients are well conditioned.
 PARALLEL = {"gdn_tp2": [*RUNS["gdn"], "--tp", "2"],
-            "gdn_pp2_production": [*RUNS["gdn"], "--pp", "2", "--production"],
+            "gdn_pp2_production": [*RUNS["gdn"], "--pp", "2", "--production", "--recompute",
+                                   "full"],
             "pattern_tp2": [*RUNS["pattern"], "--tp", "2", "--seed", "1"],
             "pattern_pp2": ["--hybrid-pattern=G*|M-", "--num-layers", "4", "--pp", "2",
                             "--seed", "1"],
@@ -100,14 +101,16 @@ def test_hybrid_bench_runs_and_matches_stock_dense(runs, name):
 @pytest.mark.parametrize("name", list(PARALLEL))
 def test_hybrid_bench_parallel_layouts_match_stock_dense(runs, name):
     """TP=2 splits GDN / Mamba heads, PP=2 puts GDN+attention and Mamba+MLP on separate stages
-    (`|` marks, or the GPTModel's even split), DP=2 places one group per rank; reuse matches
-    stock dense in the same layout. `model.stages` is what each stage built."""
+    (`|` marks, or the GPTModel's even split; the GDN one with --production and full
+    recompute), DP=2 places one group per rank; reuse matches stock dense in the same layout.
+    `model.stages` is what each stage built."""
     result, stdout = _check_run(runs, name)
     layout = result["layout"]
     assert (layout["pp"], layout["tp"], layout["dp"]) == LAYOUTS[name]
     assert result["model"]["stages"] == STAGES[name]
     assert result["memory"] is None  # single-process only
     assert result["production_settings"] is ("production" in name)
+    assert result["recompute"] == ("full" if "production" in name else "none")
     if name == "pattern_pp2":
         assert "HybridModel G*M- (stages G* | M-)" in stdout
     if name == "pattern_dp2":
@@ -126,8 +129,8 @@ REFUSALS = [
     (["--hybrid-pattern=M*M-", "--tp", "16"], "does not divide the Mamba heads"),
     (["--hybrid-pattern=G*|M-"], "give --pp 2"),
     (["--hybrid-pattern=G*M-|", "--pp", "2"], "at least one layer per stage"),
-    (["--linear-attention-freq", "4", "--tree", "2x2"], "--tree"),
-    (["--linear-attention-freq", "4", "--recompute", "full"], "--recompute full"),
+    (["--linear-attention-freq", "4", "--tree", "2x2"], "--tree: the bench plans trees"),
+    (["--hybrid-pattern=G*M-", "--recompute", "full"], "--recompute full: the reuse engine"),
 ]
 
 
