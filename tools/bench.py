@@ -54,6 +54,13 @@ bounds the whole multi-process run.
     python tools/bench.py --adapter megatron-rl --timeout 3600  # Megatron-LM RL's train step
     python tools/bench.py --linear-attention-freq 4   # GDN hybrid, Qwen3.5 layout (benchlib/hybrid.py)
     python tools/bench.py --hybrid-pattern 'G*M-'     # HybridModel with GDN and Mamba-2 layers
+    python tools/bench.py --linear-attention-freq 4 --tp 2   # hybrids run --pp/--tp/--dp too
+    python tools/bench.py --hybrid-pattern 'G*|M-' --pp 2    # `|` marks the pipeline stages
+
+Hybrid models (`--linear-attention-freq`, `--hybrid-pattern`; benchlib/hybrid.py) run the same
+paths, one process or the --pp/--tp/--dp layouts and --production; the JSON's `model.stages`
+lists the layers each pipeline stage built. Refused with the reason: --cp, --vpp, --tree,
+--num-experts, --recompute full with --hybrid-pattern, --memory-budget-mib, --adapter.
 
 Exit status: 2 bad arguments, 1 a rank failed, 3 the untimed check saw a NaN or inf loss or
 gradient difference (on the dense or the reuse side; printed), else 0.

@@ -132,7 +132,8 @@ class BenchConfig:
     layout, attention_output_gate, rotary_percent 0.25; shapes in benchlib/hybrid.py)."""
     hybrid_pattern: Optional[str] = None
     """A HybridModel of one layer per symbol (* attention, - MLP, G Gated DeltaNet, M Mamba-2;
-    e.g. G*M-), as many as --num-layers (benchlib/hybrid.py)."""
+    e.g. G*M-), as many as --num-layers; with --pp N, `|` may mark the N stages (G*|M-), else
+    the layers split evenly (benchlib/hybrid.py)."""
 
     def __post_init__(self) -> None:
         minimums = dict(prefix_len=2, suffix_len=1, group_size=1, num_groups=1, num_layers=1,

@@ -16,15 +16,32 @@ few tokens and the decay parameters' gradients are fp32 rounding noise (docs/HYB
 
 The dense paths swap the attention layers' core attention for the fused SDPA one (no parameters,
 so the weights stay the local model's); the stock dense path and the reuse path run the local
-spec. One process only: parallel layouts, --cp, --vpp, --tree, MoE, full recompute, the memory
-budget and the adapter are refused before any compute.
+spec.
+
+Parallel layouts (tools/bench.py --pp/--tp/--dp, --production) run as for attention-only models,
+each rank building its own stage / TP shard (benchlib/models.py wraps both models the same way,
+Megatron's DDP with --dp > 1 or --production):
+- --tp N splits the attention heads, the GDN key and value heads (a/2 and a: N divides both)
+  and the Mamba heads and groups (the bench picks the largest of 8, 4, 2, 1 groups that divides
+  the heads and is a multiple of N);
+- --pp N: a GPTModel splits its layers evenly (Megatron's offsets); a HybridModel pattern may
+  mark its N stages with `|` (e.g. `G*|M-`: stage 0 `G*`, stage 1 `M-`), and without marks the
+  bench splits it into N equal stages (the `|` Megatron wants with PP);
+- --dp N places groups on the ranks (prefix_schedule.planning.placement) as for any model.
+Refused before any compute, with the reason: --cp (the reuse hooks refuse GDN and Mamba layers
+under context parallelism: their CP all-to-all splits heads, a zigzag shard has no prefix state),
+--vpp (the hybrid builders build one model chunk per pipeline rank), --tree (the bench does not
+plan the state reads such layers need: plan_microbatches(state_reads=True)), --num-experts (MoE layers beside GDN / Mamba
+are not benchmarked), --recompute full with a HybridModel (the reuse engine refuses it for every
+HybridModel; a GPTModel with GDN runs it), --memory-budget-mib (the bench's budget planning,
+benchlib/capacity.py, does not model hybrid layers yet) and --adapter.
 """
 from __future__ import annotations
 
 import torch
 
 __all__ = ["BENCH_SYMBOLS", "build_hybrid_models", "check_hybrid", "hybrid_dims",
-           "hybrid_overrides", "is_hybrid"]
+           "hybrid_overrides", "is_hybrid", "stage_layers", "stage_pattern"]
 
 BENCH_SYMBOLS = "*-GM"
 """HybridModel symbols the bench builds (`E` needs the MoE paths' packing: not benchmarked)."""
@@ -47,32 +64,91 @@ def check_hybrid(config) -> None:
         raise ValueError(f"--linear-attention-freq={freq}; give an int >= 1 (every N-th layer "
                          "is softmax attention, the others Gated DeltaNet)")
     if pattern is not None:
-        if not isinstance(pattern, str) or not pattern:
-            raise ValueError(f"--hybrid-pattern={pattern!r}; give one symbol per layer out of "
-                             f"{BENCH_SYMBOLS!r}, e.g. G*M-")
-        bad = sorted(set(pattern) - set(BENCH_SYMBOLS))
-        if bad:
-            raise ValueError(f"--hybrid-pattern={pattern!r}: the bench builds the symbols "
-                             f"{BENCH_SYMBOLS!r} (attention, MLP, Gated DeltaNet, Mamba-2), not "
-                             f"{bad}")
-        if not set(pattern) & set("*GM"):
-            raise ValueError(f"--hybrid-pattern={pattern!r} has no `*`, `G` or `M` layer: "
-                             "nothing of a prefix would be cached")
-        if len(pattern) != config.num_layers:
-            raise ValueError(f"--hybrid-pattern={pattern!r} has {len(pattern)} layers; give "
-                             f"--num-layers {len(pattern)}")
+        _check_pattern(config, pattern)
     if config.num_attention_heads % 2:
         raise ValueError(f"--num-attention-heads={config.num_attention_heads}: the GDN shape has "
                          "a/2 key heads; give an even number")
-    others = [flag for flag, on in (
-        ("--pp/--tp/--dp/--cp > 1", config.world_size > 1), ("--vpp", config.vpp > 1),
-        ("--tree", config.tree is not None), ("--num-experts", config.num_experts is not None),
-        ("--recompute full", config.recompute == "full"),
-        ("--memory-budget-mib", config.memory_budget_mib is not None),
-        ("--production", config.production), ("--adapter", config.adapter is not None)) if on]
-    if others:
-        raise ValueError(f"the hybrid bench runs one process with the plain paths, not with "
-                         f"{', '.join(others)}; drop them")
+    _check_parallel(config)
+    refused = [(flag, why) for flag, on, why in (
+        ("--cp > 1", config.cp > 1, "the reuse hooks refuse GDN and Mamba layers under context "
+         "parallelism (their CP all-to-all splits heads; a zigzag shard has no prefix state)"),
+        ("--vpp > 1", config.vpp > 1, "the hybrid builders build one model chunk per pipeline "
+         "rank"),
+        ("--tree", config.tree is not None, "the bench plans trees without the state reads GDN / "
+         "Mamba layers need (plan_microbatches(state_reads=True))"),
+        ("--num-experts", config.num_experts is not None, "MoE layers beside GDN / Mamba layers "
+         "are not benchmarked"),
+        ("--recompute full", config.recompute == "full" and pattern is not None, "the reuse "
+         "engine refuses full recompute for every HybridModel (GPTModel GDN runs it)"),
+        ("--memory-budget-mib", config.memory_budget_mib is not None, "the bench's budget "
+         "planning (benchlib/capacity.py) does not model hybrid layers yet"),
+        ("--adapter", config.adapter is not None, "the adapters run attention-only models")) if on]
+    if refused:
+        raise ValueError("the hybrid bench does not run " + "; ".join(
+            f"{flag}: {why}" for flag, why in refused) + "; drop " + ", ".join(
+                flag for flag, _ in refused))
+
+
+def stage_pattern(config) -> str | None:
+    """The HybridModel pattern the bench builds: --hybrid-pattern, with `|` between --pp equal
+    stages when it has no stage marks (None for a GPTModel)."""
+    pattern = config.hybrid_pattern
+    if pattern is None or "|" in pattern or config.pp == 1:
+        return pattern
+    per = len(pattern) // config.pp
+    return "|".join(pattern[i:i + per] for i in range(0, len(pattern), per))
+
+
+def _check_pattern(config, pattern) -> None:
+    if not isinstance(pattern, str) or not pattern.replace("|", ""):
+        raise ValueError(f"--hybrid-pattern={pattern!r}; give one symbol per layer out of "
+                         f"{BENCH_SYMBOLS!r}, e.g. G*M- (`|` between pipeline stages)")
+    bad = sorted(set(pattern) - set(BENCH_SYMBOLS + "|"))
+    if bad:
+        raise ValueError(f"--hybrid-pattern={pattern!r}: the bench builds the symbols "
+                         f"{BENCH_SYMBOLS!r} (attention, MLP, Gated DeltaNet, Mamba-2; `|` "
+                         f"between pipeline stages), not {bad}")
+    if not set(pattern) & set("*GM"):
+        raise ValueError(f"--hybrid-pattern={pattern!r} has no `*`, `G` or `M` layer: "
+                         "nothing of a prefix would be cached")
+    layers = len(pattern.replace("|", ""))
+    if layers != config.num_layers:
+        raise ValueError(f"--hybrid-pattern={pattern!r} has {layers} layers; give "
+                         f"--num-layers {layers}")
+    if "|" in pattern:
+        stages = pattern.split("|")
+        if len(stages) != config.pp or not all(stages):
+            raise ValueError(f"--hybrid-pattern={pattern!r} marks {len(stages)} pipeline "
+                             f"stage(s) {stages}; give --pp {len(stages)} and at least one "
+                             f"layer per stage, or no `|` (then --pp {config.pp} splits the "
+                             "layers evenly)")
+
+
+def _check_parallel(config) -> None:
+    """The hybrid layers' head splits over --tp (Megatron asserts them at build time)."""
+    tp, a = config.tp, config.num_attention_heads
+    gdn = config.linear_attention_freq is not None or "G" in (config.hybrid_pattern or "")
+    if gdn and (a // 2) % tp:
+        raise ValueError(f"--tp={tp} does not divide the GDN key heads ({a // 2} = "
+                         f"--num-attention-heads / 2); give --num-attention-heads a multiple "
+                         f"of {2 * tp}")
+    if "M" in (config.hybrid_pattern or ""):
+        heads = _mamba_heads(config)
+        if heads % tp or _mamba_groups(config) is None:
+            raise ValueError(f"--tp={tp} does not divide the Mamba heads ({heads} = 2 x "
+                             f"--hidden-size / {MAMBA_HEAD_DIM}) and a group count (8, 4, 2 or "
+                             "1) dividing them; change --hidden-size or --tp")
+
+
+def _mamba_heads(config) -> int:
+    return max(1, 2 * config.hidden_size // MAMBA_HEAD_DIM)
+
+
+def _mamba_groups(config) -> int | None:
+    """Mamba groups: the most of 8, 4, 2, 1 that divide the heads and split over --tp."""
+    heads = _mamba_heads(config)
+    return next((g for g in (MAMBA_GROUPS, 4, 2, 1) if heads % g == 0 and g % config.tp == 0),
+                None)
 
 
 def _gdn_shape(config) -> dict:
@@ -83,10 +159,8 @@ def _gdn_shape(config) -> dict:
 
 
 def _mamba_shape(config) -> dict:
-    heads = max(1, 2 * config.hidden_size // MAMBA_HEAD_DIM)
-    groups = next(g for g in (MAMBA_GROUPS, 4, 2, 1) if heads % g == 0)
-    return dict(mamba_num_heads=heads, mamba_head_dim=MAMBA_HEAD_DIM,
-                mamba_state_dim=MAMBA_STATE_DIM, mamba_num_groups=groups)
+    return dict(mamba_num_heads=_mamba_heads(config), mamba_head_dim=MAMBA_HEAD_DIM,
+                mamba_state_dim=MAMBA_STATE_DIM, mamba_num_groups=_mamba_groups(config))
 
 
 def hybrid_overrides(config) -> dict:
@@ -103,8 +177,10 @@ def hybrid_dims(config) -> dict:
     """ModelDims fields of the hybrid layers (the FLOP model's view)."""
     if not is_hybrid(config):
         return {}
+    pattern = config.hybrid_pattern  # the FLOP model's view: layers, no stage marks
     fields = dict(hybrid_overrides(config), linear_attention_freq=config.linear_attention_freq,
-                  hybrid_pattern=config.hybrid_pattern, mamba_conv_kernel_dim=CONV,
+                  hybrid_pattern=None if pattern is None else pattern.replace("|", ""),
+                  mamba_conv_kernel_dim=CONV,
                   mamba_chunk_size=128)
     return fields
 
@@ -148,8 +224,8 @@ def _fuse_core_attention(model) -> int:
     return swapped
 
 
-def _build(config, shape, seed: int):
-    overrides = hybrid_overrides(config)
+def _build(config, shape, seed: int, extra: dict):
+    overrides = {**hybrid_overrides(config), **extra}
     if config.linear_attention_freq is not None:
         from megatron_patches.models.gdn import build_gdn_model
 
@@ -158,18 +234,31 @@ def _build(config, shape, seed: int):
                                **config.recompute_options())
     from megatron_patches.models.hybrid import build_hybrid_model
 
-    return build_hybrid_model(shape, config.hybrid_pattern, seed=seed, **overrides,
+    return build_hybrid_model(shape, stage_pattern(config), seed=seed, **overrides,
                               **config.recompute_options())
 
 
-def build_hybrid_models(config, shape):
-    """(local-spec model, fused-SDPA model with the same weights), one process."""
-    from megatron_patches.training import prepare_for_training
-
-    local = _build(config, shape, config.seed)
+def build_hybrid_models(config, shape, **extra):
+    """(local-spec model, fused-SDPA model with the same weights) of this rank (its pipeline
+    stage and TP shard), unwrapped; `extra`: more TransformerConfig fields (--production's)."""
+    local = _build(config, shape, config.seed, extra)
     _trained_decay(config, local, config.seed + 7)
-    fused = _build(config, shape, config.seed + 1)  # equal weights only via load_state_dict
+    fused = _build(config, shape, config.seed + 1, extra)  # equal weights only via load_state_dict
     _fuse_core_attention(fused)
     fused.load_state_dict(local.state_dict())
-    return prepare_for_training(local, ddp=False), prepare_for_training(fused, ddp=False)
+    return local, fused
 
+
+def stage_layers(model) -> str:
+    """The layer symbols this rank's built model holds (`*` attention, `-` MLP, `G` GDN, `M`
+    Mamba-2): a HybridModel's layer types as Megatron selected its stage, a GPTModel's layers
+    as `G` (GatedDeltaNet self-attention) or `*`."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    while not hasattr(model, "decoder"):  # Megatron's DDP wrapper
+        model = model.module
+    decoder = model.decoder
+    if hasattr(decoder, "layer_type_list"):
+        return "".join(decoder.layer_type_list)
+    return "".join("G" if isinstance(layer.self_attention, GatedDeltaNet) else "*"
+                   for layer in decoder.layers)

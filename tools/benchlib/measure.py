@@ -249,6 +249,25 @@ def _megatron_layout() -> Dict[str, int]:
             "ep": ps.get_expert_model_parallel_world_size()}
 
 
+def _hybrid_stages(config: BenchConfig, local) -> Optional[List[str]]:
+    """Hybrid models: each pipeline stage's layer symbols as built (benchlib/hybrid.py)."""
+    from benchlib.hybrid import is_hybrid, stage_layers
+
+    if not is_hybrid(config):
+        return None
+    from benchlib.models import chunks
+
+    mine = stage_layers(chunks(local)[0])
+    if torch.distributed.get_world_size() == 1:
+        return [mine]
+    from megatron.core import parallel_state
+
+    every = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(
+        every, (parallel_state.get_pipeline_model_parallel_rank(), mine))
+    return [layers for _, layers in sorted(dict(every).items())]
+
+
 def measure(config: BenchConfig, distributed: bool = False) -> dict:
     """Build, time, check and measure in this process, or in each rank of a layout
     (`distributed`, run by megatron_patches.support.launch: its pipeline stage / TP shard / DP share);
@@ -271,5 +290,6 @@ def measure(config: BenchConfig, distributed: bool = False) -> dict:
     timer = RegionTimer(param.device)
     return {"times": times, "cpu_times": cpu_times, "attention_backend": backend, **check, "memory": memory,
             "layout": _megatron_layout(), "timing_basis": timer.basis,
+            "hybrid_stages": _hybrid_stages(config, local),
             "reuse_microbatch_tokens": [m.num_tokens for m in plan.microbatches],
             "plan_dense_rows": [len(m.segments) for m in plan.microbatches]}

@@ -108,8 +108,9 @@ def build_models(config: BenchConfig, distributed: bool):
         private_rendezvous()
         initialize_single_process(seed=config.seed)
     shape = model_shape(config)
-    if is_hybrid(config):  # GDN / Mamba layers (benchlib/hybrid.py; one process)
-        return build_hybrid_models(config, shape)
+    if is_hybrid(config):  # GDN / Mamba layers (benchlib/hybrid.py), one chunk per rank
+        local, fused = build_hybrid_models(config, shape, **_production_overrides(config))
+        return _wrap([local], config), _wrap([fused], config)
     overrides = {**_production_overrides(config), **config.moe_overrides(),
                  **config.recompute_options()}
     stages = [None] if config.vpp == 1 else list(range(config.vpp))

@@ -47,6 +47,7 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
     reuse_tokens = measured.pop("reuse_microbatch_tokens")
     plan_rows = measured.pop("plan_dense_rows", None)  # benchlib/cp.py (no MoE) has none
     batched_diff = measured.pop("dense_batched_grad_rel_diff", None)
+    stages = measured.pop("hybrid_stages", None)  # hybrid models: layers per pipeline stage
     rows = max(plan_rows) if config.num_experts else config.dense_rows_per_microbatch
     result = {
         "dense_seconds": median["dense"],
@@ -78,7 +79,8 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
         "model": {name: getattr(dims, name) for name in (
             "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
             "num_query_groups", "vocab_size", "gated_linear_unit", "num_experts",
-            "moe_router_topk")} | hybrid_dims(config),  # + GDN / Mamba shapes (hybrid.py)
+            "moe_router_topk")} | hybrid_dims(config)  # + GDN / Mamba shapes (hybrid.py)
+        | ({} if stages is None else {"stages": stages}),
         "ep": config.ep,
         "workload": {name: getattr(config, name) for name in (
             "prefix_len", "suffix_len", "group_size", "num_groups", "tree", "node_len")},
@@ -128,7 +130,9 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
         f"heads {m['num_attention_heads']}/{m['num_query_groups']} kv, vocab {m['vocab_size']}"
         + (f", GDN with attention every {m['linear_attention_freq']} layers"
            if m.get("linear_attention_freq") else "")
-        + (f", HybridModel {m['hybrid_pattern']}" if m.get("hybrid_pattern") else "") + "; "
+        + (f", HybridModel {m['hybrid_pattern']}" if m.get("hybrid_pattern") else "")
+        + (f" (stages {' | '.join(m['stages'])})" if len(m.get("stages") or ()) > 1 else "")
+        + "; "
         f"{result['threads']} threads, median of {result['steps']} steps after "
         f"{result['timing']['warmup_steps_per_path']} warm-up step(s) per path",
         f"layout: pp {lay['pp']}" + (f" (x {lay['vpp']} virtual)" if lay.get("vpp", 1) > 1 else "")
