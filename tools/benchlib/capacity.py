@@ -33,7 +33,9 @@ CAPACITY_BASIS = ("longest trajectory reuse / dense within the dense step's devi
 
 
 def activation_model(config) -> ActivationModel:
-    return ActivationModel(dims=config.model_dims(), act_bytes=4)
+    # the GDN bench model's attention layers rotate a quarter of each head (benchlib/hybrid.py)
+    rotary = 0.25 if config.linear_attention_freq is not None else 1.0
+    return ActivationModel(dims=config.model_dims(), act_bytes=4, rotary_percent=rotary)
 
 
 def _options(config) -> List[MemoryOptions]:
@@ -98,8 +100,7 @@ def capacity_ratio(config, budget_bytes: float) -> Optional[float]:
     """memory.capacity_ratio (module docstring); None when dense fits nothing."""
     import capacity  # tools/capacity.py
 
-    if config.recompute == "selective" or config.tree or config.num_experts \
-            or config.linear_attention_freq is not None or config.hybrid_pattern is not None:
+    if config.recompute == "selective" or config.tree or config.num_experts:
         return None  # not modelled (memory_model.py: recompute none or full, dense MLPs)
     models = [activation_model(config)]
     share = config.prefix_len / (config.prefix_len + config.suffix_len)
