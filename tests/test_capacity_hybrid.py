@@ -69,14 +69,14 @@ def test_capacity_of_a_gdn_hybrid_counts_every_reuse_option():
 
 def test_capacity_of_nemotron_h():
     """Nemotron-H 8B on 80 GiB, G = 8, prefix share 0.9 (docs/MEMORY.md): every length finite
-    and > 0, full-recompute reuse refused (Mamba-2 layers), reuse beats dense without offload or
+    and > 0, full-recompute reuse refused (a HybridModel), reuse beats dense without offload or
     recompute; its attention counted without RoPE, its MLPs without a gate."""
     capacity = tool("capacity")
     spec = capacity.MODELS["nemotron-h-8b"]
     r = capacity.capacity(spec, memory_gib=80, group_size=8, prefix_share=0.9)
     assert all(0 < t < 1 << 24 for t in r["dense"].values())
     assert r["reuse"]["full recompute"]["trajectory"] == 0
-    assert "Mamba-2" in r["reuse"]["full recompute"]["refused"]
+    assert "HybridModel" in r["reuse"]["full recompute"]["refused"]
     assert r["reuse"]["offload"]["trajectory"] > r["reuse"]["no offload, no recompute"][
         "trajectory"] > r["dense"]["none"] > 0
     assert 1 < r["capacity_ratio_plain"] < float("inf") and 0 < r["capacity_ratio"] < float("inf")
