@@ -3,6 +3,11 @@
     python tools/capacity.py --model llama3-8b --memory-gib 80 --group-size 2
     python tools/capacity.py --model qwen3-8b --memory-gib 80 --group-size 8 --tp 2 --prefix-share 0.9
     python tools/capacity.py --model llama3-8b --memory-gib 80 --frontier docs/capacity/frontier.png
+    python tools/capacity.py --model nemotron-h-8b --memory-gib 80 --group-size 8 --prefix-share 0.9
+
+Models: the paper's, the GDN hybrids (Qwen3-Next / Qwen3.5) and Nemotron-H (a HybridModel
+pattern of Mamba-2, attention without RoPE and squared-ReLU MLPs); tools/capacity_specs.py maps a
+spec to the accounting model's shape and counts its parameters layer by layer.
 
 Per GPU (the heaviest pipeline stage), with the assumptions printed beside every result:
 * static: bf16 weights (2 B / parameter), fp32 main gradients (4 B), Adam under Megatron's
