@@ -3,6 +3,11 @@
     python tools/capacity.py --model llama3-8b --memory-gib 80 --group-size 2
     python tools/capacity.py --model qwen3-8b --memory-gib 80 --group-size 8 --tp 2 --prefix-share 0.9
     python tools/capacity.py --model llama3-8b --memory-gib 80 --frontier docs/capacity/frontier.png
+    python tools/capacity.py --model nemotron-h-8b --memory-gib 80 --group-size 8 --prefix-share 0.9
+
+Models: the paper's, the GDN hybrids (Qwen3-Next / Qwen3.5) and Nemotron-H (a HybridModel
+pattern of Mamba-2, attention without RoPE and squared-ReLU MLPs); tools/capacity_specs.py maps a
+spec to the accounting model's shape and counts its parameters layer by layer.
 
 Per GPU (the heaviest pipeline stage), with the assumptions printed beside every result:
 * static: bf16 weights (2 B / parameter), fp32 main gradients (4 B), Adam under Megatron's
@@ -33,19 +38,19 @@ import dataclasses
 import math
 import os
 import sys
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from argtypes import (fraction, int_at_most, non_negative_float, positive_float,  # noqa: E402
                       positive_int)
-from layouts import gdn_layer_params, layer_params  # noqa: E402
+from capacity_specs import (Layout, check_modelled, dims_of, rotary_percent_of,  # noqa: E402
+                            static_bytes)
 from outputs import check_output, write_text_atomic  # noqa: E402
 from megatron_patches.models.model_configs import (HYBRID_MODELS, MODELS,  # noqa: E402
-                                                   PAPER_MODELS, ModelSpec)
-from prefix_schedule.planning.flops import ModelDims  # noqa: E402
-from prefix_schedule.planning.flops_layers import ATTENTION, GDN, layer_parts  # noqa: E402
+                                                   NEMOTRON_MODELS, PAPER_MODELS, ModelSpec)
+from prefix_schedule.planning.flops_layers import ATTENTION  # noqa: E402
 from prefix_schedule.planning.memory_model import (ActivationModel, MemoryOptions,  # noqa: E402
                                                    dense_peak_bytes, reuse_phase_peaks)
 from prefix_schedule.planning.planner import (PrefixWork, Segment, StepPlan,  # noqa: E402
@@ -56,7 +61,7 @@ __all__ = ["Layout", "MAX_GROUP_SIZE", "activation_models", "capacity", "check_m
 
 GIB = 1024 ** 3
 CHOICES = {"tiny": "llama3-8b-tiny", **{name: name for name in PAPER_MODELS},
-           **{name: name for name in HYBRID_MODELS}}
+           **{name: name for group in (HYBRID_MODELS, NEMOTRON_MODELS) for name in group}}
 REUSE_OPTIONS = (MemoryOptions(), MemoryOptions(offload=True), MemoryOptions(recompute="full"))
 MIN_CHUNK = 16
 MAX_CHUNKS = 64  # prefix chunks tried: halves of the prefix down to 1/64 of it, >= 16 tokens
@@ -64,81 +69,11 @@ MAX_GROUP_SIZE = 1024
 """Largest group modelled (GRPO uses 2-128): the work grows with it (10**7 took 271 s)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 8
-    cp: int = 1
-    ep: int = 1
-
-
-_GDN_DIMS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-             "linear_value_head_dim", "linear_conv_kernel_dim")
-
-
-def check_modelled(spec: ModelSpec) -> None:
-    """ValueError for a spec the accounting model cannot count (Nemotron-H; GDN without dims)."""
-    if getattr(spec, "hybrid_layer_pattern", None):  # pattern + Mamba dims: not passed on yet
-        raise ValueError(f"{spec.name}: Nemotron-H specs are not mapped to ModelDims yet")
-    freq = getattr(spec, "linear_attention_freq", None)
-    if freq and not all(getattr(spec, name, None) for name in _GDN_DIMS):
-        raise ValueError(f"{spec.name}: linear_attention_freq={freq} without the GDN dims "
-                         f"({', '.join(_GDN_DIMS)})")
-
-
-def dims_of(spec: ModelSpec) -> ModelDims:
-    """The accounting model's ModelDims of a spec (GDN hybrids: their GDN dims and the attention
-    output gate; MoE: the shared expert)."""
-    check_modelled(spec)
-    gdn = {}
-    if getattr(spec, "linear_attention_freq", None):
-        gdn = {name: getattr(spec, name) for name in _GDN_DIMS}
-        gdn.update(linear_attention_freq=spec.linear_attention_freq,
-                   attention_output_gate=spec.attention_output_gate)
-    shared = getattr(spec, "moe_shared_expert_intermediate_size", None) or 0
-    return ModelDims(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-                     ffn_hidden_size=spec.ffn_hidden_size,
-                     num_attention_heads=spec.num_attention_heads,
-                     num_query_groups=spec.num_query_groups, vocab_size=spec.vocab_size,
-                     gated_linear_unit=True, kv_channels=spec.head_dim,
-                     num_experts=spec.num_experts, moe_router_topk=spec.moe_router_topk or 0,
-                     moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
-                     moe_shared_ffn_hidden_size=shared, **gdn)
-
-
-def static_bytes(spec: ModelSpec, layout: Layout) -> Dict[str, float]:
-    """Weights, main gradients and distributed-optimizer state on one rank of the heaviest
-    stage (the first: embedding; with PP=1 also the output layer)."""
-    h, layers = spec.hidden_size, spec.num_layers // layout.pp
-    dims = dims_of(spec)
-    kinds = [layer_parts(dims, i)[0] for i in range(layers)]  # the first stage's mixers
-    dense_layers = sum(gdn_layer_params(spec) if k == GDN else layer_params(spec) for k in kinds)
-    experts = 0
-    if spec.is_moe:
-        dense_layers -= layers * 3 * h * spec.ffn_hidden_size
-        dense_layers += layers * h * spec.num_experts  # the router
-        shared = getattr(spec, "moe_shared_expert_intermediate_size", None)
-        if shared:  # one shared expert and its sigmoid gate
-            dense_layers += layers * (3 * h * shared + h)
-        experts = layers * spec.num_experts * 3 * h * spec.moe_ffn_hidden_size
-    embedding = spec.vocab_size * h
-    if layout.pp == 1 and not spec.tie_word_embeddings:
-        embedding *= 2
-    dense = (dense_layers + embedding) / layout.tp
-    expert = experts / (layout.tp * layout.ep)
-    params = dense + expert
-    return {"weights": 2 * params, "grads": 4 * params,
-            # the distributed optimizer shards over DP x CP (experts: expert DP = DP x CP / EP)
-            "optimizer": 12 * dense / (layout.dp * layout.cp)
-            + 12 * expert / max(1, layout.dp * layout.cp // layout.ep)}
-
-
 def activation_models(spec: ModelSpec, layout: Layout, act_bytes: int) -> List[ActivationModel]:
     """The first stage (PP microbatches in flight) and, with PP > 1, the last (the loss)."""
     stage = spec.num_layers // layout.pp
     common = dict(dims=dims_of(spec), act_bytes=act_bytes, qk_norm=spec.qk_norm, tp=layout.tp,
-                  rotary_percent=getattr(spec, "rotary_percent", 1.0), stage_layers=stage)
+                  rotary_percent=rotary_percent_of(spec), stage_layers=stage)
     first = ActivationModel(**common, head=layout.pp == 1, in_flight=layout.pp)
     return [first] if layout.pp == 1 else \
         [first, ActivationModel(**common, head=True, first_layer=spec.num_layers - stage)]
@@ -273,7 +208,8 @@ def assumptions(layout: Layout, act_bytes: int, reserve_gib: float, pack: str) -
             f"parallel), {reserve_gib:g} GiB reserved; activations per "
             "prefix_schedule/planning/memory_model.py (Megatron local-spec layers, flash-style "
             "attention, no s^2 term; Gated DeltaNet mixers as fla-core 0.6.0 saves, "
-            f"memory_model_gdn.py); one group per step, packed per {pack}; each path at its "
+            "memory_model_gdn.py; Mamba-2 mixers as mamba-ssm 2.3.2 saves, "
+            f"memory_model_mamba.py); one group per step, packed per {pack}; each path at its "
             "best: dense recompute none or full, reuse none / offload / full recompute with "
             "prefix chunks")
 
@@ -364,15 +300,15 @@ def main(argv=None) -> int:
         p.error(str(exc))
     layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, ep=args.ep)
     bad = [f"--{k}={v}" for k, v in dataclasses.asdict(layout).items() if v < 1]
-    gdn_heads = spec.linear_num_key_heads if spec.is_gdn else args.tp
+    heads = spec.linear_num_key_heads if spec.is_gdn else spec.mamba_num_groups or args.tp
     if bad or spec.num_layers % args.pp or spec.num_query_groups % args.tp or \
-            gdn_heads % args.tp or (args.dp * args.cp) % args.ep:
+            heads % args.tp or (args.dp * args.cp) % args.ep:
         p.error(f"layout {layout}: sizes >= 1, --pp dividing {spec.num_layers} layers, --tp "
-                f"dividing {spec.num_query_groups} K/V heads (and the GDN key heads), --ep "
-                "dividing --dp x --cp")
-    if spec.is_gdn and args.cp > 1:
-        p.error("Gated DeltaNet layers with --cp > 1: prefix reuse refuses context parallelism "
-                "for them (runtime/gdn_hooks.py); use --cp 1")
+                f"dividing {spec.num_query_groups} K/V heads (and the GDN key heads or Mamba "
+                "groups), --ep dividing --dp x --cp")
+    if (spec.is_gdn or spec.is_nemotron_h) and args.cp > 1:
+        p.error("Gated DeltaNet / Mamba-2 layers with --cp > 1: prefix reuse refuses context "
+                "parallelism for them (runtime/gdn_hooks.py, mamba_hooks.py); use --cp 1")
     if any(g < 1 for g in args.group_size) or not all(0 < s < 1 for s in args.prefix_share):
         p.error("--group-size >= 1 and --prefix-share in (0, 1)")
     kw = dict(memory_gib=args.memory_gib, layout=layout, pack=args.pack,

@@ -95,6 +95,33 @@ def gdn_layer_params(spec: ModelSpec) -> int:
     return layer_params(spec) - attention + gdn_mixer_params(spec)
 
 
+def mlp_params(spec: ModelSpec) -> int:
+    """A dense MLP's fc1 and fc2: SwiGLU (gate and up), or Nemotron-H's non-gated squared ReLU
+    (up only)."""
+    return (2 if spec.is_nemotron_h else 3) * spec.hidden_size * spec.ffn_hidden_size
+
+
+def mamba_mixer_params(spec: ModelSpec) -> int:
+    """A Mamba-2 mixer (megatron-core 0.19.2 ssm/mamba_mixer.py MambaMixer): in_proj (z, x, B, C,
+    dt; no bias), the depthwise conv over x, B, C (weight W = 4 wide, bias), A_log, D and dt_bias
+    (one per head), the grouped gated norm (d_inner) and out_proj."""
+    h, heads = spec.hidden_size, spec.mamba_num_heads
+    inner = heads * spec.mamba_head_dim
+    conv = inner + 2 * spec.mamba_num_groups * spec.mamba_state_dim
+    return h * (inner + conv + heads) + conv * (4 + 1) + 3 * heads + inner + inner * h
+
+
+def hybrid_layer_params(spec: ModelSpec, symbol: str) -> int:
+    """One HybridModel layer (Nemotron-H: `M`, `*`, `-`), its input norm included."""
+    h, d = spec.hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * d, spec.num_query_groups * d
+    mixer = {"M": lambda: mamba_mixer_params(spec), "-": lambda: mlp_params(spec),
+             "*": lambda: h * (q + 2 * kv) + q * h + (2 * d if spec.qk_norm else 0)}
+    if symbol not in mixer:
+        raise ValueError(f"layer symbol {symbol!r}; only `M`, `*` and `-` are counted")
+    return mixer[symbol]() + h
+
+
 def total_params(spec: ModelSpec) -> int:
     """Parameters of the dense model (MoE: all experts)."""
     if spec.is_moe:

@@ -12,6 +12,8 @@ accounting of tools/memory_probe.py counts; no allocator is measured):
   the fused QKV output (q + 2 kv: V is a view of it), post-RoPE q and k, attention output and
   log-sum-exp, pre-MLP norm and fc1 input, fc1 output (2 f), the SwiGLU halves and fc2 input
   (3 f): act x (6 h + 3 q + 3 kv + 4 d + 5 f) + fp32 x (heads + 2);
+  a non-gated MLP (squared ReLU) saves 2 f, not 5 f; attention without RoPE: [Note: attention
+  without RoPE] (memory_model_layers.py);
 - head (last stage): final norm and output-layer input (3 h), fp32 logits (V / TP) and rstd,
   labels, masks and the loss terms (30 B); the embedding's token ids (8 B);
 - a suffix row under the two-part attention also saves its attention output for the output
@@ -102,7 +104,8 @@ class ActivationModel(LayerTerms):
     qk_norm: bool = False
     """Per-head RMSNorm of q and k (Qwen3): their inputs and rstd are saved too."""
     rotary_percent: float = 1.0
-    """The rotated fraction of a head (Qwen3-Next / Qwen3.5: 0.25): RoPE's saved cos / sin."""
+    """The rotated fraction of a head (Qwen3-Next / Qwen3.5: 0.25): RoPE's saved cos / sin; 0:
+    no positional embedding (Nemotron-H: [Note: attention without RoPE])."""
     tp: int = 1
     """Tensor-parallel size under sequence parallelism: every term / tp."""
     stage_layers: Optional[int] = None
@@ -122,9 +125,12 @@ class ActivationModel(LayerTerms):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ActivationModel.{name}={value!r}; give an int >= 1")
-        if not 0 < self.rotary_percent <= 1:
+        if not 0 <= self.rotary_percent <= 1:
             raise ValueError(f"ActivationModel.rotary_percent={self.rotary_percent!r}; give a "
-                             "fraction in (0, 1]")
+                             "fraction in [0, 1] (0: no RoPE)")
+        if not self.rotary_percent and (self.qk_norm or self.dims.attention_output_gate):
+            raise ValueError("ActivationModel: rotary_percent=0 (no RoPE) is counted without "
+                             "qk_norm or attention_output_gate only (not measured with them)")
         if self.stage_layers is None:
             object.__setattr__(self, "stage_layers", self.dims.num_layers - self.first_layer)
         if not (0 <= self.first_layer and self.stage_layers >= 1

@@ -10,6 +10,16 @@ gives each its (mixer, MLP) symbols. Three kinds of row save differently:
   initial state per sequence);
 - "suffix": a suffix row (as "prefix", and the two-part attention also saves its output for the
   output projection).
+[Note: attention without RoPE] (position_embedding_type "none", Nemotron-H; rotary_percent 0)
+Megatron's SelfAttention.get_query_key_value_tensors (megatron-core 0.19.2) splits the fused
+QKV output [s, b, groups, (heads/group + 2) d] into views and reshapes the query to [s, b, heads,
+d]: a copy when a rank holds several groups of several query heads (1 < groups/TP, heads >
+groups), a view otherwise. With no RoPE nothing else is made: the attention saves q (that copy
+or a view), k and v (views), so per token act x (3h + 2q + 2kv, + q for the copy) + fp32 x
+(heads + 1) against act x (3h + 3q + 3kv + 4 d) with RoPE (its post-RoPE q and k, cos / sin),
+and the cache's K is a view of the fused output (no K copy). Measured by
+tests/test_memory_nemotron.py (GQA 4:1 with a copy; MHA and MQA without one).
+
 The cache of a state layer is per prefix unit (memory_model_state.prefix_cache_shape), not per
 token: `state_unit` / `state_grad_unit`.
 """
@@ -56,6 +66,12 @@ class LayerTerms:
     def num_mixers(self, *kinds: str) -> int:
         return sum(m in kinds for m, _ in self.kinds())
 
+    def _query_copied(self) -> bool:
+        """Whether Megatron's query reshape copies q out of the fused QKV output (a rank's
+        groups hold several query heads each and it holds several groups)."""
+        d = self.dims
+        return d.num_attention_heads > d.num_query_groups and d.num_query_groups // self.tp > 1
+
     def _widths(self):
         d = self.dims
         return d.hidden_size, d.num_attention_heads * d.kv_channels, \
@@ -65,11 +81,15 @@ class LayerTerms:
     def attention(self) -> float:
         """Saved bytes per token of one layer's attention half (input norm to output
         projection); an output gate saves its sigmoid (fp32), the gated output and a fused QKV
-        output wider by the gate; RoPE's cos / sin are as wide as the rotated part."""
+        output wider by the gate; RoPE's cos / sin are as wide as the rotated part; without RoPE
+        q and k are views of the fused QKV output ([Note: attention without RoPE])."""
         h, q, kv, dk = self._widths()
         d, a = self.dims, self.act_bytes
-        rope = 4 * dk * self.rotary_percent
-        attention = a * (3 * h + 3 * q + 3 * kv + rope) + FP32 * (d.num_attention_heads + 1)
+        if self.rotary_percent:
+            attention = a * (3 * h + 3 * q + 3 * kv + 4 * dk * self.rotary_percent)
+        else:  # [Note: attention without RoPE]
+            attention = a * (3 * h + 2 * q + 2 * kv + (q if self._query_copied() else 0))
+        attention += FP32 * (d.num_attention_heads + 1)
         if self.qk_norm:
             attention += a * 2 * (q + kv) + FP32 * (d.num_attention_heads + d.num_query_groups)
         if d.attention_output_gate:
@@ -78,7 +98,8 @@ class LayerTerms:
 
     def mlp(self, symbol: Optional[str] = None) -> float:
         """Saved bytes per token of one layer's MLP half (pre-MLP norm to fc2); `symbol` "-" /
-        "E" (None: MoE if the model has experts)."""
+        "E" (None: MoE if the model has experts). A dense MLP by dims.gated_linear_unit (SwiGLU,
+        or a non-gated squared ReLU: tests/test_memory_nemotron.py); experts are SwiGLU."""
         h, d, a = self.dims.hidden_size, self.dims, self.act_bytes
         moe = symbol == MOE if symbol is not None else bool(d.num_experts)
         if moe:
@@ -86,8 +107,9 @@ class LayerTerms:
             mlp = a * (5 * k * d.moe_ffn_hidden_size + 2 * k * h) + FP32 * 2 * d.num_experts
             if d.moe_shared_ffn_hidden_size:
                 mlp += a * 5 * d.moe_shared_ffn_hidden_size
-        else:
-            mlp = a * 5 * d.ffn_hidden_size
+        else:  # SwiGLU: fc1 output (2 f), its halves and fc2 input (3 f); a non-gated MLP
+            # (squared ReLU: torch.compile'd, it keeps fc1's output) and fc2 input: 2 f
+            mlp = a * (5 if d.gated_linear_unit else 2) * d.ffn_hidden_size
         return (mlp + a * 3 * h + FP32) / self.tp
 
     def state_mixer(self, kind: str, row: str) -> MixerBytes:
@@ -141,11 +163,12 @@ class LayerTerms:
 
     # ---- the cache: per attention layer and cached token; per state layer and prefix unit
     def kv_storage(self, compact: bool) -> float:
-        """Device bytes of one attention layer's cached K/V, per cached token (V views the
-        fused QKV output, gate included)."""
+        """Device bytes of one attention layer's cached K/V, per cached token (V, and K without
+        RoPE, view the fused QKV output, gate included; RoPE's K is a tensor of its own)."""
         _, q, kv, _ = self._widths()
-        fused = q * (2 if self.dims.attention_output_gate else 1) + 3 * kv
-        return self.act_bytes * (2 * kv if compact else fused) / self.tp
+        fused = q * (2 if self.dims.attention_output_gate else 1) + 2 * kv
+        rope_k = kv if self.rotary_percent else 0  # without RoPE K views the fused output too
+        return self.act_bytes * (2 * kv if compact else fused + rope_k) / self.tp
 
     def kv_copy(self) -> float:
         """One layer's concatenated K/V read of several cached units, per chain token."""
