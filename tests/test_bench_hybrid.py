@@ -129,9 +129,28 @@ REFUSALS = [
     (["--hybrid-pattern=M*M-", "--tp", "16"], "does not divide the Mamba heads"),
     (["--hybrid-pattern=G*|M-"], "give --pp 2"),
     (["--hybrid-pattern=G*M-|", "--pp", "2"], "at least one layer per stage"),
-    (["--linear-attention-freq", "4", "--tree", "2x2"], "--tree: the bench plans trees"),
     (["--hybrid-pattern=G*M-", "--recompute", "full"], "--recompute full: the reuse engine"),
 ]
+
+
+def test_hybrid_bench_with_a_tree_and_with_a_memory_budget(tmp_path):
+    """--tree plans with StepPlan.state_reads (inner readers of a 3-level tree stop inside a
+    node) and --memory-budget-mib plans with the accounting model's GDN / Mamba terms; each
+    step equals stock dense and the budget report says the prediction is the GPU kernels'."""
+    flags = {"tree": ["--tree", "3x2"], "budget": ["--memory-budget-mib", "20"]}
+    procs = {name: subprocess.Popen(
+        [sys.executable, str(ROOT / "tools" / "bench.py"), *TINY, *RUNS["pattern"], "--seed",
+         "1", *extra, "--json", str(tmp_path / f"{name}.json")],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for name, extra in flags.items()}
+    for name, proc in procs.items():
+        stdout, _ = proc.communicate(timeout=2 * TIMEOUT)
+        assert proc.returncode == 0, stdout[-3000:]
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        assert result["max_grad_rel_diff"] <= 1e-5
+        if name == "budget":
+            assert result["memory_budget"]["reuse"]["predicted_peak_bytes"]["step"] <= 20 * 2 ** 20
+            assert "as the GPU kernels save" in stdout
 
 
 def test_hybrid_bench_refuses_bad_combinations_before_compute():

@@ -67,12 +67,15 @@ def dense_rows(config) -> int:
 
 
 def budget_plan(config, batch) -> StepPlan:
+    from benchlib.hybrid import is_hybrid
+
     return plan_microbatches(batch, token_budget=config.token_budget,
                              max_seq_len=config.max_seq_len,
                              prefix_chunk_tokens=config.prefix_chunk_tokens,
                              memory_budget_bytes=int(config.memory_budget_mib * MIB),
                              memory_model=activation_model(config),
-                             memory_options=_options(config))
+                             memory_options=_options(config),
+                             state_reads=is_hybrid(config))
 
 
 def budget_report(config, plan: StepPlan, median: Dict[str, float]) -> Optional[dict]:

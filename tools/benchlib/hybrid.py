@@ -30,11 +30,11 @@ Megatron's DDP with --dp > 1 or --production):
 - --dp N places groups on the ranks (prefix_schedule.planning.placement) as for any model.
 Refused before any compute, with the reason: --cp (the reuse hooks refuse GDN and Mamba layers
 under context parallelism: their CP all-to-all splits heads, a zigzag shard has no prefix state),
---vpp (the hybrid builders build one model chunk per pipeline rank), --tree (the bench does not
-plan the state reads such layers need: plan_microbatches(state_reads=True)), --num-experts (MoE layers beside GDN / Mamba
-are not benchmarked), --recompute full with a HybridModel (the reuse engine refuses it for every
-HybridModel; a GPTModel with GDN runs it), --memory-budget-mib (the bench's budget planning,
-benchlib/capacity.py, does not model hybrid layers yet) and --adapter.
+--vpp (the hybrid builders build one model chunk per pipeline rank), --num-experts (MoE layers
+beside GDN / Mamba are not benchmarked), --recompute full with a HybridModel (the reuse engine
+refuses it for every HybridModel; a GPTModel with GDN runs it) and --adapter. --tree plans with
+StepPlan.state_reads (a state exists only at a prefix unit's end); --memory-budget-mib plans
+with the accounting model, which counts GDN and Mamba-2 layers.
 """
 from __future__ import annotations
 
@@ -74,14 +74,10 @@ def check_hybrid(config) -> None:
          "parallelism (their CP all-to-all splits heads; a zigzag shard has no prefix state)"),
         ("--vpp > 1", config.vpp > 1, "the hybrid builders build one model chunk per pipeline "
          "rank"),
-        ("--tree", config.tree is not None, "the bench plans trees without the state reads GDN / "
-         "Mamba layers need (plan_microbatches(state_reads=True))"),
         ("--num-experts", config.num_experts is not None, "MoE layers beside GDN / Mamba layers "
          "are not benchmarked"),
         ("--recompute full", config.recompute == "full" and pattern is not None, "the reuse "
          "engine refuses full recompute for every HybridModel (GPTModel GDN runs it)"),
-        ("--memory-budget-mib", config.memory_budget_mib is not None, "the bench's budget "
-         "planning (benchlib/capacity.py) does not model hybrid layers yet"),
         ("--adapter", config.adapter is not None, "the adapters run attention-only models")) if on]
     if refused:
         raise ValueError("the hybrid bench does not run " + "; ".join(

@@ -49,13 +49,16 @@ MEMORY_BASIS = ("device bytes of the accounting model (prefix_schedule/runtime/m
 
 
 def config_plan(config: BenchConfig, batch: GroupBatch) -> StepPlan:
+    from benchlib.hybrid import is_hybrid
+
     if config.memory_budget_mib is not None:  # packing, chunks, offload within the budget
         from benchlib.capacity import budget_plan
 
         return budget_plan(config, batch)
     return plan_microbatches(batch, token_budget=config.token_budget,
                              max_seq_len=config.max_seq_len,
-                             prefix_chunk_tokens=config.prefix_chunk_tokens)
+                             prefix_chunk_tokens=config.prefix_chunk_tokens,
+                             state_reads=is_hybrid(config))  # GDN / Mamba trees: StepPlan
 
 
 def selected_backend(config: BenchConfig, device="cpu", dtype=torch.float32) -> str:

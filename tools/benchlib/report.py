@@ -191,7 +191,12 @@ def _budget_lines(result: dict) -> List[str]:
     budget = result.get("memory_budget")
     if not budget:
         return []
-    return [budget["reuse"]["explanation"],
+    model = result.get("model", {})
+    hybrid = model.get("linear_attention_freq") or model.get("hybrid_pattern")
+    return [budget["reuse"]["explanation"]
+            + ("\n  (predicted as the GPU kernels save: fla / mamba-ssm; on CPU the torch "
+               "stand-ins of GDN / Mamba-2 layers save more, so the device MiB above exceed it)"
+               if hybrid else ""),
             f"dense within the budget: {budget['dense']['micro_batch_size']} row(s) per "
             f"microbatch; speedup at equal memory {budget['speedup_at_equal_memory']:.3f}x"]
 
