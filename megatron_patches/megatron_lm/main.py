@@ -211,4 +211,8 @@ def main() -> int:
                                          source=args.hf_checkpoint)
         print_rank_0(f"> wrote the Hugging Face checkpoint {args.export_hf}")
     torch.distributed.barrier()
+    # Tear the process groups down while the interpreter is alive: left to interpreter exit,
+    # gloo's worker threads can abort the process (SIGABRT, "terminate called without an active
+    # exception") after a run that succeeded -- seen on a run that trained nothing.
+    torch.distributed.destroy_process_group()
     return status
