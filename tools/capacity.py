@@ -183,8 +183,11 @@ def capacity(spec: ModelSpec, *, memory_gib: float, group_size: int, prefix_shar
         result["dense"][recompute] = longest(
             lambda T: dense_peak(models, T, G, pack, recompute, cp) <= free)
     for option in REUSE_OPTIONS:
-        refusal = models[0].refusal(option)
-        if refusal:  # e.g. full recompute with GDN layers
+        refusal = models[0].refusal(option) or (
+            "recompute='full' with context parallelism: prefix reuse refuses it "
+            "(runtime/executor.py); use offload or no recompute"
+            if option.recompute == "full" and cp > 1 else None)
+        if refusal:  # e.g. full recompute with MoE layers
             result["reuse"][option.describe()] = {"trajectory": 0, "prefix_chunk_tokens": None,
                                                   "refused": refusal}
             continue

@@ -275,6 +275,10 @@ class ActivationModel(LayerTerms):
         if options.recompute == "full" and self.dims.hybrid_pattern is not None:
             return ("recompute='full' with a HybridModel: prefix reuse refuses it (its own "
                     "checkpointing is not verified, docs/HYBRID.md); use offload or no recompute")
+        if options.recompute == "full" and self.dims.num_experts is not None:
+            return ("recompute='full' with MoE layers: prefix reuse refuses it (its Phase C "
+                    "re-run would route the prefix again, runtime/executor.py); use offload or "
+                    "no recompute")
         return None
 
     def gkv_token(self) -> float:
