@@ -49,8 +49,11 @@ def _stop_before(module):
 
 def _final_norm(model):
     """The decoder's final norm on the last stage, or None: TransformerBlock's
-    `final_layernorm` (GPTModel), HybridStack's `final_norm` (HybridModel)."""
+    `final_layernorm` (GPTModel), HybridStack's `final_norm` (HybridModel; its forward calls
+    it only with `post_layer_norm`)."""
     decoder = getattr(unwrap_model(model), "decoder", None)
+    if not getattr(decoder, "post_layer_norm", True):
+        return None
     for name in ("final_layernorm", "final_norm"):
         norm = getattr(decoder, name, None)
         if norm is not None:
