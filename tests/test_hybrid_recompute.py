@@ -53,6 +53,8 @@ def test_hybrid_full_recompute_equals_dense(megatron_env, name):
     model = _model(pattern, **recompute)
     runs, plan = _three_ways(model, make_batch(zlib.crc32(name.encode()) % 1000, shapes),
                              budget, **plan_kwargs)
+    if "several groups" in name:
+        assert any(len({s.group for s in mb.segments}) > 1 for mb in plan.microbatches)
     if "chunks" in name:
         assert any(c.chunk > 0 for c in plan.prefix_units().values()), "no prefix was chunked"
     _assert_equal(runs)
