@@ -184,7 +184,7 @@ def capacity(spec: ModelSpec, *, memory_gib: float, group_size: int, prefix_shar
             lambda T: dense_peak(models, T, G, pack, recompute, cp) <= free)
     for option in REUSE_OPTIONS:
         refusal = models[0].refusal(option)
-        if refusal:  # e.g. full recompute with GDN layers
+        if refusal:  # none today (ActivationModel.refusal: every option runs)
             result["reuse"][option.describe()] = {"trajectory": 0, "prefix_chunk_tokens": None,
                                                   "refused": refusal}
             continue
