@@ -12,6 +12,7 @@ relative of stock dense with the same full recompute, and of stock dense without
 import zlib
 
 import pytest
+import torch
 
 from dist_harness import DistributedRunError, run_distributed
 from test_equivalence import LOSS, TOL, make_batch
@@ -24,26 +25,56 @@ BLOCK = dict(recompute_granularity="full", recompute_method="block", recompute_n
 
 
 def _model(pattern, **kwargs):
+    """A tiny HybridModel of `pattern` with trained-model decay rates (the prefix state reaches
+    the suffixes; test_gdn.weak_decay, test_mamba._model) and 16-token Mamba scan chunks.
+    Mamba is imported only for `M` patterns: Megatron-LM main's mixer needs triton."""
     from test_gdn import weak_decay
-    from test_mamba import _model as mamba_model
+    from test_mamba import MAMBA
 
     from megatron_patches.models.gdn import GDN_TINY_SHAPE
+    from megatron_patches.models.hybrid import build_hybrid_model
+    from megatron_patches.models.tiny import TinyLlamaConfig
+    from megatron_patches.training import scale_grads_by_token_count
 
-    model = mamba_model(pattern, **GDN_TINY_SHAPE, **kwargs)  # slow Mamba decay, 16-token chunks
+    cfg = TinyLlamaConfig(num_layers=0, hidden_size=64, ffn_hidden_size=128,
+                          num_attention_heads=4, num_query_groups=2, vocab_size=256,
+                          max_seq_len=512)
+    model = build_hybrid_model(cfg, pattern, **{**GDN_TINY_SHAPE, **MAMBA, **kwargs})
+    model.config.finalize_model_grads_func = scale_grads_by_token_count
     weak_decay(model)
+    if "M" in pattern:
+        _slow_mamba_decay(model)
     return model
 
 
+def _slow_mamba_decay(model):
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, MambaMixer):
+                module.chunk_size = 16  # several scan chunks per row on these lengths
+                module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(
+                    0.05, 0.5, generator=gen).log())
+                module.dt_bias.copy_(torch.empty(module.dt_bias.shape).uniform_(
+                    -3.0, -1.0, generator=gen))
+
+
+# id: (pattern, recompute, (prefix, suffixes) per group, token budget, plan options). The
+# first two have no Mamba layer: tests/test_versions.py runs them on Megatron-LM main too.
 CASES = {
-    "*-*- uniform, attention and MLP only": (
-        "*-*-", UNIFORM, [(33, [6, 9, 4]), (17, [8, 3])], 20, {}),
-    "G*M- uniform, packed rows of several groups": (
+    "attention-mlp": ("*-*-", UNIFORM, [(33, [6, 9, 4]), (17, [8, 3])], 20, {}),
+    "gdn-attention-chunks-12": ("G-*-", UNIFORM, [(30, [6, 9, 4]), (17, [8, 3])], 12,
+                                {"prefix_chunk_tokens": 12}),
+    "gdn-mamba-several-groups": (
         "G*M-", UNIFORM, [(33, [6, 9, 4]), (17, [8, 3]), (26, [5, 7])], 20, {}),
-    "M-M*M- uniform 2, prefix chunks of 12": (
+    "mamba-uniform-2-chunks-12": (
         "M-M*M-", dict(UNIFORM, recompute_num_layers=2), [(30, [6, 9, 4]), (17, [8, 3])], 12,
         {"prefix_chunk_tokens": 12}),
-    "*-MG block 2, chunks shorter than the conv window": (
-        "*-MG", BLOCK, [(23, [6, 4, 5]), (9, [3, 7])], 12, {"prefix_chunk_tokens": 3}),
+    # block 2 of 4: M and G run whole in Phase C's forward; chunks shorter than the conv window
+    "block-2-chunks-3": ("*-MG", BLOCK, [(23, [6, 4, 5]), (9, [3, 7])], 12,
+                         {"prefix_chunk_tokens": 3}),
 }
 
 
@@ -53,7 +84,7 @@ def test_hybrid_full_recompute_equals_dense(megatron_env, name):
     model = _model(pattern, **recompute)
     runs, plan = _three_ways(model, make_batch(zlib.crc32(name.encode()) % 1000, shapes),
                              budget, **plan_kwargs)
-    if "several groups" in name:
+    if "several-groups" in name:
         assert any(len({s.group for s in mb.segments}) > 1 for mb in plan.microbatches)
     if "chunks" in name:
         assert any(c.chunk > 0 for c in plan.prefix_units().values()), "no prefix was chunked"
