@@ -129,15 +129,17 @@ REFUSALS = [
     (["--hybrid-pattern=M*M-", "--tp", "16"], "does not divide the Mamba heads"),
     (["--hybrid-pattern=G*|M-"], "give --pp 2"),
     (["--hybrid-pattern=G*M-|", "--pp", "2"], "at least one layer per stage"),
-    (["--hybrid-pattern=G*M-", "--recompute", "full"], "--recompute full: the reuse engine"),
 ]
 
 
-def test_hybrid_bench_with_a_tree_and_with_a_memory_budget(tmp_path):
+def test_hybrid_bench_with_a_tree_a_memory_budget_and_full_recompute(tmp_path):
     """--tree plans with StepPlan.state_reads (inner readers of a 3-level tree stop inside a
-    node) and --memory-budget-mib plans with the accounting model's GDN / Mamba terms; each
-    step equals stock dense and the budget report says the prediction is the GPU kernels'."""
-    flags = {"tree": ["--tree", "3x2"], "budget": ["--memory-budget-mib", "20"]}
+    node), --memory-budget-mib plans with the accounting model's GDN / Mamba terms and
+    --recompute full runs Megatron's full recompute on the HybridModel (Phase C's re-run with
+    checkpoints); each step equals stock dense and the budget report says the prediction is the
+    GPU kernels'."""
+    flags = {"tree": ["--tree", "3x2"], "budget": ["--memory-budget-mib", "20"],
+             "recompute": ["--recompute", "full"]}
     procs = {name: subprocess.Popen(
         [sys.executable, str(ROOT / "tools" / "bench.py"), *TINY, *RUNS["pattern"], "--seed",
          "1", *extra, "--json", str(tmp_path / f"{name}.json")],
@@ -148,6 +150,7 @@ def test_hybrid_bench_with_a_tree_and_with_a_memory_budget(tmp_path):
         assert proc.returncode == 0, stdout[-3000:]
         result = json.loads((tmp_path / f"{name}.json").read_text())
         assert result["max_grad_rel_diff"] <= 1e-5
+        assert result["recompute"] == ("full" if name == "recompute" else "none")
         if name == "budget":
             assert result["memory_budget"]["reuse"]["predicted_peak_bytes"]["step"] <= 20 * 2 ** 20
             assert "as the GPU kernels save" in stdout

@@ -148,21 +148,6 @@ def test_without_the_injected_state_gradient_the_step_differs(qwen35, monkeypatc
     assert max_relative_diff(dense_grads, reuse_grads) > 1e-3
 
 
-def test_hybrid_model_gdn_full_recompute_stays_refused(megatron_env):
-    """HybridModel's full recompute is refused wholesale (docs/HYBRID.md says why), `G` too."""
-    from prefix_schedule.planning.planner import plan_microbatches
-
-    from megatron_patches.training import reuse_step
-    from test_gdn_hybrid import _hybrid
-
-    model = _hybrid("G-*-", **FULL)
-    batch = make_batch(2, [(12, [4, 5])])
-    with pytest.raises(ValueError, match="recompute_granularity='full' with a HybridModel"):
-        reuse_step(model, batch, plan_microbatches(batch, token_budget=12, max_seq_len=512),
-                   LOSS)
-    assert all(p.grad is None for p in model.parameters())
-
-
 def _pp2_rank(pattern):
     import megatron_patches
     from megatron.core import parallel_state

@@ -2,7 +2,8 @@
 
 Attention (`*`) and MLP (`-`) layer patterns, fp32: loss and every gradient within 1e-5 relative,
 single process and PP=2 (gloo). MTP patterns are refused before any compute (gated delta net
-`G`: tests/test_gdn_hybrid.py; Mamba `M`: tests/test_mamba.py; MoE `E`: tests/test_hybrid_moe.py).
+`G`: tests/test_gdn_hybrid.py; Mamba `M`: tests/test_mamba.py; MoE `E`: tests/test_hybrid_moe.py;
+full recompute: tests/test_hybrid_recompute.py).
 Models: megatron_patches.models.hybrid (Megatron's local modules, runs on CPU).
 """
 
@@ -120,18 +121,6 @@ def test_refused_layer_kinds_fail_before_any_compute(megatron_env, name):
     batch = make_batch(9, SHAPES[:2])
     plan = plan_microbatches(batch, token_budget=12, max_seq_len=512)
     with pytest.raises(ValueError, match=message):
-        reuse_step(model, batch, plan, LOSS)
-    assert all(p.grad is None for p in model.parameters()), "compute ran before the refusal"
-
-
-def test_full_recompute_is_refused_for_hybrid_models(megatron_env):
-    from megatron_patches.training import reuse_step
-
-    model = _build("*-*-", recompute_granularity="full", recompute_method="uniform",
-                   recompute_num_layers=1)
-    batch = make_batch(9, SHAPES[:2])
-    plan = plan_microbatches(batch, token_budget=12, max_seq_len=512)
-    with pytest.raises(ValueError, match="recompute_granularity='full' with a HybridModel"):
         reuse_step(model, batch, plan, LOSS)
     assert all(p.grad is None for p in model.parameters()), "compute ran before the refusal"
 

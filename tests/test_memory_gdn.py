@@ -307,32 +307,30 @@ def test_step_predictions_of_a_gdn_hybrid_match_measured_bytes(megatron_env, rec
             fused.zero_grad(set_to_none=True)
 
 
-def test_budget_planner_takes_full_recompute_for_gdn_gptmodels_not_hybridmodels():
-    """Reuse runs full recompute with GDN layers in a GPTModel (tests/test_gdn_recompute.py), so
-    the planner may choose it; a HybridModel's full recompute is refused by reuse, so the planner
-    leaves it out and asking for it is a ValueError naming why."""
+def test_budget_planner_takes_full_recompute_for_gdn_gptmodels_and_hybridmodels():
+    """Reuse runs full recompute with GDN layers in a GPTModel (tests/test_gdn_recompute.py) and
+    in a HybridModel (tests/test_hybrid_recompute.py), so the planner may choose it for both;
+    under a budget below the plain step's peak it fits the budget."""
     from prefix_schedule.planning.memory_model import MemoryOptions
     from prefix_schedule.planning.planner import plan_microbatches
     from test_equivalence import make_batch
 
     batch = make_batch(3, [(120, [20, 24, 16]), (90, [18, 30])])
     full = [MemoryOptions(recompute="full")]
-    gpt = ActivationModel(dims=DIMS, act_bytes=4)
-    plan = plan_microbatches(batch, token_budget=64, max_seq_len=512, memory_budget_bytes=10 ** 9,
-                             memory_model=gpt, memory_options=full)
-    assert plan.memory.options.recompute == "full"
-    hybrid = ActivationModel(dims=dataclasses.replace(
-        DIMS, num_layers=len(HYBRID), hybrid_pattern=HYBRID, linear_attention_freq=None),
-        act_bytes=4)
-    plain = plan_microbatches(batch, token_budget=64, max_seq_len=512,
-                              memory_budget_bytes=10 ** 9, memory_model=hybrid)
-    budget = int(plain.memory.peaks["step"] * 0.7)
-    plan = plan_microbatches(batch, token_budget=64, max_seq_len=512,
-                             memory_budget_bytes=budget, memory_model=hybrid)
-    assert plan.memory.options.recompute == "none" and plan.memory.peaks["step"] <= budget
-    with pytest.raises(ValueError, match="recompute='full' with a HybridModel"):
-        plan_microbatches(batch, token_budget=64, max_seq_len=512, memory_budget_bytes=budget,
-                          memory_model=hybrid, memory_options=full)
+    hybrid = dataclasses.replace(DIMS, num_layers=len(HYBRID), hybrid_pattern=HYBRID,
+                                 linear_attention_freq=None)
+    for dims in (DIMS, hybrid):
+        model = ActivationModel(dims=dims, act_bytes=4)
+        plan = plan_microbatches(batch, token_budget=64, max_seq_len=512,
+                                 memory_budget_bytes=10 ** 9, memory_model=model,
+                                 memory_options=full)
+        assert plan.memory.options.recompute == "full"
+        plain = plan_microbatches(batch, token_budget=64, max_seq_len=512,
+                                  memory_budget_bytes=10 ** 9, memory_model=model)
+        budget = int(plain.memory.peaks["step"] * 0.7)
+        plan = plan_microbatches(batch, token_budget=64, max_seq_len=512,
+                                 memory_budget_bytes=budget, memory_model=model)
+        assert plan.memory.peaks["step"] <= budget
 
 
 @pytest.mark.megatron

@@ -59,8 +59,8 @@ bounds the whole multi-process run.
 
 Hybrid models (`--linear-attention-freq`, `--hybrid-pattern`; benchlib/hybrid.py) run the same
 paths, one process or the --pp/--tp/--dp layouts and --production; the JSON's `model.stages`
-lists the layers each pipeline stage built. Refused with the reason: --cp, --vpp, --tree,
---num-experts, --recompute full with --hybrid-pattern, --memory-budget-mib, --adapter.
+lists the layers each pipeline stage built; --recompute full, --tree and --memory-budget-mib
+run for both. Refused with the reason: --cp, --vpp, --num-experts, --adapter.
 
 Exit status: 2 bad arguments, 1 a rank failed, 3 the untimed check saw a NaN or inf loss or
 gradient difference (on the dense or the reuse side; printed), else 0.

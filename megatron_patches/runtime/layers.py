@@ -73,10 +73,6 @@ def check_layers_supported(config, model) -> None:
         if is_gdn_variant(getattr(config, "experimental_attention_variant", None)):
             _check_gdn_supported(config)
         return
-    if config.recompute_granularity == "full":
-        raise ValueError("recompute_granularity='full' with a HybridModel is not verified with "
-                         "prefix reuse (its Phase C replay is tested on GPTModel only); use "
-                         "selective recompute or none, or offload_prefix_activations=True")
     pattern = hybrid.hybrid_layer_pattern
     parsed = parse_hybrid_pattern(pattern)
     if parsed.mtp_pattern is not None:
@@ -105,9 +101,8 @@ def check_layers_supported(config, model) -> None:
 
 def _check_gdn_supported(config) -> None:
     """Gated DeltaNet and Mamba layers cache a recurrent state ([Note: recurrent prefix state]);
-    context parallelism would need it split, which is not implemented. (Full recompute: a
-    GPTModel's re-run hands the states their gradients, [Note: prefix full recompute]; a
-    HybridModel's is refused in check_layers_supported.)"""
+    context parallelism would need it split, which is not implemented. (Full recompute runs:
+    Phase C's re-run hands the states their gradients, [Note: prefix full recompute].)"""
     why = []
     if config.context_parallel_size > 1:
         why.append("context parallelism (GDN's CP all-to-all splits heads, and a zigzag shard "

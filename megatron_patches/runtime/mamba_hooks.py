@@ -13,7 +13,10 @@ prefix state] in prefix_schedule/runtime/state_cache.py), each run from its own 
   (mamba-ssm 2.3.x returns dinitial_states and takes dfinal_states: ssd_combined.py).
 The segment then computes what the fused op computes with Megatron's arguments (no
 rmsnorm_weight, no outproj_weight): y = scan(x) + D x, times silu(z); Megatron's own code goes on
-with its grouped norm and out-projection.
+with its grouped norm and out-projection. Under full recompute both states go through the GDN
+hooks' `keep_state`: Phase A stores them without a graph, and Phase C's re-run (HybridStack's
+checkpointed forward) hands the recomputed ones their accumulated gradients ([Note: prefix full
+recompute]; tests/test_hybrid_recompute.py).
 """
 
 from __future__ import annotations

@@ -47,6 +47,20 @@ def _stop_before(module):
     finally:
         handle.remove()
 
+def _final_norm(model):
+    """The decoder's final norm on the last stage, or None: TransformerBlock's
+    `final_layernorm` (GPTModel), HybridStack's `final_norm` (HybridModel; its forward calls
+    it only with `post_layer_norm`)."""
+    decoder = getattr(unwrap_model(model), "decoder", None)
+    if not getattr(decoder, "post_layer_norm", True):
+        return None
+    for name in ("final_layernorm", "final_norm"):
+        norm = getattr(decoder, name, None)
+        if norm is not None:
+            return norm
+    return None
+
+
 K = ActionKind
 _PREFIX = (K.PREFIX_FORWARD, K.PREFIX_BACKWARD)
 
@@ -281,11 +295,11 @@ class StageRunner:
     def replay_prefix(self, action: Action, output_grad):
         """[Note: prefix full recompute]: re-run a prefix unit for its Phase C; (output, its
         gradient). With Megatron's checkpoints kept ("inject") where the stage's end is a
-        final norm to stop at or a send; else bind a whole re-run's K/V graph ("rebind")."""
+        final norm to stop at (TransformerBlock's or HybridStack's, whose checkpointed forward
+        runs the same way) or a send; else bind a whole re-run's K/V graph ("rebind")."""
         if not self.is_last_stage(action):
             return self.run_prefix_forward(action, mode="inject"), output_grad
-        decoder = getattr(unwrap_model(self.models[self.chunk(action)]), "decoder", None)
-        final_norm = getattr(decoder, "final_layernorm", None)
+        final_norm = _final_norm(self.models[self.chunk(action)])
         if final_norm is None:
             return self.run_prefix_forward(action, mode="rebind"), output_grad
         hidden = self.run_prefix_forward(action, mode="inject", final_norm=final_norm)

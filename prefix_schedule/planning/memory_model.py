@@ -44,7 +44,7 @@ and conv tail per prefix unit (memory_model_state.py) with fp32 gradients per un
 a copy of the conv window's end, so offload moves the window to the host). A Mamba-2 mixer
 saves what [Note: Mamba-2 saved tensors] (memory_model_mamba.py) says: Megatron's fused path in
 dense rows, the state hook's conv + scan in reuse rows. Reuse with full recompute is counted
-for GDN layers in a GPTModel and refused for a HybridModel (so is the step).
+for GPTModels (GDN layers too) and HybridModels alike (tests/test_memory_hybrid_recompute.py).
 
 The step is walked in the order the schedule runs it on one stage (PF, SF, SB, PB;
 pipeline/generate.py), each sample counting what is alive then: the peak per phase is an upper
@@ -272,9 +272,6 @@ class ActivationModel(LayerTerms):
 
     def refusal(self, options: MemoryOptions) -> Optional[str]:
         """Why a reuse step of this stage cannot run with `options` (None: it can)."""
-        if options.recompute == "full" and self.dims.hybrid_pattern is not None:
-            return ("recompute='full' with a HybridModel: prefix reuse refuses it (its own "
-                    "checkpointing is not verified, docs/HYBRID.md); use offload or no recompute")
         if options.recompute == "full" and self.dims.num_experts is not None:
             return ("recompute='full' with MoE layers: prefix reuse refuses it (its Phase C "
                     "re-run would route the prefix again, runtime/executor.py); use offload or "

@@ -31,10 +31,10 @@ Megatron's DDP with --dp > 1 or --production):
 Refused before any compute, with the reason: --cp (the reuse hooks refuse GDN and Mamba layers
 under context parallelism: their CP all-to-all splits heads, a zigzag shard has no prefix state),
 --vpp (the hybrid builders build one model chunk per pipeline rank), --num-experts (MoE layers
-beside GDN / Mamba are not benchmarked), --recompute full with a HybridModel (the reuse engine
-refuses it for every HybridModel; a GPTModel with GDN runs it) and --adapter. --tree plans with
-StepPlan.state_reads (a state exists only at a prefix unit's end); --memory-budget-mib plans
-with the accounting model, which counts GDN and Mamba-2 layers.
+beside GDN / Mamba are not benchmarked) and --adapter. --recompute full runs for both models
+(Megatron's uniform full recompute; the reuse engine's Phase C re-run, [Note: prefix full
+recompute]). --tree plans with StepPlan.state_reads (a state exists only at a prefix unit's
+end); --memory-budget-mib plans with the accounting model, which counts GDN and Mamba-2 layers.
 """
 from __future__ import annotations
 
@@ -76,8 +76,6 @@ def check_hybrid(config) -> None:
          "rank"),
         ("--num-experts", config.num_experts is not None, "MoE layers beside GDN / Mamba layers "
          "are not benchmarked"),
-        ("--recompute full", config.recompute == "full" and pattern is not None, "the reuse "
-         "engine refuses full recompute for every HybridModel (GPTModel GDN runs it)"),
         ("--adapter", config.adapter is not None, "the adapters run attention-only models")) if on]
     if refused:
         raise ValueError("the hybrid bench does not run " + "; ".join(
