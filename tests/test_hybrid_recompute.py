@@ -187,19 +187,20 @@ def test_full_recompute_refusals_stay(megatron_env, what, pattern, message):
     assert all(p.grad is None for p in model.parameters())
 
 
-def _pp2_rank(pattern, recompute):
+def _pp2_rank(pattern, recompute, tp=1):
     import megatron_patches
     from megatron.core import parallel_state
     from megatron_patches.models.tiny import initialize_distributed
     from megatron_patches.training import max_relative_diff, missing_grads
 
     megatron_patches.install()
-    initialize_distributed(seed=1234, pp=2)
+    initialize_distributed(seed=1234, pp=2 if tp == 1 else 1, tp=tp)
     model = _model(pattern, **recompute)
     runs, _ = _three_ways(model, make_batch(4, [(33, [6, 9, 4]), (17, [8, 3]), (26, [5, 7])]),
                           10, prefix_chunk_tokens=14)
     (dense, dense_grads), (plain, plain_grads), (reuse, reuse_grads) = runs
     return dict(stage=parallel_state.get_pipeline_model_parallel_rank(),
+                tp=parallel_state.get_tensor_model_parallel_world_size(),
                 layers="".join(model.decoder.layer_type_list),
                 losses=(dense.loss, plain.loss, reuse.loss),
                 tokens=(dense.num_tokens, reuse.num_tokens),
@@ -223,4 +224,21 @@ def test_pp2_full_recompute():
     for loss in (dense_loss, plain_loss):
         assert abs(loss - reuse_loss) <= TOL * abs(loss)
     for r in results:
+        assert r["nonzero"] and r["grad_diff"] <= TOL, r
+
+
+def test_tp2_full_recompute():
+    """TP=2, `G*M-`: GDN heads, attention heads and the Mamba mixer's heads split over the TP
+    ranks; every rank's re-run injects its own shards' state and K/V gradients."""
+    try:
+        results = run_distributed(_pp2_rank, world_size=2, args=("G*M-", UNIFORM, 2),
+                                  timeout_s=400)
+    except DistributedRunError as error:
+        pytest.fail(str(error))
+    assert [(r["tp"], r["layers"]) for r in results] == [(2, "G*M-")] * 2
+    for r in results:
+        dense_loss, plain_loss, reuse_loss = r["losses"]
+        assert r["tokens"][0] == r["tokens"][1] > 0
+        for loss in (dense_loss, plain_loss):
+            assert abs(loss - reuse_loss) <= TOL * abs(loss)
         assert r["nonzero"] and r["grad_diff"] <= TOL, r
