@@ -150,9 +150,7 @@ def test_without_the_injected_state_gradient_the_step_differs(qwen35, monkeypatc
 
 def _pp2_rank(pattern):
     import megatron_patches
-    from megatron.core import parallel_state
     from megatron_patches.models.tiny import initialize_distributed
-    from megatron_patches.training import max_relative_diff, missing_grads
 
     megatron_patches.install()
     initialize_distributed(seed=1234, pp=2)
@@ -160,14 +158,25 @@ def _pp2_rank(pattern):
                        **FULL)
     runs, _ = _three_ways(model, make_batch(4, [(33, [6, 9, 4]), (17, [8, 3]), (26, [5, 7])]),
                           10, prefix_chunk_tokens=14)
-    (dense, dense_grads), (plain, plain_grads), (reuse, reuse_grads) = runs
     kinds = sorted({type(layer.self_attention).__name__ for layer in model.decoder.layers})
-    return dict(stage=parallel_state.get_pipeline_model_parallel_rank(), kinds=kinds,
+    return rank_summary(runs, kinds=kinds)
+
+
+def rank_summary(runs, **extra):
+    """A rank's picklable summary of `_three_ways`' runs: its pipeline stage, the three losses,
+    the token counts, the worst gradient difference of reuse against either dense run, and
+    whether every parameter got a gradient."""
+    from megatron.core import parallel_state
+
+    from megatron_patches.training import max_relative_diff, missing_grads
+
+    (dense, dense_grads), (plain, plain_grads), (reuse, reuse_grads) = runs
+    return dict(stage=parallel_state.get_pipeline_model_parallel_rank(),
                 losses=(dense.loss, plain.loss, reuse.loss),
                 tokens=(dense.num_tokens, reuse.num_tokens),
                 grad_diff=max(max_relative_diff(dense_grads, reuse_grads),
                               max_relative_diff(plain_grads, reuse_grads)),
-                nonzero=not missing_grads(dense=dense_grads, reuse=reuse_grads))
+                nonzero=not missing_grads(dense=dense_grads, reuse=reuse_grads), **extra)
 
 
 def test_pp2_full_recompute_with_a_gdn_only_stage():

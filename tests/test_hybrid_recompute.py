@@ -16,7 +16,7 @@ import torch
 
 from dist_harness import DistributedRunError, run_distributed
 from test_equivalence import LOSS, TOL, make_batch
-from test_gdn_recompute import _assert_equal, _three_ways
+from test_gdn_recompute import _assert_equal, _three_ways, rank_summary
 
 pytestmark = pytest.mark.megatron
 
@@ -191,22 +191,14 @@ def _pp2_rank(pattern, recompute, tp=1):
     import megatron_patches
     from megatron.core import parallel_state
     from megatron_patches.models.tiny import initialize_distributed
-    from megatron_patches.training import max_relative_diff, missing_grads
 
     megatron_patches.install()
     initialize_distributed(seed=1234, pp=2 if tp == 1 else 1, tp=tp)
     model = _model(pattern, **recompute)
     runs, _ = _three_ways(model, make_batch(4, [(33, [6, 9, 4]), (17, [8, 3]), (26, [5, 7])]),
                           10, prefix_chunk_tokens=14)
-    (dense, dense_grads), (plain, plain_grads), (reuse, reuse_grads) = runs
-    return dict(stage=parallel_state.get_pipeline_model_parallel_rank(),
-                tp=parallel_state.get_tensor_model_parallel_world_size(),
-                layers="".join(model.decoder.layer_type_list),
-                losses=(dense.loss, plain.loss, reuse.loss),
-                tokens=(dense.num_tokens, reuse.num_tokens),
-                grad_diff=max(max_relative_diff(dense_grads, reuse_grads),
-                              max_relative_diff(plain_grads, reuse_grads)),
-                nonzero=not missing_grads(dense=dense_grads, reuse=reuse_grads))
+    return rank_summary(runs, tp=parallel_state.get_tensor_model_parallel_world_size(),
+                        layers="".join(model.decoder.layer_type_list))
 
 
 def test_pp2_full_recompute():
