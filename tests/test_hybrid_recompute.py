@@ -162,27 +162,18 @@ def test_without_the_mamba_state_gradient_the_step_differs(megatron_env, monkeyp
     assert max_relative_diff(dense_grads, reuse_grads) > 1e-3
 
 
-@pytest.mark.parametrize("what,pattern,message", [
-    ("MoE", "G*ME", "MoE"),
-    ("prefix trees", "G*M-", "prefix trees"),
-])
-def test_full_recompute_refusals_stay(megatron_env, what, pattern, message):
-    """Full recompute stays refused with MoE layers (the re-run would route the prefix again)
-    and with prefix trees, as for GPTModels: before any compute."""
+def test_full_recompute_refusal_with_prefix_trees_stays(megatron_env):
+    """Full recompute stays refused with prefix trees, as for GPTModels: before any compute
+    (MoE `E` layers run: tests/test_moe_recompute.py)."""
     from prefix_schedule.planning.planner import plan_microbatches
 
     from megatron_patches.training import reuse_step
     from tree_batches import make_tree_batch
 
-    model = _model(pattern, **UNIFORM, **({"num_moe_experts": 4} if what == "MoE" else {}))
-    if what == "prefix trees":
-        batch = make_tree_batch(5, [dict(depth=2, branching=2, node_len=5, suffix_len=3,
-                                         inner=1)])
-        plan = plan_microbatches(batch, token_budget=16, max_seq_len=512, state_reads=True)
-    else:
-        batch = make_batch(2, [(12, [4, 5])])
-        plan = plan_microbatches(batch, token_budget=12, max_seq_len=512)
-    with pytest.raises(ValueError, match=f"recompute_granularity='full' with {message}"):
+    model = _model("G*M-", **UNIFORM)
+    batch = make_tree_batch(5, [dict(depth=2, branching=2, node_len=5, suffix_len=3, inner=1)])
+    plan = plan_microbatches(batch, token_budget=16, max_seq_len=512, state_reads=True)
+    with pytest.raises(ValueError, match="recompute_granularity='full' with prefix trees"):
         reuse_step(model, batch, plan, LOSS)
     assert all(p.grad is None for p in model.parameters())
 

@@ -227,8 +227,6 @@ def test_expert_tensor_parallel_size_is_judged_only_with_moe(megatron_env):
     (dict(moe_enable_routing_replay=True), "moe_enable_routing_replay"),
     (dict(recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
      "recompute"),
-    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-     "recompute_granularity='full' with MoE"),
 ])
 def test_refused_before_compute(megatron_env, overrides, message):
     from megatron_patches.training import reuse_step

@@ -56,7 +56,10 @@ def _qwen3_moe_tiny():
     return cfg, moe
 
 
-def ep_rank(ep: int, pp: int, qwen: bool = False, tp: int = 1) -> dict:
+def ep_rank(ep: int, pp: int, qwen: bool = False, tp: int = 1, recompute=None,
+            num_steps: int = 2) -> dict:
+    """`recompute`: Megatron's recompute settings for both twins (tests/test_moe_recompute.py);
+    `num_steps` of STEPS (TP_STEPS)."""
     import megatron_patches
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_logging import (destroy_moe_metrics_tracker,
@@ -71,6 +74,7 @@ def ep_rank(ep: int, pp: int, qwen: bool = False, tp: int = 1) -> dict:
     cfg, moe = _qwen3_moe_tiny() if qwen else (TinyLlamaConfig(**MODEL), MOE)
     if tp > 1:  # Megatron-LM's rule for MoE with TP; experts TP-split too (ETP = TP)
         moe = dict(moe, sequence_parallel=True)
+    moe = dict(moe, **(recompute or {}))
     models = [prepare_for_training(build_model(cfg, **moe), ddp=True) for _ in range(2)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
     data_rank = parallel_state.get_data_parallel_rank()  # TP ranks share their data
@@ -85,7 +89,7 @@ def ep_rank(ep: int, pp: int, qwen: bool = False, tp: int = 1) -> dict:
 
     out = {"steps": [], "experts": sum(1 for n, _ in models[0].named_parameters()
                                        if "local_experts" in n)}
-    for seed, shapes in TP_STEPS if tp > 1 else STEPS:
+    for seed, shapes in (TP_STEPS if tp > 1 else STEPS)[:num_steps]:
         batch = make_batch(seed + 100 * data_rank, shapes)  # each EP (DP) rank its own data
         plan = plan_microbatches(batch, token_budget=9, max_seq_len=512, row_multiple=tp)
         for model in models:

@@ -187,7 +187,7 @@ def capacity(spec: ModelSpec, *, memory_gib: float, group_size: int, prefix_shar
             "recompute='full' with context parallelism: prefix reuse refuses it "
             "(runtime/executor.py); use offload or no recompute"
             if option.recompute == "full" and cp > 1 else None)
-        if refusal:  # full recompute with MoE layers or CP
+        if refusal:  # full recompute with CP
             result["reuse"][option.describe()] = {"trajectory": 0, "prefix_chunk_tokens": None,
                                                   "refused": refusal}
             continue

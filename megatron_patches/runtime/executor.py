@@ -86,9 +86,9 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
 
 def _check_full_recompute(config, step) -> None:
     """Full recompute re-runs each prefix unit in Phase C ([Note: prefix full recompute] in
-    stage_runner.py); verified without MoE, prefix trees and CP, refused with them."""
+    docs/DESIGN.md; MoE: [Note: prefix router stats under full recompute]); verified without
+    prefix trees and CP, refused with them."""
     others = [name for name, on in (
-        ("MoE (the re-run would route the prefix again)", bool(config.num_moe_experts)),
         ("prefix trees", any(w.nodes is not None for w in step.plan.prefixes)),
         ("context parallelism", getattr(step, "cp", None) is not None)) if on]
     if others:

@@ -65,7 +65,7 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
             real = key.shape[0] - context.padding
             context.cache.rebind(context.group, module.layer_number, key[:real], value[:real],
                                  chunk=context.chunk)
-            if context.stop_after_layer == module.layer_number:
+            if context.stop_after_layer == module.layer_number and not context.stop_in_router:
                 raise PrefixForwardDone()
         elif not context.recomputing:
             real = key.shape[0] - context.padding  # never cache the padding at the row's end

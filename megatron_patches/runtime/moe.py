@@ -11,7 +11,9 @@ choice, scores and expert-bias routing are Megatron's own) and then:
 - Phase A (prefix rows): records the prefix's aux-loss counts, score sums and z-loss sums per
   MoE layer in the cache, and adds `multiplicity` x the prefix's routed counts to the expert-bias
   statistics (never in a Phase C recompute); on the last stage an MoE last layer stops the
-  forward here (`PrefixForwardContext.stop_in_router`);
+  forward here (`PrefixForwardContext.stop_in_router`). Under full recompute Phase A runs
+  without grad and Phase C's re-run recomputes the sums with their graph ([Note: prefix router
+  stats under full recompute] in router_stats.py);
 - Phase B (suffix rows): computes Megatron's aux_loss / seq_aux_loss / global_aux_loss and
   z-loss with every prefix token of the row's trajectories counted with its multiplicity, and
   attaches them with Megatron's own `attach_and_log_load_balancing_loss` (loss scale, per-token
@@ -107,14 +109,14 @@ def _routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = 
         probs, routing_map = _STOCK_ROUTING(self, logits, None)
     flat = logits.view(-1, self.config.num_moe_experts)
     if isinstance(context, PrefixForwardContext):
-        _prefix_routing(self, flat, routing_map, context)
-        return probs, routing_map
+        return _prefix_routing(self, flat, probs, routing_map, context), routing_map
     return _suffix_routing(self, flat, probs, routing_map, context), routing_map
 
 
-def _counting(router) -> bool:
-    """Megatron's gate for aux losses and z-loss (stock `routing` / `apply_z_loss`)."""
-    return router.training and torch.is_grad_enabled() and (
+def _counting(router, without_grad: bool = False) -> bool:
+    """Megatron's gate for aux losses and z-loss (stock `routing` / `apply_z_loss`);
+    `without_grad`: also under no_grad (Phase A of a full-recompute step)."""
+    return router.training and (without_grad or torch.is_grad_enabled()) and (
         router.is_aux_loss_enabled() or router.config.moe_z_loss_coeff is not None)
 
 
@@ -128,20 +130,33 @@ def _local_real(router, flat, num_real: int) -> int:
     return max(0, min(size, num_real - start))
 
 
-def _prefix_routing(router, flat, routing_map, context: PrefixForwardContext) -> None:
-    if context.recomputing:  # Phase C recompute: everything was counted in Phase A
-        return
+def _prefix_routing(router, flat, probs, routing_map, context: PrefixForwardContext):
+    """Phase A's statistics and expert-bias counts; the routed `probs` (with, in Phase C's
+    re-run under full recompute, the statistics' gradient injected through them)."""
     real = flat.shape[0] * router.tp_cp_group.size() - context.padding  # the whole prefix unit
     local = _local_real(router, flat, real)
-    if _counting(router):
-        context.cache.store_router_stats(context.group, router.layer_number,
-                                         _prefix_stats(router, flat[:local], real),
-                                         chunk=context.chunk)
-    if router.enable_expert_bias and torch.is_grad_enabled():
-        with torch.no_grad():  # dense routes each prefix token `multiplicity` times
-            router.local_tokens_per_expert += context.multiplicity * routing_map[:local].sum(0)
-    if context.stop_in_router and context.stop_after_layer == router.layer_number:
+    if context.inject or context.replay:  # [Note: prefix router stats under full recompute]
+        if _counting(router):  # with grad: Megatron's checkpoint re-runs, or the rebind re-run
+            stats = _prefix_stats(router, flat[:local], real)
+            if context.inject:
+                probs = context.cache.inject_router_grads(
+                    context.group, router.layer_number, probs, stats, chunk=context.chunk)
+            else:
+                context.cache.rebind_router_stats(context.group, router.layer_number, stats,
+                                                  chunk=context.chunk)
+    elif not context.recomputing:  # Phase A (Phase C recomputes nothing else: core_attn only)
+        if _counting(router, without_grad=context.full_recompute):
+            context.cache.store_router_stats(context.group, router.layer_number,
+                                             _prefix_stats(router, flat[:local], real),
+                                             chunk=context.chunk)
+        if router.enable_expert_bias and (context.full_recompute or torch.is_grad_enabled()):
+            with torch.no_grad():  # dense routes each prefix token `multiplicity` times
+                router.local_tokens_per_expert += (context.multiplicity
+                                                   * routing_map[:local].sum(0))
+    if (context.stop_in_router and context.stop_after_layer == router.layer_number
+            and not context.inject):
         raise PrefixForwardDone()
+    return probs
 
 
 def _prefix_stats(router, logits, num_tokens: int) -> RouterStats:

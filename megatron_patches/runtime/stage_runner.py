@@ -197,9 +197,11 @@ class StageRunner:
                            final_norm=None) -> Optional[torch.Tensor]:
         """A prefix row through Megatron's forward_step (first-microbatch flag for FP8 casts,
         input tensor, autocast); None on the last stage, which stops at the last cached K/V.
-        `mode` ([Note: prefix full recompute]): "forward" (Phase A) and "rebind" run without
-        Megatron's full recompute; "inject" keeps it and, on the last stage, stops at the input
-        of `final_norm` and returns it."""
+        `mode` ([Note: prefix full recompute]): "forward" (Phase A of a training step) and
+        "rebind" run without Megatron's full recompute; "inject" keeps it and, on the last
+        stage, stops at the input of `final_norm` and returns it. A forward-only step keeps it
+        too: its routers then see the grad mode stock gives them, and count what stock counts
+        ([Note: prefix router stats under full recompute])."""
         step, config, key, chunk = self.step, self.config, self.key(action), self.chunk(action)
         last = self.is_last_stage(action)
         if last and step.prefix_has_loss(action.index):
@@ -209,8 +211,9 @@ class StageRunner:
                            if last and mode != "inject" else (None, False))
         context = step.prefix_context(action.index, model_chunk=chunk, stop_after_layer=stop,
                                       stop_in_router=in_router,
-                                      replay=mode == "rebind", inject=mode == "inject")
-        recompute = (contextlib.nullcontext() if mode == "inject"
+                                      replay=mode == "rebind", inject=mode == "inject",
+                                      full_recompute=self.full_recompute and mode == "forward")
+        recompute = (contextlib.nullcontext() if mode == "inject" or self.forward_only
                      else without_full_recompute(config))
         with active_context(context), recompute, _stop_before(final_norm):
             output, _ = schedules.forward_step(

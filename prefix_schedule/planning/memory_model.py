@@ -271,11 +271,11 @@ class ActivationModel(LayerTerms):
         return 0.0
 
     def refusal(self, options: MemoryOptions) -> Optional[str]:
-        """Why a reuse step of this stage cannot run with `options` (None: it can)."""
-        if options.recompute == "full" and self.dims.num_experts is not None:
-            return ("recompute='full' with MoE layers: prefix reuse refuses it (its Phase C "
-                    "re-run would route the prefix again, runtime/executor.py); use offload or "
-                    "no recompute")
+        """Why a reuse step of this stage cannot run with `options` (None: it can). Every
+        option runs on every stage now, full recompute with MoE layers too ([Note: prefix router
+        stats under full recompute] in runtime/router_stats.py); the executor's other refusals
+        of full recompute (prefix trees, CP) depend on the step, not on the stage."""
+        del options
         return None
 
     def gkv_token(self) -> float:

@@ -33,6 +33,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from prefix_schedule.runtime.cache_grads import _AccumulateInto, _compact, _Entry, _InjectGrads
+from prefix_schedule.runtime import router_stats
 from prefix_schedule.runtime.router_stats import PrefixRouterRead, RouterStats, read_stats
 from prefix_schedule.runtime.state_cache import CacheProtocolError, StateCacheMixin, StateEntry
 
@@ -134,17 +135,31 @@ class PrefixKVCache(StateCacheMixin):
                                      "stored twice")
         layers[layer] = stats
 
+    def inject_router_grads(self, group: int, layer: int, probs: torch.Tensor,
+                            recomputed: RouterStats, *, chunk: int = 0) -> torch.Tensor:
+        """Phase C under full recompute with Megatron's checkpointing: the router's `probs`,
+        whose backward also hands the re-run's prefix sums `recomputed` the entry's accumulated
+        gradients ([Note: prefix router stats under full recompute] in router_stats.py)."""
+        return router_stats.inject(self._router_entry(group, chunk, layer), probs, recomputed)
+
+    def rebind_router_stats(self, group: int, layer: int, recomputed: RouterStats, *,
+                            chunk: int = 0) -> None:
+        """Phase C under full recompute without checkpoints (`rebind` for K/V): the re-run's
+        sums, with their graph, become the entry's."""
+        router_stats.rebind(self._router_entry(group, chunk, layer), recomputed)
+
+    def _router_entry(self, group: int, chunk: int, layer: int) -> RouterStats:
+        stats = self._router.get((group, chunk), {}).get(layer)
+        if stats is None:
+            raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: no router "
+                                     "statistics stored (Phase A did not record them)")
+        return stats
+
     def read_router_stats(self, group: int, layer: int) -> PrefixRouterRead:
         """`group`'s prefix router statistics at `layer`, all chunks summed; the gradients of
         the returned sums accumulate per chunk for Phase C."""
-        entries = []
-        for chunk in self._chunks(group):
-            stats = self._router.get((group, chunk), {}).get(layer)
-            if stats is None:
-                raise CacheProtocolError(f"{_name(group, chunk)} layer {layer}: no router "
-                                         "statistics stored (Phase A did not record them)")
-            entries.append(stats)
-        return read_stats(entries)
+        return read_stats([self._router_entry(group, chunk, layer)
+                           for chunk in self._chunks(group)])
 
     # ---- Phase B (and chunk forwards)
     def read(self, group: int, layer: int, *, before_chunk: Optional[int] = None,

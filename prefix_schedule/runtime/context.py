@@ -54,6 +54,11 @@ class PrefixForwardContext:
     """Phase C's re-run under full recompute with Megatron's checkpointing kept: wherever the
     attention runs with grad (CheckpointFunction's recompute in backward), the entry's gK/gV
     join the gradient of its K/V (PrefixKVCache.inject_grads); the forward never stops early."""
+    full_recompute: bool = False
+    """Phase A of a training step under full activation recompute (run under no_grad): the MoE
+    routers record their prefix statistics as values and count the expert bias here, once;
+    Phase C's re-run recomputes the statistics with their graph ([Note: prefix router stats
+    under full recompute] in router_stats.py)."""
     chunk: int = 0
     """Chunk of the group's prefix being run; chunk c > 0 also attends to the cached K/V of the
     group's chunks < c."""

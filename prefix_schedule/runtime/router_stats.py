@@ -17,6 +17,21 @@ A suffix microbatch holding n_g trajectories of group g adds n_g x these to its 
 z-loss gradient in fp32, as gK/gV do); Phase C runs backward once from `probs` / `lse2` with the
 accumulated gradients, together with K/V. Counts for the aux-loss-free expert bias are added in
 Phase A, multiplicity times, and never again (not by a Phase C recompute).
+
+[Note: prefix router stats under full recompute]
+With Megatron's full activation recompute Phase A runs the prefix under no_grad ([Note: prefix
+full recompute] in docs/DESIGN.md): it records the same sums as values (no graph; Phase B only
+reads values and accumulates their gradients into the entry) and counts the expert bias there,
+once, as above (keyed on the step's recompute mode, not on grad mode: a forward-only step still
+counts nothing without grad). Phase C re-runs the prefix with Megatron's checkpoints; wherever a
+router runs with grad in that re-run (a checkpoint's recompute inside backward, or a layer the
+`block` method runs whole), it recomputes the sums with their graph from the re-run logits and
+wraps its returned probabilities in `inject`, whose backward hands the sums the accumulated fp32
+`grad_probs` / `grad_lse2` (as a recurrent state's gradient is injected, state_cache.py): the
+probabilities feed the layer's output, so the backward reaches them. A last stage without a
+final norm re-runs its prefix whole instead and `rebind`s the sums' graph to the entry, which
+Phase C's autograd call then drives through `backward_pairs`. Dense full recompute counts its
+aux losses, z-loss and expert bias only in its re-run (grad enabled), once: so does reuse.
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ from typing import Iterator, List, Optional, Tuple
 
 import torch
 
-__all__ = ["RouterStats", "PrefixRouterRead"]
+__all__ = ["RouterStats", "PrefixRouterRead", "inject", "rebind"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -100,3 +115,43 @@ def read_stats(entries: List[RouterStats]) -> PrefixRouterRead:
     return PrefixRouterRead(counts=sum(e.counts for e in entries),
                             probs=sum(p for p, _ in parts), lse2=sum(z for _, z in parts),
                             num_tokens=sum(e.num_tokens for e in entries))
+
+
+class _InjectStatsGrad(torch.autograd.Function):
+    """Identity on a router's probabilities whose backward also gives the prefix sums recomputed
+    with them (`probs`, `lse2`) the entry's accumulated gradients, read when the backward runs."""
+
+    @staticmethod
+    def forward(ctx, out, probs, lse2, entry):
+        ctx.entry = entry
+        ctx.meta = ((probs.shape, probs.dtype), (lse2.shape, lse2.dtype))
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = []
+        for grad, (shape, dtype), needed in zip((ctx.entry.grad_probs, ctx.entry.grad_lse2),
+                                                ctx.meta, ctx.needs_input_grad[1:3]):
+            grads.append(grad.to(dtype).reshape(shape) if grad is not None and needed else None)
+        return grad_out, grads[0], grads[1], None
+
+
+def inject(entry: RouterStats, out: torch.Tensor, recomputed: RouterStats) -> torch.Tensor:
+    """`out` (the router's probabilities) whose backward also drives `recomputed`'s sums (the
+    re-run's, with graph) with `entry`'s accumulated gradients: [Note: prefix router stats under
+    full recompute]."""
+    _check_same(entry, recomputed)
+    return _InjectStatsGrad.apply(out, recomputed.probs_graph, recomputed.lse2_graph, entry)
+
+
+def rebind(entry: RouterStats, recomputed: RouterStats) -> None:
+    """The re-run's sums (same values, now with their graph) become `entry`'s graph tensors; its
+    leaves and gradients stay."""
+    _check_same(entry, recomputed)
+    entry.probs_graph, entry.lse2_graph = recomputed.probs_graph, recomputed.lse2_graph
+
+
+def _check_same(entry: RouterStats, recomputed: RouterStats) -> None:
+    assert (recomputed.num_tokens == entry.num_tokens
+            and recomputed.probs_graph.shape == entry.probs_graph.shape), (
+        "the re-run prefix routed another number of tokens or experts than Phase A")

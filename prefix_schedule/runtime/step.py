@@ -321,12 +321,14 @@ class ReuseStep:
     def prefix_context(self, unit: int, *, stop_after_layer: Optional[int],
                        recomputing: bool = False, replay: bool = False,
                        inject: bool = False, model_chunk: int = 0,
-                       stop_in_router: bool = False) -> PrefixForwardContext:
+                       stop_in_router: bool = False,
+                       full_recompute: bool = False) -> PrefixForwardContext:
         """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
         chunk `model_chunk` of this rank."""
         return step_contexts.prefix_context(
             self, unit, stop_after_layer=stop_after_layer, recomputing=recomputing, replay=replay,
-            inject=inject, model_chunk=model_chunk, stop_in_router=stop_in_router)
+            inject=inject, model_chunk=model_chunk, stop_in_router=stop_in_router,
+            full_recompute=full_recompute)
 
     def suffix_context(self, microbatch: int, model_chunk: int = 0) -> SuffixForwardContext:
         """Context of suffix microbatch `microbatch` (its forward and its backward) on model

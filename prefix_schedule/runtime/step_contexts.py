@@ -22,7 +22,8 @@ __all__ = ["prefix_context", "suffix_context"]
 def prefix_context(step, unit: int, *, stop_after_layer: Optional[int],
                    recomputing: bool = False, replay: bool = False,
                    inject: bool = False, model_chunk: int = 0,
-                   stop_in_router: bool = False) -> PrefixForwardContext:
+                   stop_in_router: bool = False,
+                   full_recompute: bool = False) -> PrefixForwardContext:
     """Context of prefix unit `unit`'s forward (or of its recompute in Phase C) on model
     chunk `model_chunk` of this rank."""
     chunk = step.prefix_unit(unit)
@@ -42,7 +43,8 @@ def prefix_context(step, unit: int, *, stop_after_layer: Optional[int],
                                 padding=chunk.padding, reads=reads,
                                 multiplicity=step.prefix_multiplicity(chunk.group),
                                 stop_in_router=stop_in_router, cp=cp,
-                                replay=replay, inject=inject, packed=packed)
+                                replay=replay, inject=inject, packed=packed,
+                                full_recompute=full_recompute)
 
 
 def _chain(step, group: int, node: int) -> tuple:

@@ -1,0 +1,171 @@
+"""MoE with Megatron's full activation recompute in prefix-reuse steps vs stock Megatron dense
+with the same full recompute (fp32, the dense packing of the reuse plan: tests/test_moe.py).
+
+[Note: prefix router stats under full recompute] (prefix_schedule/runtime/router_stats.py):
+Phase A runs the prefix under no_grad, records the prefix router sums as values and counts the
+expert bias once; Phase C's re-run with Megatron's checkpoints recomputes the sums with their
+graph and injects their accumulated gradients through the router's probabilities. Stock dense
+counts aux losses, z-loss and expert bias only in its own re-run. Every case: loss, every aux
+loss Megatron logs, every gradient (router weights and experts included), the weights after an
+SGD step and the expert bias within 1e-5 relative.
+"""
+
+import pytest
+
+from dist_harness import DistributedRunError, run_distributed
+from megatron_patches.training import worst_of
+from test_moe import CASES as MOE_CASES, EQUAL_ROWS, STEPS, TOL, _run_steps, _spans_and_mixes
+
+pytestmark = pytest.mark.megatron
+
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+AUX_Z = MOE_CASES["aux_loss+z_loss+shared"]
+
+# id: (overrides, steps, token budget, plan options); STEPS[0]: group 0 spans three
+# microbatches and microbatch 2 holds groups 0 and 1
+CASES = {
+    "aux_loss+z_loss": (dict(AUX_Z, **FULL), STEPS[:1], 9, {}),
+    "seq_aux_loss": (dict(MOE_CASES["seq_aux_loss"], **FULL), STEPS[:1], 9, {}),
+    # two steps: the bias the first step's counts moved routes the second
+    "expert_bias": (dict(MOE_CASES["expert_bias"], **FULL), EQUAL_ROWS, 12, {}),
+    "all_three+alltoall, chunks of 8": (dict(MOE_CASES["all_three+alltoall"], **FULL),
+                                        STEPS[:1], 9, {"prefix_chunk_tokens": 8}),
+    # block 1 of 2: the last layer runs whole in Phase C's forward (injected there, with grad)
+    "block 1 of 2": (dict(AUX_Z, recompute_granularity="full", recompute_method="block",
+                          recompute_num_layers=1), STEPS[:1], 9, {}),
+}
+
+
+def _assert_equal(records):
+    for record in records:
+        assert _spans_and_mixes(record["plan"])
+        assert record["dense_metrics"].keys() == record["reuse_metrics"].keys()
+        assert worst_of(*(record[k] for k in ("loss", "grads", "metrics", "weights"))) <= TOL, \
+            record
+        assert all(b <= TOL for b in record["bias"]), record["bias"]
+
+
+def _record_calls(monkeypatch, calls):
+    from prefix_schedule.runtime.cache import PrefixKVCache
+
+    for method in ("inject_router_grads", "rebind_router_stats", "store_router_stats"):
+        original = getattr(PrefixKVCache, method)
+        monkeypatch.setattr(PrefixKVCache, method, lambda *a, _f=original, _m=method, **k: (
+            calls.append(_m), _f(*a, **k))[1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_moe_full_recompute_equals_dense(megatron_env, monkeypatch, name):
+    overrides, steps, budget, plan_kwargs = CASES[name]
+    calls = []
+    _record_calls(monkeypatch, calls)
+    records = _run_steps(overrides, steps, budget=budget, **plan_kwargs)
+    _assert_equal(records)
+    if plan_kwargs:
+        assert any(c.chunk > 0 for c in records[0]["plan"].prefix_units().values())
+    if name == "expert_bias":  # no aux statistic: nothing recorded, nothing injected
+        assert len(records[-1]["bias"]) == 2 and not calls
+    else:
+        assert "load_balancing_loss" in records[0]["dense_metrics"] or \
+            "seq_load_balancing_loss" in records[0]["dense_metrics"]
+        assert {"store_router_stats", "inject_router_grads"} == set(calls), set(calls)
+
+
+def test_without_the_injected_router_gradient_the_step_differs(megatron_env, monkeypatch):
+    """The checks above can fail: a Phase C re-run that leaves out the prefix sums' accumulated
+    aux-loss / z-loss gradient keeps every forward value and misses the router gradient."""
+    from prefix_schedule.runtime.cache import PrefixKVCache
+
+    monkeypatch.setattr(PrefixKVCache, "inject_router_grads",
+                        lambda self, group, layer, probs, recomputed, **kwargs: probs)
+    records = _run_steps(CASES["aux_loss+z_loss"][0], STEPS[:1])
+    assert records[0]["metrics"] <= TOL and records[0]["loss"] <= TOL
+    assert max(records[0]["router_grads"]) > 1e-4
+
+
+def test_without_a_final_norm_the_last_stage_rebinds_router_stats(megatron_env, monkeypatch):
+    """A last stage without a final norm re-runs its prefix whole (no checkpoints), on to the
+    last MoE layer's router, and binds the re-run's sums to the entries; dense runs without the
+    norm too."""
+    from megatron.core.utils import unwrap_model
+
+    def build(overrides):
+        from test_moe import _twin
+
+        model = _twin(overrides)
+        unwrap_model(model).decoder.final_layernorm = None
+        return model
+
+    calls = []
+    _record_calls(monkeypatch, calls)
+    _assert_equal(_run_steps(CASES["aux_loss+z_loss"][0], STEPS[:1], build=build))
+    assert "rebind_router_stats" in calls and "inject_router_grads" not in calls, set(calls)
+
+
+def _hybrid_builder(pattern):
+    """test_hybrid_moe's twins, with GDN / Mamba layers of test_hybrid_recompute's shapes."""
+    def build(overrides):
+        from test_hybrid_recompute import _model
+
+        from megatron_patches.training import prepare_for_training
+
+        return prepare_for_training(_model(pattern, num_moe_experts=4, **overrides), ddp=True)
+
+    return build
+
+
+@pytest.mark.parametrize("pattern", ["*E*-E", "G*ME"])
+def test_hybrid_moe_full_recompute(megatron_env, pattern):
+    """HybridModel with HybridStack's checkpointed forward: `*E*-E` and `G*ME` (an `E` after
+    the last `*`: Phase A stops in its router; GDN and Mamba states injected beside it)."""
+    from test_hybrid_moe import STATS
+
+    records = _run_steps(dict(STATS, **FULL), STEPS[:1], build=_hybrid_builder(pattern))
+    _assert_equal(records)
+    assert {"load_balancing_loss", "seq_load_balancing_loss", "z_loss"} <= set(
+        records[0]["dense_metrics"])
+
+
+def test_forward_only_counts_what_dense_counts(megatron_env):
+    """A forward-only step with grad enabled (model in training mode): stock dense runs its
+    layers in Megatron's checkpoints without grad and counts no expert bias; so does reuse,
+    whose Phase A keeps the checkpoints in forward-only steps. Same loss."""
+    import torch
+
+    from megatron_patches.runtime.moe import routers
+    from megatron_patches.training import dense_step, reuse_step
+    from prefix_schedule.planning.planner import plan_microbatches
+    from test_equivalence import LOSS, make_batch
+    from test_moe import _twin
+
+    batch = make_batch(*EQUAL_ROWS[0])
+    plan = plan_microbatches(batch, token_budget=12, max_seq_len=512)
+    counts, losses = [], []
+    for run in ("dense", "reuse"):
+        model = _twin(CASES["expert_bias"][0])
+        with torch.enable_grad():
+            result = (dense_step(model, batch, LOSS, forward_only=True, packing=plan)
+                      if run == "dense" else reuse_step(model, batch, plan, LOSS,
+                                                        forward_only=True))
+        losses.append(result.loss)
+        counts.append(torch.stack([r.local_tokens_per_expert for r in routers(model)]))
+    assert torch.equal(counts[0], counts[1]) and not counts[1].any(), counts
+    assert abs(losses[0] - losses[1]) <= TOL * abs(losses[0])
+
+
+@pytest.mark.parametrize("ep,pp", [(2, 1), (1, 2)])
+def test_moe_full_recompute_parallel(megatron_env, ep, pp):
+    """EP=2 (alltoall: every re-run's token exchange pairs up across the expert-parallel ranks,
+    whose plans run the same actions) and PP=2 (stage 0's re-run ends at its output with the
+    received gradient, the last stage's at its final norm)."""
+    from test_moe_parallel import _check, ep_rank
+
+    try:
+        results = run_distributed(ep_rank, world_size=ep * pp,
+                                  kwargs=dict(ep=ep, pp=pp, recompute=FULL, num_steps=1),
+                                  timeout_s=300)
+    except DistributedRunError as error:
+        pytest.fail(str(error))
+    _check(results)
+    assert all({"load_balancing_loss", "seq_load_balancing_loss", "z_loss"}
+               <= set(out["steps"][0]["metric_names"]) for out in results)
