@@ -83,6 +83,19 @@ def test_without_the_injected_router_gradient_the_step_differs(megatron_env, mon
     assert max(records[0]["router_grads"]) > 1e-4
 
 
+def test_without_the_phase_a_expert_bias_count_the_bias_differs(megatron_env, monkeypatch):
+    """Counting by grad mode in Phase A (no_grad under full recompute: nothing counted) moves
+    the expert bias away from dense: the count must be keyed on the step's recompute mode."""
+    from prefix_schedule.runtime import step_contexts
+
+    prefix_context = step_contexts.prefix_context
+    monkeypatch.setattr(step_contexts, "prefix_context", lambda *args, **kwargs: prefix_context(
+        *args, **dict(kwargs, full_recompute=False)))
+    overrides, steps, budget, _ = CASES["expert_bias"]
+    records = _run_steps(overrides, steps[:1], budget=budget)
+    assert max(records[0]["bias"]) > 1e-3
+
+
 def test_without_a_final_norm_the_last_stage_rebinds_router_stats(megatron_env, monkeypatch):
     """A last stage without a final norm re-runs its prefix whole (no checkpoints), on to the
     last MoE layer's router, and binds the re-run's sums to the entries; dense runs without the
@@ -126,23 +139,27 @@ def test_hybrid_moe_full_recompute(megatron_env, pattern):
         records[0]["dense_metrics"])
 
 
-def test_forward_only_counts_what_dense_counts(megatron_env):
+@pytest.mark.parametrize("pattern", [None, "G*ME"])
+def test_forward_only_counts_what_dense_counts(megatron_env, pattern):
     """A forward-only step with grad enabled (model in training mode): stock dense runs its
     layers in Megatron's checkpoints without grad and counts no expert bias; so does reuse,
-    whose Phase A keeps the checkpoints in forward-only steps. Same loss."""
+    whose Phase A keeps the checkpoints in forward-only steps (a GPTModel, whose prefix stops
+    in the last layer's router, and a HybridModel with GDN and Mamba layers). Same loss."""
     import torch
 
     from megatron_patches.runtime.moe import routers
     from megatron_patches.training import dense_step, reuse_step
     from prefix_schedule.planning.planner import plan_microbatches
     from test_equivalence import LOSS, make_batch
+    from test_hybrid_moe import BIAS
     from test_moe import _twin
 
     batch = make_batch(*EQUAL_ROWS[0])
     plan = plan_microbatches(batch, token_budget=12, max_seq_len=512)
     counts, losses = [], []
     for run in ("dense", "reuse"):
-        model = _twin(CASES["expert_bias"][0])
+        model = (_twin(CASES["expert_bias"][0]) if pattern is None
+                 else _hybrid_builder(pattern)(dict(BIAS, **FULL)))
         with torch.enable_grad():
             result = (dense_step(model, batch, LOSS, forward_only=True, packing=plan)
                       if run == "dense" else reuse_step(model, batch, plan, LOSS,
@@ -153,16 +170,18 @@ def test_forward_only_counts_what_dense_counts(megatron_env):
     assert abs(losses[0] - losses[1]) <= TOL * abs(losses[0])
 
 
-@pytest.mark.parametrize("ep,pp", [(2, 1), (1, 2)])
-def test_moe_full_recompute_parallel(megatron_env, ep, pp):
+@pytest.mark.parametrize("ep,pp,tp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_moe_full_recompute_parallel(megatron_env, ep, pp, tp):
     """EP=2 (alltoall: every re-run's token exchange pairs up across the expert-parallel ranks,
-    whose plans run the same actions) and PP=2 (stage 0's re-run ends at its output with the
-    received gradient, the last stage's at its final norm)."""
+    whose plans run the same actions), PP=2 (stage 0's re-run ends at its output with the
+    received gradient, the last stage's at its final norm) and TP=2 with sequence parallelism
+    and expert TP=2 (each TP rank recomputes and injects its own shard's sums)."""
     from test_moe_parallel import _check, ep_rank
 
     try:
-        results = run_distributed(ep_rank, world_size=ep * pp,
-                                  kwargs=dict(ep=ep, pp=pp, recompute=FULL, num_steps=1),
+        results = run_distributed(ep_rank, world_size=ep * pp * tp,
+                                  kwargs=dict(ep=ep, pp=pp, tp=tp, recompute=FULL,
+                                              num_steps=1),
                                   timeout_s=300)
     except DistributedRunError as error:
         pytest.fail(str(error))

@@ -73,7 +73,7 @@ FIELD_RULES: Dict[str, Rule] = _merge(
              "not gathered yet", "param_sync_func"),
     {"recompute_granularity": Rule(
         "supported", "tests/test_reuse_megatron.py (selective), tests/test_memory_megatron.py "
-        "(full: uniform and block, PP=1 and PP=2)")},
+        "(full: uniform and block, PP=1 and PP=2), tests/test_moe_recompute.py (full, MoE)")},
     _group("supported", "tests/test_memory_megatron.py (full recompute, uniform and block)",
              "recompute_method recompute_num_layers"),
     _refuse("distribute_saved_activations", "full recompute with TP", "distribute_saved_"
