@@ -153,9 +153,8 @@ def _prefix_routing(router, flat, probs, routing_map, context: PrefixForwardCont
             with torch.no_grad():  # dense routes each prefix token `multiplicity` times
                 router.local_tokens_per_expert += (context.multiplicity
                                                    * routing_map[:local].sum(0))
-    if (context.stop_in_router and context.stop_after_layer == router.layer_number
-            and not context.inject):
-        raise PrefixForwardDone()
+    if context.stop_in_router and context.stop_after_layer == router.layer_number:
+        raise PrefixForwardDone()  # Phase A, or the rebind re-run (inject never stops)
     return probs
 
 

@@ -22,16 +22,18 @@ Phase A, multiplicity times, and never again (not by a Phase C recompute).
 With Megatron's full activation recompute Phase A runs the prefix under no_grad ([Note: prefix
 full recompute] in docs/DESIGN.md): it records the same sums as values (no graph; Phase B only
 reads values and accumulates their gradients into the entry) and counts the expert bias there,
-once, as above (keyed on the step's recompute mode, not on grad mode: a forward-only step still
-counts nothing without grad). Phase C re-runs the prefix with Megatron's checkpoints; wherever a
-router runs with grad in that re-run (a checkpoint's recompute inside backward, or a layer the
-`block` method runs whole), it recomputes the sums with their graph from the re-run logits and
-wraps its returned probabilities in `inject`, whose backward hands the sums the accumulated fp32
-`grad_probs` / `grad_lse2` (as a recurrent state's gradient is injected, state_cache.py): the
-probabilities feed the layer's output, so the backward reaches them. A last stage without a
-final norm re-runs its prefix whole instead and `rebind`s the sums' graph to the entry, which
-Phase C's autograd call then drives through `backward_pairs`. Dense full recompute counts its
-aux losses, z-loss and expert bias only in its re-run (grad enabled), once: so does reuse.
+once, as above: keyed on the step's recompute mode (`PrefixForwardContext.full_recompute`), not
+on grad mode. A forward-only step keeps Megatron's checkpoints in Phase A, so its routers count
+by grad mode exactly where stock's do (nothing inside a checkpoint). Phase C re-runs the prefix
+with Megatron's checkpoints; wherever a router runs with grad in that re-run (a checkpoint's
+recompute inside backward, or a layer the `block` method runs whole), it recomputes the sums
+with their graph from the re-run logits and wraps its returned probabilities in `inject`, whose
+backward hands the sums the accumulated fp32 `grad_probs` / `grad_lse2` (as a recurrent state's
+gradient is injected, state_cache.py): the probabilities feed the layer's output, so the
+backward reaches them. A last stage without a final norm re-runs its prefix whole instead and
+`rebind`s the sums' graph to the entry, which Phase C's autograd call then drives through
+`backward_pairs`. Dense full recompute counts its aux losses, z-loss and expert bias only in its
+re-run (grad enabled), once: so does reuse.
 """
 
 from __future__ import annotations
