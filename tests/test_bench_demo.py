@@ -22,6 +22,7 @@ import torch
 
 from megatron_patches.support.launch import LaunchError, launch
 from prefix_schedule.attention import backends as attention_backends
+from tools_import import tool
 
 pytestmark = pytest.mark.megatron
 
@@ -315,16 +316,31 @@ def test_bench_moe_ep2_reports_equal_aux_losses(runs):
     assert "aux loss dense" in stdout
 
 
-def test_bench_refuses_bad_flags_before_compute():
-    """Exit status 2 and the reason on stderr, from the parent, before any rank starts (the
-    cases run at once: each is only an interpreter start)."""
-    procs = [(flags, message, subprocess.Popen(
-        [sys.executable, str(ROOT / "tools" / "bench.py"), *flags], cwd=ROOT, env=ENV,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)) for flags, message in REFUSALS]
-    for flags, message, proc in procs:
-        _, stderr = proc.communicate(timeout=300)  # ten interpreters at once on 2 loaded cores
-        assert proc.returncode == 2, (flags, stderr[-2000:])
+def assert_bench_refuses(cases, capsys, monkeypatch):
+    """Each (flags, message): tools/bench.py's main returns 2 with the message on stderr before
+    any compute (running the bench fails the test). In-process: the cases cost no interpreter
+    start; the first also runs as the command line, for its exit status."""
+    bench = tool("bench")
+
+    def computed(*_args, **_kwargs):
+        raise AssertionError("the bench started computing instead of refusing")
+
+    monkeypatch.setattr(bench, "run_bench", computed)
+    import benchlib.adapter_bench
+    monkeypatch.setattr(benchlib.adapter_bench, "run_adapter_bench", computed)
+    for flags, message in cases:
+        assert bench.main(list(flags)) == 2, flags
+        stderr = capsys.readouterr().err
         assert message in stderr, (flags, stderr[-2000:])
+    flags, message = cases[0]
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), *flags], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr[-2000:])
+
+
+def test_bench_refuses_bad_flags_before_compute(capsys, monkeypatch):
+    """Exit status 2 and the reason on stderr, from the parent, before any rank starts."""
+    assert_bench_refuses(REFUSALS, capsys, monkeypatch)
 
 
 def launched_rank(mode: str) -> int:
