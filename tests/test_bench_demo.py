@@ -328,10 +328,14 @@ def assert_bench_refuses(cases, capsys, monkeypatch):
     monkeypatch.setattr(bench, "run_bench", computed)
     import benchlib.adapter_bench
     monkeypatch.setattr(benchlib.adapter_bench, "run_adapter_bench", computed)
-    for flags, message in cases:
-        assert bench.main(list(flags)) == 2, flags
-        stderr = capsys.readouterr().err
-        assert message in stderr, (flags, stderr[-2000:])
+    default = attention_backends.get_default_backend()  # main sets the process default
+    try:
+        for flags, message in cases:
+            assert bench.main(list(flags)) == 2, flags
+            stderr = capsys.readouterr().err
+            assert message in stderr, (flags, stderr[-2000:])
+    finally:
+        attention_backends.set_default_backend(default)
     flags, message = cases[0]
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "bench.py"), *flags], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=300)
