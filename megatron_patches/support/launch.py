@@ -37,7 +37,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -59,12 +58,6 @@ _GRACE_S = 5.0  # after one rank failed, the others get this long before they ar
 
 class LaunchError(RuntimeError):
     """A rank failed, died or timed out; the message has every rank's traceback and output tail."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def rank_backend(backend: str, local_rank: int, cuda_devices: int) -> Tuple[str, Optional[int]]:
@@ -105,11 +98,16 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, timeouts, thre
                                        if backend != "gloo" else 0)
         if device is not None:
             torch.cuda.set_device(device)
-        # The store waits for every rank (start-up may be slow); once all are there, the
-        # collective timeout applies to the default group, its rendezvous included.
+        # The launcher hosts the store (its port is bound once: no other process can take it
+        # between choosing and listening). Every rank waits there for all (start-up may be
+        # slow); once all are there, the collective timeout applies to the default group, its
+        # rendezvous included.
         store = torch.distributed.TCPStore(
-            "127.0.0.1", port, world_size, is_master=rank == 0, wait_for_workers=True,
+            "127.0.0.1", port, world_size, is_master=False,
             timeout=datetime.timedelta(seconds=run_timeout_s + 60))
+        if store.add("launch/started", 1) == world_size:
+            store.set("launch/all_started", "1")
+        store.wait(["launch/all_started"])
         torch.distributed.init_process_group(
             backend, store=store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=collective_s))
@@ -121,8 +119,8 @@ def _rank_main(fn, rank, world_size, port, workdir, args, kwargs, timeouts, thre
     sys.stdout.flush()
     sys.stderr.flush()
     if status == 0 and store is not None:
-        # rank 0 hosts the store: nobody leaves before all are done (the parent kills the
-        # waiting ranks if a peer fails)
+        # nobody leaves before all are done (the parent kills the waiting ranks if a peer
+        # fails)
         with contextlib.suppress(Exception):
             if store.add("launch/finished", 1) == world_size:
                 store.set("launch/all_finished", "1")
@@ -271,7 +269,12 @@ def launch(fn: Callable, *, world_size: int, args: Sequence[Any] = (),
         rank_backend(backend, world_size - 1, torch.cuda.device_count())
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(preload))  # no effect once the server runs
-    port = _free_port()
+    import torch
+
+    # the ranks' store, listening from here on an OS-chosen port until every rank has ended
+    store = torch.distributed.TCPStore("127.0.0.1", 0, None, is_master=True,
+                                       wait_for_workers=False)
+    port = store.port
     timeouts = (float(timeout_s), float(collective_timeout_s))
     with tempfile.TemporaryDirectory(prefix="launch_") as workdir:
         procs = [context.Process(target=_rank_main, name=f"rank{rank}", daemon=True,
