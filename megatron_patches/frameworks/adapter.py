@@ -209,6 +209,15 @@ def _check_contract(out, prepared: "PreparedStep") -> None:
                "(loss, report) (or (loss, constant, report)), the loss normalised over the "
                "global batch and multiplied by TokenBatch.num_microbatches")
             + f"; got {type(out).__name__} of {len(out) if isinstance(out, tuple) else 1}")
+    if len(out) == 3:
+        _check_num_tokens(out[1], per_token)
+    loss = out[0]
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        raise ValueError(f"loss_fn returned a loss of {type(loss).__name__} "
+                         f"{tuple(loss.shape) if torch.is_tensor(loss) else ''}; return one "
+                         "scalar tensor that carries the gradient")
+    finite = torch.isfinite(loss.detach()).reshape(())  # checked once after the call (no sync)
+    prepared.loss_finite = finite if prepared.loss_finite is None else prepared.loss_finite & finite
     if not per_token and len(out) == 3:
         count = float(out[1])
         if prepared.constant_num_tokens is None:
@@ -219,6 +228,36 @@ def _check_contract(out, prepared: "PreparedStep") -> None:
                 "with calculate_per_token_loss=False: Megatron divides each microbatch's loss by "
                 "it, so the gradient would depend on how sequences are packed; return a constant "
                 "(as slime's 1) or set calculate_per_token_loss=True")
+
+
+def _check_num_tokens(num_tokens, per_token: bool) -> None:
+    """Megatron adds num_tokens into an int tensor (and divides by it): an integer tensor."""
+    integer = torch.is_tensor(num_tokens) and num_tokens.numel() == 1 and not (
+        num_tokens.is_floating_point() or num_tokens.dtype == torch.bool)
+    if not integer:
+        got = (f"a {num_tokens.dtype} tensor of shape {tuple(num_tokens.shape)}"
+               if torch.is_tensor(num_tokens) else f"a {type(num_tokens).__name__}")
+        raise ValueError(f"loss_fn returned num_tokens as {got}; return one integer tensor on "
+                         "the model's device" + (", e.g. TokenBatch.num_tokens (the loss mask's "
+                                                 "sum as torch.int)" if per_token else
+                                                 " (a constant, as slime's torch.tensor(1))"))
+
+
+def check_finite_loss(prepared: "PreparedStep", models) -> None:
+    """Raise if loss_fn returned NaN / inf in this step, or the step's gradients are not finite
+    (finite_grads.py), on every rank together."""
+    from megatron_patches.runtime.agreement import StepChecks
+    from megatron_patches.runtime.finite_grads import check_finite_grads
+
+    def loss_check():
+        if prepared.loss_finite is not None and not bool(prepared.loss_finite):
+            raise ValueError("loss_fn returned a NaN or inf loss in this step: its gradients are "
+                             "not finite; do not run the optimizer. Check what the loss reads "
+                             "(log-probs, advantages, old log-probs at masked positions)")
+    checks = StepChecks(models[0])
+    checks.run(loss_check)
+    checks.run(check_finite_grads, models)
+    checks.agree()
 
 
 @dataclass(kw_only=True)
@@ -237,6 +276,8 @@ class PreparedStep:
     """calculate_per_token_loss of the model: which return contract loss_fn keeps."""
     store: Optional[_TokenStore] = None
     constant_num_tokens: Optional[float] = None
+    loss_finite: Optional[torch.Tensor] = None
+    """Whether every loss loss_fn returned in this step was finite (a device flag)."""
 
     def forward_step(self, loss_fn: Optional[LossFn]) -> Callable:
         """Megatron's forward_step_func for this step, with `loss_fn` as the loss."""
@@ -349,4 +390,6 @@ class PrefixReuseAdapter:
                                   data_iterator=prepared.step, model=self.models,
                                   num_microbatches=prepared.num_microbatches, seq_length=0,
                                   micro_batch_size=1, forward_only=forward_only)
+        if not forward_only:
+            check_finite_loss(prepared, self.models)
         return prepared.collect(losses)

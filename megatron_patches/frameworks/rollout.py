@@ -18,6 +18,11 @@ import torch
 
 from prefix_schedule.planning.flat import all_within, all_zero_one
 
+from megatron_patches.frameworks.input_checks import (check_names, check_some_loss,
+                                                      group_id_list, packed_array,
+                                                      packed_offsets, padded_keep, padded_rows,
+                                                      token_row)
+
 __all__ = ["RolloutBatch", "TokenBatch"]
 
 _PER_TOKEN = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs")
@@ -96,18 +101,14 @@ class RolloutBatch:
     """Further per-token arrays the framework's loss reads (e.g. verl's rollout_is_weights)."""
 
     def __post_init__(self) -> None:
-        self.tokens = [torch.as_tensor(t).detach().cpu().reshape(-1).to(torch.int64)
-                       for t in self.tokens]
+        self.tokens = [token_row(t, i) for i, t in enumerate(self.tokens)]
         if not self.tokens:
             raise ValueError("RolloutBatch has no sequences; give at least one")
         lengths = self.lengths
         for i, n in enumerate(lengths):
             if n < 2:
                 raise ValueError(f"sequence {i} has {n} token(s); a sequence needs >= 2")
-        self.group_ids = list(self.group_ids)
-        if len(self.group_ids) != len(lengths):
-            raise ValueError(f"group_ids has {len(self.group_ids)} entries for {len(lengths)} "
-                             "sequences; give one group id per sequence")
+        self.group_ids = group_id_list(self.group_ids, len(lengths))
         self.loss_mask = _float_rows(self.loss_mask, lengths, "loss_mask")
         for i in _bad_masks(self.loss_mask, lengths):
             mask = self.loss_mask[i]
@@ -115,6 +116,7 @@ class RolloutBatch:
                 raise ValueError(f"loss_mask[{i}] must hold only 0/1 and 0 at entry 0 (nothing "
                                  "predicts the first token); shift a response mask by one if it "
                                  "is aligned with the predicting position")
+        check_some_loss(self.loss_mask)
         advantages = self.advantages if self.advantages is not None else [0.0] * len(lengths)
         self.advantages = _float_rows(advantages, lengths, "advantages", scalar_ok=True)
         self.old_logprobs = _float_rows(self.old_logprobs, lengths, "old_logprobs")
@@ -147,39 +149,28 @@ class RolloutBatch:
         """Rows [B, L] (left or right padding, or both) with attention_mask 1 at real tokens;
         loss_mask / advantages / old_logprobs / ref_logprobs / fields entries are [B, L] aligned
         with input_ids (advantages may be [B]). Keeps each row's real tokens."""
-        keep = torch.as_tensor(attention_mask).bool()
-        if keep.shape != torch.as_tensor(input_ids).shape:
-            raise ValueError(f"attention_mask {tuple(keep.shape)} and input_ids "
-                             f"{tuple(torch.as_tensor(input_ids).shape)} differ in shape")
-
-        def rows(values):
-            values = torch.as_tensor(values)
-            if values.dim() == 1:
-                return list(values)
-            return [values[b][keep[b]] for b in range(keep.shape[0])]
-        extra = {k: (None if v is None else rows(v)) for k, v in per_token.items() if k != "fields"}
-        fields = {k: rows(v) for k, v in (per_token.get("fields") or {}).items()}
-        return cls(tokens=rows(input_ids), loss_mask=rows(loss_mask), group_ids=group_ids,
+        check_names(per_token, "from_padded")
+        keep = padded_keep(input_ids, attention_mask)
+        extra = {k: (None if v is None else padded_rows(k, v, keep, k == "advantages"))
+                 for k, v in per_token.items() if k != "fields"}
+        fields = {k: padded_rows(f"fields[{k!r}]", v, keep)
+                  for k, v in (per_token.get("fields") or {}).items()}
+        return cls(tokens=padded_rows("input_ids", input_ids, keep),
+                   loss_mask=padded_rows("loss_mask", loss_mask, keep), group_ids=group_ids,
                    fields=fields, **extra)
 
     @classmethod
     def from_packed(cls, *, tokens, cu_seqlens, loss_mask, group_ids, **per_token):
         """THD: all sequences in one 1-D row, sequence i at cu_seqlens[i]:cu_seqlens[i+1];
         per-token arrays are 1-D the same way (advantages may be one per sequence)."""
-        cu = [int(c) for c in torch.as_tensor(cu_seqlens).reshape(-1)]
-        if len(cu) < 2 or cu[0] != 0 or any(b <= a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"cu_seqlens={cu[:8]}...: give increasing offsets starting at 0")
-
-        def rows(values):
-            values = torch.as_tensor(values).reshape(-1)
-            if values.numel() == len(cu) - 1:
-                return list(values)
-            if values.numel() < cu[-1]:
-                raise ValueError(f"a packed array has {values.numel()} entries, cu_seqlens ends at {cu[-1]}")
-            return [values[a:b] for a, b in zip(cu, cu[1:])]
-        extra = {k: (None if v is None else rows(v)) for k, v in per_token.items() if k != "fields"}
-        fields = {k: rows(v) for k, v in (per_token.get("fields") or {}).items()}
-        return cls(tokens=rows(tokens), loss_mask=rows(loss_mask), group_ids=group_ids,
+        check_names(per_token, "from_packed")
+        cu = packed_offsets(cu_seqlens)
+        extra = {k: (None if v is None else packed_array(k, v, cu, k == "advantages"))
+                 for k, v in per_token.items() if k != "fields"}
+        fields = {k: packed_array(f"fields[{k!r}]", v, cu)
+                  for k, v in (per_token.get("fields") or {}).items()}
+        return cls(tokens=packed_array("tokens", tokens, cu),
+                   loss_mask=packed_array("loss_mask", loss_mask, cu), group_ids=group_ids,
                    fields=fields, **extra)
 
 
@@ -209,7 +200,9 @@ class TokenBatch:
 
     @property
     def num_tokens(self) -> torch.Tensor:
-        return self.loss_mask.sum()
+        """The microbatch's loss-token count, an integer tensor (torch.int, Megatron's dtype):
+        what the (loss_sum, num_tokens, report) contract returns."""
+        return self.loss_mask.sum().to(torch.int)
 
     def sequence_loss_tokens(self) -> torch.Tensor:
         """Per position, the loss-token count of its whole sequence (per-sample means)."""
