@@ -39,6 +39,7 @@ def install() -> None:
     from megatron_patches.patching.registry import require_patched
 
     require_patched()
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.models.gpt import gpt_model
     from megatron.core.models.hybrid import hybrid_model
     from megatron.core.pipeline_parallel import schedules
@@ -59,6 +60,17 @@ def install() -> None:
     gpt_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     hybrid_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     schedules._forward_backward_func_hook = _select_schedule
+    from megatron_patches.runtime.tp_grads import tp_grad_sum_hook
+
+    _finalize_module(finalize_model_grads)._tp_grad_sum_hook = tp_grad_sum_hook
+
+
+def _finalize_module(finalize_model_grads):
+    """The module finalize_model_grads.py (megatron.core.distributed re-exports a function of
+    the same name, which shadows the submodule attribute)."""
+    import sys
+
+    return sys.modules[finalize_model_grads.__module__]
 
 
 def _mamba_mixer():
@@ -91,6 +103,9 @@ def uninstall() -> None:
     gpt_model._rotary_pos_emb_hook = None
     hybrid_model._rotary_pos_emb_hook = None
     schedules._forward_backward_func_hook = None
+    from megatron.core.distributed import finalize_model_grads
+
+    _finalize_module(finalize_model_grads)._tp_grad_sum_hook = None
     from megatron_patches.runtime import moe
 
     moe.uninstall()

@@ -16,7 +16,8 @@ from pathlib import Path
 
 __all__ = ["ATTENTION_CORE_HOOK", "DECLARED_PATCHES", "GDN_STATE_HOOK", "GPT_ROPE_POSITIONS_HOOK",
            "HYBRID_ROPE_POSITIONS_HOOK", "Hunk", "MAMBA_STATE_HOOK", "PATCH_SETS", "SCHEDULE_SELECTION_HOOK",
-           "SUPPORTED_RELEASES", "SUPPORTED_VERSIONS", "SourcePatch", "patch_set_name",
+           "SUPPORTED_RELEASES", "SUPPORTED_VERSIONS", "SourcePatch", "TP_GRAD_SUM_HOOK",
+           "patch_set_name",
            "patches_for", "supported_range"]
 
 
@@ -334,9 +335,46 @@ MAMBA_STATE_HOOK = SourcePatch(
     references=(("MambaMixer._ssm_training", "_mamba_state_hook"),),
 )
 
+TP_GRAD_SUM_HOOK = SourcePatch(
+    id="tp-grad-sum-hook",
+    target="megatron/core/distributed/finalize_model_grads.py",
+    description=(
+        "_allreduce_non_tensor_model_parallel_grads also sums over TP the gradients of the "
+        "parameters _tp_grad_sum_hook(config, name, param) names (stock: only sequence-parallel "
+        "and q/k-norm weights): a GDN layer's out_norm weight is replicated on every TP rank "
+        "but each rank's gradient holds only its local heads' part (without sequence "
+        "parallelism nothing adds them up)."
+    ),
+    supported_versions=SUPPORTED_VERSIONS,
+    hunks=(
+        _insert(
+            "from ..transformer.transformer_config import TransformerConfig\n",
+            _hook_declaration(
+                "tp-grad-sum-hook", "_tp_grad_sum_hook",
+                "when set,\n# hook(config, name, param) True sums that parameter's gradient "
+                "over TP as well.",
+            ),
+            "from ..utils import (\n",
+        ),
+        Hunk(old='''\
+                elif (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+                    config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+                ):
+''', new='''\
+                elif (config.sequence_parallel and getattr(param, "sequence_parallel", False)) or (
+                    config.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)
+                ) or (  # megatron-prefix-reuse: replicated weights with per-rank partial grads
+                    _tp_grad_sum_hook is not None and _tp_grad_sum_hook(config, name, param)
+                ):
+'''),
+    ),
+    hook="_tp_grad_sum_hook",
+    references=(("_allreduce_non_tensor_model_parallel_grads", "_tp_grad_sum_hook"),),
+)
+
 DECLARED_PATCHES: tuple[SourcePatch, ...] = (
     ATTENTION_CORE_HOOK, GPT_ROPE_POSITIONS_HOOK, HYBRID_ROPE_POSITIONS_HOOK,
-    SCHEDULE_SELECTION_HOOK, GDN_STATE_HOOK, MAMBA_STATE_HOOK,
+    SCHEDULE_SELECTION_HOOK, GDN_STATE_HOOK, MAMBA_STATE_HOOK, TP_GRAD_SUM_HOOK,
 )
 """Every declaration, all releases; a release's set is `patches_for(version)`."""
 
