@@ -49,7 +49,21 @@ SKIP_PREFIX = "Megatron-LM checkout"
 
 EXPECT_ENV = "PREFIX_REUSE_EXPECT_MEGATRON"
 
-__all__ = ["REPO", "TARBALLS", "PINNED", "REMOTE_ENV", "SKIP_PREFIX", "EXPECT_ENV",
+REQUIRE_ENV = "PREFIX_REUSE_REQUIRE_FRAMEWORKS"
+"""Set to 1 by `make test-frameworks` (CI): what a framework test needs must be there, so a
+missing tarball or module FAILS the test instead of skipping it (a CI that skips them passes
+without running them)."""
+
+
+def missing(message: str) -> None:
+    """Skip with `message`, or fail with it under `$PREFIX_REUSE_REQUIRE_FRAMEWORKS=1`."""
+    if os.environ.get(REQUIRE_ENV) == "1":
+        pytest.fail(f"{message} [{REQUIRE_ENV}=1: this test must run here, not skip]",
+                    pytrace=False)
+    pytest.skip(message)
+
+__all__ = ["REPO", "TARBALLS", "PINNED", "REMOTE_ENV", "SKIP_PREFIX", "EXPECT_ENV", "REQUIRE_ENV",
+           "missing",
            "tarball_dirs", "find_tarball", "fetch_tarball", "extract_tree", "tree_digest",
            "stock_tree", "patched_tree", "skip_summary", "pytest_sessionstart"]
 
@@ -63,8 +77,9 @@ def tarball_dirs() -> List[Path]:
 
 def find_tarball(version: str, factory=None) -> Path:
     """The tarball of `version`: the offline one, else (with tmp_path_factory `factory`) one
-    made from the pinned commit fetched from the repository; pytest.skip naming the places
-    looked at and why the fetch did not happen when neither is there."""
+    made from the pinned commit fetched from the repository; a skip (a failure under
+    `$PREFIX_REUSE_REQUIRE_FRAMEWORKS=1`) naming the places looked at and why the fetch did not
+    happen when neither is there."""
     name = TARBALLS[version]
     for directory in tarball_dirs():
         if (directory / name).is_file():
@@ -75,8 +90,8 @@ def find_tarball(version: str, factory=None) -> Path:
         if isinstance(fetched, Path):
             return fetched
     looked = ", ".join(str(d) for d in tarball_dirs()[:3])
-    pytest.skip(f"{SKIP_PREFIX} {version}: no tarball {name} in {looked}, ... and {fetched}; "
-                "set MEGATRON_LM_TARBALLS=DIR (or reach the repository)")
+    missing(f"{SKIP_PREFIX} {version}: no tarball {name} in {looked}, ... and {fetched}; "
+            "set MEGATRON_LM_TARBALLS=DIR (or reach the repository)")
 
 
 def _git(*args: str, timeout_s: float, cwd: Optional[Path] = None) -> Tuple[bool, str]:

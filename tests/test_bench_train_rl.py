@@ -18,7 +18,9 @@ RL_MODULES = ("httpx", "fastapi", "uvicorn", "openai")
 def test_bench_adapter_megatron_rl(tmp_path):
     missing = [m for m in RL_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"Megatron-LM's megatron/rl imports {', '.join(missing)}: run make setup")
+        import megatron_trees
+        megatron_trees.missing(f"Megatron-LM's megatron/rl imports {', '.join(missing)}: run "
+                               "make setup")
     import megatron_trees
     megatron_trees.find_tarball("0.20.0")  # skips naming the places looked at when absent
     out = tmp_path / "train_rl.json"

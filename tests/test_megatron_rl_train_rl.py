@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from megatron_lm_runs import REPO, child_env
+import megatron_trees
 from megatron_trees import patched_tree
 
 pytestmark = pytest.mark.megatron
@@ -29,8 +30,8 @@ RL_MODULES = ("httpx", "fastapi", "uvicorn", "openai")
 def tree(tmp_path_factory):
     missing = [m for m in RL_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"Megatron-LM's megatron/rl imports {', '.join(missing)}: run make setup "
-                    "(or make test-frameworks)")
+        megatron_trees.missing(f"Megatron-LM's megatron/rl imports {', '.join(missing)}: run "
+                               "make setup (or make test-frameworks)")
     return patched_tree("0.20.0", tmp_path_factory)  # skips naming the places when absent
 
 

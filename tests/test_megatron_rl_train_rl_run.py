@@ -110,8 +110,9 @@ def _setup(tmp_path_factory):
     missing = [m for m in (*RL_MODULES, "pybind11", "yaml")
                if importlib.util.find_spec(m) is None]
     if missing:
-        pytest.skip(f"Megatron-LM's train_rl.py needs {', '.join(missing)}: run make setup "
-                    "(or make test-frameworks)")
+        import megatron_trees
+        megatron_trees.missing(f"Megatron-LM's train_rl.py needs {', '.join(missing)}: run make "
+                               "setup (or make test-frameworks)")
     tree = entry_tree("0.20.0", tmp_path_factory)  # skips naming the places when absent
     tmp = tmp_path_factory.mktemp("train_rl_run")
     _trace(tmp / "trace.json")

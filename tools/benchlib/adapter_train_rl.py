@@ -47,7 +47,7 @@ def _patched_main_tree(base: Path) -> Path:
     import megatron_trees
     try:
         megatron_trees.find_tarball(MAIN_VERSION)  # no factory: never fetches
-    except pytest.skip.Exception as missing:
+    except (pytest.skip.Exception, pytest.fail.Exception) as missing:
         raise ValueError(f"--adapter megatron-rl needs the offline Megatron-LM main tree: "
                          f"{missing.msg}") from None
     return megatron_trees.patched_tree(MAIN_VERSION, _TmpFactory(base))
