@@ -162,7 +162,8 @@ def run_paper(args) -> dict:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="qwen3-8b, llama3-8b, llama3.1-8b, qwen3-30b-a3b, tiny, or LxHxFxAxGxV")
+    import capacity
+    p.add_argument("--model", help=f"{', '.join(sorted(capacity.CHOICES))}, or LxHxFxAxGxV")
     p.add_argument("--gpus", type=int, help="GPUs in the job (default 16 with --paper)")
     dev = p.add_mutually_exclusive_group()
     dev.add_argument("--gpu", help="h20, h100, h200, a100 or b200")

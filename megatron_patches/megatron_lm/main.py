@@ -171,6 +171,7 @@ def main() -> int:
     verbose = quiet.verbose_requested(sys.argv[1:])
     if not verbose:
         quiet.quiet_megatron(sys.argv[1:])  # before Megatron imports: import-time warnings
+        sys.argv[1:] = quiet.without_one_logger(sys.argv[1:])
     compat.enable_python311_support()
     on_cpu = compat.enable_megatron_lm_cpu_support()
 
@@ -190,6 +191,8 @@ def main() -> int:
     except ValueError as error:
         return _refuse(error)
     initialize_megatron(allow_no_cuda=on_cpu)
+    if not verbose:
+        quiet.checkpoint_lines(args.hf_checkpoint)
     megatron_patches.install()
     chunks, optimizer, scheduler = setup_model_and_optimizer(ModelType.encoder_or_decoder,
                                                              model.model_provider)

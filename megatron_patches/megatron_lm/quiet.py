@@ -15,7 +15,7 @@ import warnings
 from typing import Sequence, Tuple
 
 __all__ = ["VERBOSE_FLAG", "HARMLESS", "verbose_requested", "quiet_megatron", "quiet_defaults",
-           "shorten_argument_dump", "warning_level"]
+           "shorten_argument_dump", "warning_level", "without_one_logger", "checkpoint_lines"]
 
 VERBOSE_FLAG = "--prefix-reuse-megatron-verbose"
 
@@ -127,3 +127,35 @@ def shorten_argument_dump() -> None:
                   f"{VERBOSE_FLAG})", flush=True)
 
     arguments._print_args = _print_args
+
+
+def without_one_logger(argv: Sequence[str]) -> list:
+    """`argv` plus `--no-one-logger` when the one_logger package is not installed and no one-logger
+    flag is given: Megatron otherwise prints a warning with a link to NVIDIA's internal wiki."""
+    import importlib.util
+
+    if any(a.startswith("--one-logger") or a == "--no-one-logger" for a in argv) or (
+            importlib.util.find_spec("one_logger") is not None):
+        return list(argv)
+    return [*argv, "--no-one-logger"]
+
+
+_NO_CHECKPOINT = "    will not load any checkpoints and will start from random"
+
+
+def checkpoint_lines(hf_checkpoint) -> None:
+    """With `--hf-checkpoint`, Megatron's "will start from random" (no checkpoint in --load yet)
+    is misleading: the weights come from the HF checkpoint next. Say that instead."""
+    if not hf_checkpoint:
+        return
+    from megatron.training import checkpointing
+
+    print_rank_0 = checkpointing.print_rank_0
+
+    def _print(message, *args, **kwargs):
+        if message == _NO_CHECKPOINT:
+            message = (f"    no checkpoint to resume from: the weights are loaded from the Hugging "
+                       f"Face checkpoint {hf_checkpoint}")
+        return print_rank_0(message, *args, **kwargs)
+
+    checkpointing.print_rank_0 = _print

@@ -344,10 +344,14 @@ def _field_docs() -> Dict[str, str]:
             and isinstance(d.value, ast.Constant)}
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                     argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written; every flag's help ends with its default."""
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
-    """One flag per BenchConfig field, plus --json."""
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """One flag per BenchConfig field (its help shows its default), plus --json."""
+    p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
     defaults, docs = BenchConfig(), _field_docs()
     for field in dataclasses.fields(BenchConfig):
         flag, default, help_ = "--" + field.name.replace("_", "-"), getattr(defaults, field.name), docs.get(field.name)
