@@ -38,7 +38,12 @@ size is set by rounding: two dense runs that differ only in the attention kernel
 unfused) already differ by ~1e-3 (max relative) after one step. eps=1e-5 keeps rounding-level
 entries from being amplified, so the weight comparison tests the method, not Adam's amplification.
 
-    python examples/grpo_demo.py [--quick] [--steps 3] [--seed 0] [--stock-dense]
+    python examples/grpo_demo.py [--quick] [--steps 5] [--seed 0] [--stock-dense]
+
+The speedup line gives each run's median step time and spread over the timed steps (dense and
+reuse alternate which goes first) and, when the steps spread widely or the machine is busy
+(load average above its cores), says beside the figure that it is noise
+(megatron_patches/support/noise.py, [Note: timings that say when they are noise]).
 """
 from __future__ import annotations
 
@@ -81,8 +86,8 @@ class DemoConfig:
     """Model width (ffn = 688 * hidden_size / 256, 8 query heads, 2 K/V heads)."""
     vocab_size: int = 2048
     """Vocabulary size; the reward counts response tokens below vocab_size / 2."""
-    steps: int = 3
-    """Optimizer steps."""
+    steps: int = 5
+    """Optimizer steps (the speedup is the median of steps 1.. : step 0 pays warm-up)."""
     lr: float = 1e-3
     """AdamW learning rate."""
     adam_eps: float = 1e-5
@@ -153,8 +158,10 @@ def timed(fn):
     return result, time.perf_counter() - start
 
 
-def train_step(config, models, optimizers, batch):
-    """One optimizer step of both runs on the same batch; returns the numbers printed per step."""
+def train_step(config, models, optimizers, batch, reuse_first: bool = False):
+    """One optimizer step of both runs on the same batch; returns the numbers printed per step
+    (`reuse_first`: time the reuse step before the dense one: runs alternate, so a slow phase of
+    the machine hits both alike)."""
     from megatron_patches.runtime.finite_grads import check_finite_grads
     from megatron_patches.training import dense_step, max_relative_diff, param_grads, reuse_step
 
@@ -165,8 +172,11 @@ def train_step(config, models, optimizers, batch):
                              max_seq_len=config.prompt_len + config.max_response_len)
     for opt in optimizers:
         opt.zero_grad(set_to_none=True)
+    if reuse_first:
+        reuse_result, reuse_s = timed(lambda: reuse_step(reuse, batch, plan, LOSS))
     dense_result, dense_s = timed(lambda: dense_step(dense, batch, LOSS))
-    reuse_result, reuse_s = timed(lambda: reuse_step(reuse, batch, plan, LOSS))
+    if not reuse_first:
+        reuse_result, reuse_s = timed(lambda: reuse_step(reuse, batch, plan, LOSS))
     grad_diff = max_relative_diff(param_grads(dense), param_grads(reuse))
     for name, model in (("dense", dense), ("reuse", reuse)):  # NaN/inf never reach the weights
         check_finite_grads(model, run=name)
@@ -221,7 +231,7 @@ def run(config: DemoConfig, *, stock_dense: bool = False) -> bool:
     worst, seconds = 0.0, {"dense_s": [], "reuse_s": []}
     for step in range(config.steps):
         batch, mean_reward = sample_step(config, prompts, gen)
-        row = train_step(config, models, optimizers, batch)
+        row = train_step(config, models, optimizers, batch, reuse_first=step % 2 == 1)
         loss_diff = abs(row["loss_dense"] - row["loss_reuse"]) / max(abs(row["loss_dense"]), 1e-3)
         worst = worst_of(worst, row["grad_diff"], loss_diff)  # a NaN loss reads as inf
         if step > 0 or config.steps == 1:  # step 0 also pays one-time warm-up costs
@@ -232,9 +242,12 @@ def run(config: DemoConfig, *, stock_dense: bool = False) -> bool:
     weights = weight_diff(*models)
     worst = worst_of(worst, weights)
     print(f"max relative weight difference after {config.steps} AdamW steps: {weights:.2e}")
-    # The fastest step of each run is the one least disturbed by other work on the machine.
-    print(f"speedup of reuse over {'stock unfused' if stock_dense else 'fused-attention'} dense: "
-          f"{min(seconds['dense_s']) / min(seconds['reuse_s']):.2f}x (fastest steps after step 0)")
+    from megatron_patches.support.noise import machine_load, speedup_line
+
+    load, cores = machine_load()
+    print(speedup_line(seconds["dense_s"], seconds["reuse_s"], load=load, cores=cores,
+                       label=f"speedup of reuse over "
+                             f"{'stock unfused' if stock_dense else 'fused-attention'} dense"))
     agree = worst <= TOLERANCE
     print(f"agreement {'OK' if agree else 'FAILED'}: dense and reuse differ by at most {worst:.2e} "
           f"relative (losses, gradients, weights; tolerance {TOLERANCE:.0e})")

@@ -106,5 +106,6 @@ def format_adapter(result: dict) -> str:
         f"{result['reuse_seconds']:.3f}s, speedup {result['speedup']:.2f}x (ideal "
         f"{result['ideal_speedup']:.2f}x, efficiency {result['efficiency']:.2f}), "
         f"max grad rel diff {result['max_grad_rel_diff']:.2e}",
+        *([f"  {result['timing']['noise']}"] if result["timing"].get("noise") else []),
         f"adapter overhead (detect + plan + build, no model): "
         f"{result['adapter_overhead_seconds']:.3f}s at {result['adapter_overhead_workload']}"])

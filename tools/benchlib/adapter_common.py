@@ -54,6 +54,14 @@ def time_paths(paths: Dict[str, Callable[[], object]], zero: Dict[str, Callable[
     return times
 
 
+def timing_noise(times: Dict[str, List[float]]) -> dict:
+    """The load average and why the timings are noise, or None (megatron_patches/support/noise.py)."""
+    from megatron_patches.support.noise import machine_load, noise_warning
+    load, cores = machine_load()
+    return {"load_average": load, "cores": cores,
+            "noise": noise_warning(times, load=load, cores=cores)}
+
+
 def adapter_result(config: BenchConfig, times: Dict[str, List[float]], *, diff: float,
                    finite: bool, num_microbatches: dict, ideal: float, overhead: float) -> dict:
     """The JSON fields every --adapter choice reports (module docstring)."""
@@ -72,7 +80,7 @@ def adapter_result(config: BenchConfig, times: Dict[str, List[float]], *, diff: 
                 "prefix_len", "suffix_len", "group_size", "num_groups")},
             "threads": config.threads, "steps": config.steps,
             "timing": {"basis": "wall (perf_counter)", "warmup_steps_per_path": config.warmup,
-                       "interleaved": True}}
+                       "interleaved": True, **timing_noise(times)}}
 
 
 def ideal_speedup(model, rollout) -> tuple:

@@ -7,6 +7,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from benchlib.adapter_common import timing_noise
 from benchlib.config import BenchConfig
 from benchlib.hybrid import hybrid_dims
 from benchlib.measure import config_batch, config_plan, measure
@@ -68,7 +69,7 @@ def run_bench(config: BenchConfig, raw_times: Optional[Dict[str, List[float]]] =
             "efficiency": median["dense_batched"] / median["reuse"] / ideal,
             "max_grad_rel_diff_vs_stock_dense": batched_diff},
         "timing": {"basis": measured.pop("timing_basis"), "warmup_steps_per_path": config.warmup,
-                   "interleaved": True,
+                   "interleaved": True, **timing_noise(times),
                    "cpu_seconds": {name: statistics.median(v) for name, v in cpu_times.items()},
                    "cpu_seconds_basis": "median process CPU time per step, all threads (slowest "
                                         "rank); steadier than wall time on a loaded machine",
@@ -159,6 +160,7 @@ def format_table(result: dict, raw_times: Optional[Dict[str, List[float]]] = Non
            f"{batched['efficiency']:.3f})" if batched else "")
         + f"  ideal {result['ideal_speedup']:.3f}x (whole-batch FLOPs)  efficiency "
         f"{result['efficiency']:.3f}",
+        *([f"  {result['timing']['noise']}"] if result["timing"].get("noise") else []),
         f"cpu-time speedup {cpu['dense'] / cpu['reuse']:.3f}x"
         + (f" (vs batched dense {cpu['dense_batched'] / cpu['reuse']:.3f}x)" if batched else ""),
         f"loss dense {result['loss_dense']:.6f}  reuse {result['loss_reuse']:.6f}  "
