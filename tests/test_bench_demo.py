@@ -232,8 +232,8 @@ def test_demo_trains_both_runs_and_checks_agreement(runs):
     assert "agreement OK" in stdout
     assert "max relative weight difference" in stdout
     # --quick times one step per run: the figure must say it is noise (tests/test_noise.py)
-    speedup = next(i for i, line in enumerate(lines := stdout.splitlines())
-                   if line.startswith("speedup of reuse over"))
+    lines = stdout.splitlines()
+    speedup = next(i for i, line in enumerate(lines) if line.startswith("speedup of reuse over"))
     assert lines[speedup + 1].strip().startswith("NOISE: ") and "fewer than 3" in lines[speedup + 1]
 
 
