@@ -1,4 +1,5 @@
-"""`python -m megatron_patches {apply,revert,check,report,diff} [--root PATH] [--write]`.
+"""`python -m megatron_patches {apply,revert,check,report,diff} [--root PATH] [--write]`, and
+`python -m megatron_patches compare RUN_A RUN_B` (a dense and a reuse run: compare.py).
 
 Exit status: 0 done / all applied; 1 `check` found a patch not applied, or a patch conflicts
 (nothing was written), or `check` / `report` found a mixed tree (files of another release left
@@ -25,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m megatron_patches",
         description="Apply, revert or inspect the declared source patches to megatron-core.",
     )
-    parser.add_argument("command", choices=["apply", "revert", "check", "report", "diff"])
+    parser.add_argument("command", choices=["apply", "revert", "check", "report", "diff"],
+                        help="(or `compare RUN_A RUN_B`: python -m megatron_patches compare -h)")
     parser.add_argument(
         "--root", type=Path, default=None,
         help="directory that contains megatron/ (a Megatron-LM checkout or site-packages); "
@@ -107,6 +109,11 @@ def _diff(root: Path, write: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        from megatron_patches.compare import main as compare
+
+        return compare(argv[1:])
     args = _parser().parse_args(argv)
     if args.write and args.command != "diff":
         print("--write applies only to `diff`", file=sys.stderr)
