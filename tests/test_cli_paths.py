@@ -73,3 +73,16 @@ def test_missing_checkpoint_line_names_the_hf_checkpoint(monkeypatch):
     checkpointing.print_rank_0("other")
     assert printed == ["    no checkpoint to resume from: the weights are loaded from the Hugging "
                        "Face checkpoint hf-qwen35-tiny", "other"]
+
+
+def test_refusal_under_torchrun_says_the_error_is_its_line(monkeypatch, capsys):
+    """torchrun follows a refused run with ~90 lines of ChildFailedError (its own report, which a
+    worker cannot suppress): the refusal says which line is the error."""
+    from megatron_patches.megatron_lm import main as entry
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_PORT", raising=False)  # no store to join here
+    assert entry._refuse(ValueError("--clip-grad 1.0: give 0")) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "train_grpo.py: error: --clip-grad 1.0: give 0"
+    assert "ChildFailedError" in err[1] and "the error is the line above" in err[1]

@@ -104,6 +104,10 @@ def _refuse(error: ValueError) -> int:
     store = _job_store()
     if rank == 0:
         print(f"train_grpo.py: error: {error}", file=sys.stderr, flush=True)
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # torchrun's own report of the exit follows
+            print("train_grpo.py: (torchrun now reports the ranks' exit status 2 as a "
+                  "ChildFailedError with its own traceback: the error is the line above)",
+                  file=sys.stderr, flush=True)
         if store is not None:
             store.set(_REFUSED_KEY, "1")
     elif store is not None:
