@@ -1,7 +1,8 @@
 """Gradients of TP-replicated weights at TP=2 without sequence parallelism ([Note: replicated
 weights with partial gradients] in megatron_patches/runtime/tp_grads.py, issue 36).
 
-Per model family (Llama, Qwen3 with q/k norms, the Qwen3.5 GDN hybrid): a TP=1 model in this
+Per model family (Llama, Qwen3 with q/k norms, the Qwen3.5 GDN hybrid, the Nemotron-H Mamba
+hybrid): a TP=1 model in this
 process (the reference: no TP, so every gradient is whole) gives its weights, through the HF
 checkpoint converters, to a TP=2 model on two gloo ranks; both run stock Megatron's dense step
 (Megatron's DDP and finalize_model_grads at TP=2) on the same batch. Every parameter that is
@@ -19,7 +20,7 @@ from test_equivalence import LOSS, make_batch
 
 pytestmark = pytest.mark.megatron
 
-FAMILIES = ("llama3-8b-tiny", "qwen3-8b-tiny", "qwen3.5-27b-tiny")
+FAMILIES = ("llama3-8b-tiny", "qwen3-8b-tiny", "qwen3.5-27b-tiny", "nemotron-h-8b-tiny")
 SHAPES = [(12, [5, 4]), (9, [6])]
 TOL = 1e-5
 
@@ -33,6 +34,9 @@ def _build(spec):
     if spec.is_gdn:
         from test_hf_checkpoints_gdn import _megatron_model
         return _megatron_model(spec).float()
+    if spec.is_nemotron_h:
+        from test_hf_checkpoints_nemotron import megatron_model
+        return megatron_model(spec, dtype=torch.float32)
     from test_hf_checkpoints import _build as build_gpt
     return build_gpt(spec)
 

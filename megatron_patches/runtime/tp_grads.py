@@ -11,7 +11,8 @@ norms, which carry no `sequence_parallel` flag) the ranks' copies drift apart an
 gradient is not the TP=1 one (issue 36). The tp-grad-sum-hook patch asks `tp_grad_sum_hook`
 for every parameter Megatron's own rule did not take; it names the GDN out_norm weights.
 tests/test_tp_replicated_grads.py: every replicated gradient equal on both TP=2 ranks and equal
-to TP=1's, per model family.
+to TP=1's, for Llama, Qwen3, the Qwen3.5 GDN hybrid and the Nemotron-H Mamba hybrid (MoE at
+TP > 1 needs sequence parallelism, where Megatron's own rule sums the norms: not in that test).
 """
 from __future__ import annotations
 
