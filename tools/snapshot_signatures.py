@@ -58,6 +58,7 @@ SIGNATURE_TARGETS = (
     f"{_SCHEDULES}forward_backward_no_pipelining",
     f"{_SCHEDULES}forward_backward_pipelining_without_interleaving",
     "megatron.core.distributed.finalize_model_grads:finalize_model_grads",
+    "megatron.core.distributed.finalize_model_grads:_allreduce_non_tensor_model_parallel_grads",
     f"{_DDP}.__init__",
     f"{_DDP}.no_sync",
     "megatron.core.models.gpt.gpt_layer_specs:get_gpt_layer_local_spec",
