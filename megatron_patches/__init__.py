@@ -59,6 +59,10 @@ def install() -> None:
     gpt_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     hybrid_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     schedules._forward_backward_func_hook = _select_schedule
+    from megatron.core.transformer import multi_latent_attention
+    from megatron_patches.runtime import mla_hooks
+
+    multi_latent_attention._mla_reuse_hook = mla_hooks.mla_reuse_hook
 
 
 def _mamba_mixer():
@@ -91,6 +95,9 @@ def uninstall() -> None:
     gpt_model._rotary_pos_emb_hook = None
     hybrid_model._rotary_pos_emb_hook = None
     schedules._forward_backward_func_hook = None
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention._mla_reuse_hook = None
     from megatron_patches.runtime import moe
 
     moe.uninstall()
