@@ -195,8 +195,8 @@ _DEEPSEEK_V3 = dict(
 # grouped routing) at CPU size; one dense layer, then MoE
 _TINY = dict(_DEEPSEEK_V3, num_layers=3, hidden_size=64, ffn_hidden_size=96,
              num_attention_heads=4, q_lora_rank=32, kv_lora_rank=24, qk_nope_head_dim=16,
-             qk_rope_head_dim=8, v_head_dim=12, vocab_size=256, max_position_embeddings=4096,
-             first_k_dense_replace=1, num_experts=8, moe_ffn_hidden_size=32, moe_router_topk=2,
+             qk_rope_head_dim=8, v_head_dim=12, vocab_size=256,
+             first_k_dense_replace=1, num_experts=8, moe_ffn_hidden_size=32, moe_router_topk=4,
              n_group=4, topk_group=2)
 
 MLA_MODELS: Dict[str, MLASpec] = {
