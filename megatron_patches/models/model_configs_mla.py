@@ -138,7 +138,7 @@ class MLASpec:
                 "--rotary-scaling-factor", self.yarn_factor, "--mscale", self.yarn_mscale,
                 "--mscale-all-dim", self.yarn_mscale_all_dim,
                 "--max-position-embeddings", self.max_position_embeddings,
-                "--position-embedding-type", "rope", "--rotary-base", self.rope_theta,
+                "--position-embedding-type", "rope", "--rotary-base", int(self.rope_theta),
                 "--normalization", "RMSNorm", "--norm-epsilon", self.rms_norm_eps, "--swiglu",
                 "--disable-bias-linear", "--untie-embeddings-and-output-weights",
                 "--vocab-size", self.vocab_size, "--make-vocab-size-divisible-by", 1,
