@@ -150,3 +150,20 @@ def test_mla_tensor_parallel_2(megatron_env):
 def test_mla_deepseek_v3_tiny_moe_expert_parallel_2(megatron_env):
     _check(run_distributed(mla_rank, world_size=2, kwargs=dict(ep=2, moe=True), timeout_s=300),
            moe=True)
+
+
+def test_capacity_predictor_and_adapter_refuse_mla_by_name(yarn_model, capsys):
+    """Never costed as GQA: the capacity tool, the predictor and the framework adapter's FLOP
+    model each refuse an MLA model, naming it."""
+    from megatron_patches.frameworks.adapter import dims_of_model
+    from tools_import import tool
+
+    with pytest.raises(ValueError, match="multi-latent attention"):
+        dims_of_model(yarn_model)
+    for name, args in (("capacity", ["--model", "deepseek-v3"]),
+                       ("predict", ["--model", "deepseek-v3-tiny", "--gpus", "8", "--gpu", "h20",
+                                    "--prefix-len", "1024"])):
+        with pytest.raises(SystemExit) as info:
+            tool(name).main(args)
+        assert info.value.code == 2
+        assert "multi-latent attention is not modelled" in capsys.readouterr().err, name
