@@ -201,6 +201,8 @@ def test_mla_config_fields_are_classified_and_cross_field_rules_refused(megatron
     check_config_supported(config)
     for name, value, words in (("context_parallel_size", 2, "context_parallel_size=1"),
                                ("apply_rope_fusion", True, "apply_rope_fusion=False"),
+                               ("sequence_parallel", True, "sequence_parallel=False"),
+                               ("virtual_pipeline_model_parallel_size", 2, "virtual pipeline"),
                                ("cache_mla_latents", True, "cache_mla_latents"),
                                ("experimental_attention_variant", "dsa", "top-k"),
                                ("mtp_num_layers", 1, "mtp_num_layers")):

@@ -68,6 +68,17 @@ def test_mla_yarn_reuse_equals_dense(yarn_model, chunk):
     assert_equal_step(dense, dg, reuse, rg)
 
 
+@pytest.mark.parametrize("recompute", [
+    dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+    dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)],
+    ids=["selective core_attn", "full uniform"])
+def test_mla_recompute_reuse_equals_dense(megatron_env, recompute):
+    """Megatron's recompute re-runs MLA's core attention (selective) or whole layers (full,
+    [Note: prefix full recompute]) through the same mla-reuse-hook."""
+    model = _model(**recompute)
+    assert_equal_step(*run_both(model, make_batch(7, SHAPES), 16)[:4])
+
+
 def test_mla_plain_rope_reuse_equals_dense(megatron_env):
     model = _model(rope_type="rope")
     assert type(model.decoder.layers[0].self_attention.rotary_pos_emb).__name__ == "RotaryEmbedding"

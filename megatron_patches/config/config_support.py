@@ -313,6 +313,13 @@ def mla_problems(config) -> list:
         problems.append("multi_latent_attention with apply_rope_fusion=True: the fused MLA RoPE "
                         "kernel takes cos/sin of positions 0..L-1, not a suffix's positions "
                         "after its prefix; set apply_rope_fusion=False")
+    if config.sequence_parallel:
+        problems.append("multi_latent_attention with sequence_parallel=True is " + _UNVERIFIED
+                        + " (MLA gathers its latent and k_pe over TP inside the layer); set "
+                        "sequence_parallel=False")
+    if config.virtual_pipeline_model_parallel_size:
+        problems.append("multi_latent_attention with virtual pipeline stages is " + _UNVERIFIED
+                        + "; use virtual_pipeline_model_parallel_size=None")
     if getattr(config, "rope_type", "rope") not in ("rope", "yarn"):
         problems.append(f"rope_type={config.rope_type!r}: MLA builds 'rope' or 'yarn'")
     return problems
