@@ -141,7 +141,8 @@ class MLASpec:
                 "--position-embedding-type", "rope", "--rotary-base", int(self.rope_theta),
                 "--normalization", "RMSNorm", "--norm-epsilon", self.rms_norm_eps, "--swiglu",
                 "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                "--vocab-size", self.vocab_size, "--make-vocab-size-divisible-by", 1,
+                "--tokenizer-type", "NullTokenizer", "--vocab-size", self.vocab_size,
+                "--make-vocab-size-divisible-by", 1,
                 "--attention-dropout", 0, "--hidden-dropout", 0,
                 "--num-experts", self.num_experts,
                 "--moe-layer-freq", f"([0]*{self.first_k_dense_replace}+[1]*"
