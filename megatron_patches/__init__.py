@@ -60,6 +60,10 @@ def install() -> None:
     gpt_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     hybrid_model._rotary_pos_emb_hook = hooks.rotary_pos_emb_hook
     schedules._forward_backward_func_hook = _select_schedule
+    from megatron.core.transformer import multi_latent_attention
+    from megatron_patches.runtime import mla_hooks
+
+    multi_latent_attention._mla_reuse_hook = mla_hooks.mla_reuse_hook
     from megatron_patches.runtime.tp_grads import tp_grad_sum_hook
 
     _finalize_module(finalize_model_grads)._tp_grad_sum_hook = tp_grad_sum_hook
@@ -106,6 +110,9 @@ def uninstall() -> None:
     from megatron.core.distributed import finalize_model_grads
 
     _finalize_module(finalize_model_grads)._tp_grad_sum_hook = None
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention._mla_reuse_hook = None
     from megatron_patches.runtime import moe
 
     moe.uninstall()

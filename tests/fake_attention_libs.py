@@ -190,6 +190,8 @@ def install_flash_attn(monkeypatch, version: str = "2.7.4.post1"):
         assert kw["softcap"] == 0.0 and kw["alibi_slopes"] is None and not kw["return_softmax"]
         assert kw["block_table"] is None, "paged KV has no backward"
         assert q.shape[-1] % 8 == 0 and q.shape[-1] <= 256, "head_size"
+        # flash_api.cpp mha_varlen_fwd (2.x): q, k and v all `... x head_size` (one head dim)
+        assert k.shape[-1] == v.shape[-1] == q.shape[-1], "q, k, v head_size differ"
         _flash_window(kw["causal"], *window_of(kw))
         assert all(x.stride(-1) == 1 for x in (q, k, v)) and q.shape[1] % k.shape[1] == 0
         cu_q = _check_cu(kw["cu_seqlens_q"], q, q.shape[0], kw["max_seqlen_q"], "cu_seqlens_q")

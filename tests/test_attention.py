@@ -272,3 +272,38 @@ def test_causal_attention_bad_inputs_raise():
     for q, k, v in [(x[:, :, 0], x, x), (x[:0], x[:0], x[:0]), (x, x[:3], x[:3]), (x, x.double(), x)]:
         with pytest.raises(ValueError):
             causal_attention(q, k, v)
+
+
+@pytest.mark.parametrize("backend", ["torch", "math"])
+@pytest.mark.parametrize("mode", ["two_part", "copy"])
+def test_value_head_dim_narrower_than_query_key(backend, mode):
+    """MLA ([Note: unequal V head dim]): V of 16 dims against Q/K of 24, an empty prefix slot
+    included; output and every gradient against a float64 dense softmax written out here."""
+    gen = torch.Generator().manual_seed(4)
+    meta = PackedMeta.from_lengths([3, 1, 4], [0, 0, 1])
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+    q, k, v = leaf(8, 4, 24), leaf(8, 4, 24), leaf(8, 4, 16)
+    pk, pv = [leaf(5, 4, 24), leaf(0, 4, 24)], [leaf(5, 4, 16), leaf(0, 4, 16)]
+    out = shared_prefix_attention(q, k, v, pk, pv, meta, scale=0.3, backend=backend, mode=mode)
+    rows = []
+    for (a, b), slot in zip(zip(meta.cu_seqlens, meta.cu_seqlens[1:]), meta.seq_slot):
+        keys, values = torch.cat([pk[slot], k[a:b]]), torch.cat([pv[slot], v[a:b]])
+        scores = torch.einsum("qhd,khd->hqk", q[a:b], keys) * 0.3
+        n, total = b - a, keys.shape[0]
+        allowed = torch.arange(total)[None, :] <= torch.arange(n)[:, None] + total - n
+        probs = torch.softmax(scores.masked_fill(~allowed, -math.inf), -1)
+        rows.append(torch.einsum("hqk,khd->qhd", probs, values))
+    expected = torch.cat(rows)
+    assert out.shape == (8, 4, 16) and torch.isfinite(out).all()
+    assert (out - expected).abs().max() < 1e-12
+    grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    inputs = (q, k, v, pk[0], pv[0])
+    for got, want in zip(torch.autograd.grad(out, inputs, grad),
+                         torch.autograd.grad(expected, inputs, grad)):
+        assert torch.isfinite(got).all() and (got - want).abs().max() < 1e-12
+    wide = torch.zeros(8, 4, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="larger than the query/key head dim"):
+        shared_prefix_attention(q, k, wide, [pk[0][:0], pk[0][:0]], [wide[:0], wide[:0]], meta)

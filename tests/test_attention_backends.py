@@ -11,7 +11,8 @@ import torch
 import fake_attention_libs as fakes
 import fake_transformer_engine as fake_te
 import prefix_schedule.attention.backends as backends
-from prefix_schedule.attention import causal_attention, reference_attention, shared_prefix_attention
+from prefix_schedule.attention import (PackedMeta, causal_attention, reference_attention,
+                                       shared_prefix_attention)
 from prefix_schedule.attention.backends import (ENV_VAR, Availability, MathFallbackWarning, get_backend,
                                                 select_backend, set_default_backend)
 from prefix_schedule.attention.backends import versions
@@ -418,3 +419,30 @@ def test_real_backend_on_cuda_matches_oracle(name, mode):
     want = out_and_grads(reference_attention, as_f64(args), grad_out)
     for i, (a, b) in enumerate(zip(got, want)):
         assert_rel_close(a.cpu(), b, TOL[torch.bfloat16], f"{name} {mode} tensor {i}")
+
+
+@pytest.mark.parametrize("mode", ["two_part", "copy"])
+def test_flash_takes_mla_value_head_dim_through_padding(monkeypatch, mode):
+    """MLA (Q/K 24, V 16 here; DeepSeek-V3 192 / 128): flash-attn 2 takes one head dim (the fake
+    asserts it, as mha_varlen_fwd's shapes do), so V reaches it zero-padded
+    ([Note: unequal V head dim]); output and every gradient equal the float64 oracle."""
+    fakes.install_flash_attn(monkeypatch)
+    on_cpu(monkeypatch, "flash_attn")
+    gen = torch.Generator().manual_seed(2)
+    meta = PackedMeta.from_lengths([3, 2, 4], [0, 0, 1])
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64).requires_grad_()
+
+    q, k, v = leaf(9, 4, 24), leaf(9, 2, 24), leaf(9, 2, 16)
+    pk, pv = [leaf(6, 2, 24), leaf(3, 2, 24)], [leaf(6, 2, 16), leaf(3, 2, 16)]
+    out = shared_prefix_attention(q, k, v, pk, pv, meta, scale=0.2, backend="flash_attn",
+                                  mode=mode)
+    ref = reference_attention(q, k, v, pk, pv, meta, scale=0.2)
+    assert out.shape == (9, 4, 16)
+    grad = torch.randn(out.shape, generator=gen, dtype=F64)
+    inputs = (q, k, v, *pk, *pv)
+    got = (out, *torch.autograd.grad(out, inputs, grad))
+    want = (ref, *torch.autograd.grad(ref, inputs, grad))
+    for a, b in zip(got, want):
+        assert torch.isfinite(a).all() and (a - b).abs().max() <= 1e-12 * b.abs().max()

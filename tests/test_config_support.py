@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from prefix_schedule.planning.planner import plan_microbatches
 from prefix_schedule.runtime.step import ReuseStep
-from test_equivalence import assert_equal_step, make_batch, run_both
+from test_equivalence import LOSS as LOSS_, assert_equal_step, make_batch, run_both
 
 pytestmark = pytest.mark.megatron
 
@@ -183,3 +183,48 @@ def test_tiny_config_refuses_impossible_shapes(megatron_env, shape, message):
 
     with pytest.raises(ValueError, match=message):
         TinyLlamaConfig(**{**SMALL, **shape})
+
+
+def test_mla_config_fields_are_classified_and_cross_field_rules_refused(megatron_env):
+    """MLATransformerConfig's own fields (MLA_RULES) are all classified; MLA with CP > 1, RoPE
+    fusion or latent caching is a ValueError naming the option (before compute)."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron_patches.config.config_support import (FIELD_RULES, MLA_RULES,
+                                                        check_config_supported,
+                                                        unclassified_fields)
+    from mla_models import mla_model
+
+    assert unclassified_fields(MLATransformerConfig) == []
+    names = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    assert set(MLA_RULES) <= names and not set(MLA_RULES) & set(FIELD_RULES)
+    config = mla_model().config
+    check_config_supported(config)
+    for name, value, words in (("context_parallel_size", 2, "context_parallel_size=1"),
+                               ("apply_rope_fusion", True, "apply_rope_fusion=False"),
+                               ("sequence_parallel", True, "sequence_parallel=False"),
+                               ("virtual_pipeline_model_parallel_size", 2, "virtual pipeline"),
+                               ("cache_mla_latents", True, "cache_mla_latents"),
+                               ("experimental_attention_variant", "dsa", "top-k"),
+                               ("mtp_num_layers", 1, "mtp_num_layers")):
+        bad = copy.copy(config)
+        object.__setattr__(bad, name, value)
+        with pytest.raises(ValueError, match=words):
+            check_config_supported(bad)
+
+
+def test_mtp_and_dsa_are_refused_before_compute(megatron_env):
+    """A reuse step on a model built with MTP layers or DSA attention stops with the flag and
+    the reason, before any forward (no gradient written)."""
+    from megatron_patches.training import reuse_step
+    from mla_models import mla_model
+
+    batch = make_batch(3, [(12, [4, 5])])
+    plan = plan_microbatches(batch, token_budget=16, max_seq_len=512)
+    model = mla_model()
+    for name, value, words in (("mtp_num_layers", 1, "mtp_num_layers.*final hidden states"),
+                               ("experimental_attention_variant", "dsa", "dsa.*indexer")):
+        object.__setattr__(model.config, name, value)
+        with pytest.raises(ValueError, match=words):
+            reuse_step(model, batch, plan, LOSS_)
+        object.__setattr__(model.config, name, None)
+        assert all(p.grad is None for p in model.parameters())

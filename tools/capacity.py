@@ -48,6 +48,7 @@ from argtypes import (fraction, int_at_most, non_negative_float, positive_float,
 from capacity_specs import (Layout, check_modelled, dims_of, rotary_percent_of,  # noqa: E402
                             static_bytes)
 from outputs import check_output, write_text_atomic  # noqa: E402
+from megatron_patches.models.model_configs_mla import MLA_MODELS  # noqa: E402
 from megatron_patches.models.model_configs import (HYBRID_MODELS, MODELS,  # noqa: E402
                                                    NEMOTRON_MODELS, PAPER_MODELS, ModelSpec)
 from prefix_schedule.planning.flops_layers import ATTENTION  # noqa: E402
@@ -277,7 +278,7 @@ def plot_frontier(rows: List[dict], path: str, *, title: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, choices=sorted(CHOICES))
+    p.add_argument("--model", required=True, choices=sorted(CHOICES) + sorted(MLA_MODELS))
     p.add_argument("--memory-gib", type=positive_float, default=80.0)
     p.add_argument("--group-size", type=int_at_most(MAX_GROUP_SIZE, "the work grows with it"),
                    nargs="+", default=[2])
@@ -296,6 +297,11 @@ def main(argv=None) -> int:
         check_output(args.frontier, "--frontier")
     except ValueError as exc:
         p.error(str(exc))
+    if args.model in MLA_MODELS:
+        p.error(f"{args.model}: multi-latent attention is not modelled by the capacity tool (its "
+                "memory model counts GQA K/V; an MLA layer caches heads x (qk_head_dim + "
+                "qk_pos_emb_head_dim) K and heads x v_head_dim V per token, docs/DESIGN.md "
+                "'MLA'); it refuses rather than cost MLA as GQA")
     spec = MODELS[CHOICES[args.model]]
     try:
         check_modelled(spec)

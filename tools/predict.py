@@ -42,6 +42,10 @@ def _model(name: str):
         from megatron_patches.models.model_configs import MODELS
         spec = MODELS[capacity.CHOICES[name]]
         return capacity.dims_of(spec), spec
+    if name in capacity.MLA_MODELS:
+        raise ValueError(f"--model {name!r}: multi-latent attention is not modelled by the "
+                         "predictor (its FLOP and memory models count GQA attention); it refuses "
+                         "rather than cost MLA as GQA (docs/LIMITS.md, MLA)")
     if "x" in name:
         return parse_dims(name), None
     raise ValueError(f"--model {name!r}: choose one of {sorted(capacity.CHOICES)} or give "

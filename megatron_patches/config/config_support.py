@@ -32,7 +32,8 @@ def is_gdn_variant(value) -> bool:
     """Whether an experimental_attention_variant value builds hooked GatedDeltaNet layers."""
     return value in GDN_VARIANTS
 
-__all__ = ["Rule", "FIELD_RULES", "check_config_supported", "unclassified_fields"]
+__all__ = ["Rule", "FIELD_RULES", "MLA_RULES", "check_config_supported", "mla_problems",
+           "unclassified_fields"]
 
 
 def _merge(*parts: Dict[str, Rule]) -> Dict[str, Rule]:
@@ -48,6 +49,20 @@ def _merge(*parts: Dict[str, Rule]) -> Dict[str, Rule]:
 _REF = "tests/test_reference.py (float64 reference, Llama / Llama 3.1 / Qwen3)"
 _VARIANTS = "tests/test_config_support.py::test_supported_option_reuse_equals_dense"
 _UNVERIFIED = "not verified against dense training yet"
+_MLA = "tests/test_mla.py (MLA reuse == stock dense: PP=1/2, TP=2, prefix chunks, MoE EP=2, yarn)"
+_MTP_WHY = (
+    "multi-token prediction (mtp_num_layers) is not supported with prefix reuse: Megatron's MTP "
+    "block runs after the last decoder layer on every position of the row (its inputs are the "
+    "final hidden states and the embeddings of the next tokens, rolled along the sequence), so "
+    "a suffix's MTP depth k needs the prefix's last k positions' final hidden states and the "
+    "prefix's own MTP loss terms, which a reuse step never computes (Phase A stops after the "
+    "last K/V); train with mtp_num_layers=None (the MTP weights stay as loaded)")
+_DSA_WHY = (
+    "its core attention (DSAttention) computes the indexer's keys from the row's own hidden "
+    "states (the x and qr arguments MLA hands it) and keeps the top-k keys per query "
+    "(dsa_indexer_topk) before the sparse attention and the indexer loss; a suffix row holds no "
+    "prefix hidden states and the reuse cache keeps no prefix index keys, so the top-k set over "
+    "the prefix would not be dense's; train DSA models without prefix reuse")
 
 FIELD_RULES: Dict[str, Rule] = _merge(
     _group("supported", _REF, "num_layers hidden_size num_attention_heads num_query_groups "
@@ -98,8 +113,9 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     _refuse("attention_dropout", "dropout masks", "dropout > 0: dense training draws a prefix "
               "dropout mask per trajectory, reuse one per group, so they are different "
               "estimators; set hidden_dropout=attention_dropout=0", 0.1),
-    _refuse("multi_latent_attention", "MLA", "prefix reuse does not hook multi-latent "
-              "attention (MLA) yet", True),
+    {"multi_latent_attention": Rule(
+        "supported", _MLA + "; in a HybridModel pattern ('+') it is refused "
+        "(megatron_patches/runtime/layers.py)")},
     _refuse("window_size", "sliding window", "sliding-window attention (window_size) is not "
               "implemented by the prefix-reuse attention; set window_size=None", (128, 0),
               allowed=lambda v: v is None),
@@ -114,13 +130,13 @@ FIELD_RULES: Dict[str, Rule] = _merge(
               "attention, which the reuse hook replaces; set qk_clip=False", True),
     _refuse("log_max_attention_logit", "max logit", "log_max_attention_logit needs the core "
               "attention's logits, which the reuse hook replaces; set it False", True),
-    _refuse("mtp_num_layers", "MTP", "multi-token prediction (mtp_num_layers) is not "
-              "supported with prefix reuse", 1, allowed=lambda v: not v),
+    _refuse("mtp_num_layers", "MTP", _MTP_WHY, 1, allowed=lambda v: not v),
     _refuse("no_rope_freq", "NoPE layers", "no_rope_freq (layers without RoPE) is "
               + _UNVERIFIED, 4, allowed=lambda v: v is None),
     _refuse("experimental_attention_variant", "attention variant", "experimental attention "
               "variants other than Gated DeltaNet ('gated_delta_net', main's 'gdn') are not hooked by "
-              "prefix reuse", "dsa", allowed=lambda v: v is None or is_gdn_variant(v)),
+              "prefix reuse. 'dsa' (DeepSeek sparse attention): " + _DSA_WHY, "dsa",
+              allowed=lambda v: v is None or is_gdn_variant(v)),
     _refuse("use_mamba_mem_eff_path", "Mamba inference path", "use_mamba_mem_eff_path=False "
               "trains Mamba layers through their inference (prefill) path, which prefix reuse "
               "does not hook; keep the default True", False, allowed=lambda v: v),
@@ -263,9 +279,50 @@ FIELD_RULES: Dict[str, Rule] = _merge(
 )
 
 
+MLA_RULES: Dict[str, Rule] = _merge(
+    _group("supported", _MLA, "q_lora_rank kv_lora_rank qk_head_dim qk_pos_emb_head_dim "
+             "v_head_dim rope_type rotary_base rotary_percent rotary_scaling_factor "
+             "original_max_position_embeddings beta_fast beta_slow mscale mscale_all_dim"),
+    _group("irrelevant", "per-token math: fuses the q/kv down-projections (same products per "
+             "token, before the reuse hooks)", "mla_down_proj_fusion"),
+    _refuse("cache_mla_latents", "MLA inference", "cache_mla_latents is an inference option "
+              "(Megatron refuses it in training); leave it False", True),
+)
+"""The fields MLATransformerConfig adds to TransformerConfig (multi_latent_attention=True)."""
+
+
+def _rule(name: str):
+    return FIELD_RULES.get(name) or MLA_RULES.get(name)
+
+
 def unclassified_fields(config_cls) -> list:
-    """Dataclass fields of `config_cls` that FIELD_RULES does not classify."""
-    return sorted(f.name for f in dataclasses.fields(config_cls) if f.name not in FIELD_RULES)
+    """Dataclass fields of `config_cls` that FIELD_RULES (and MLA_RULES) do not classify."""
+    return sorted(f.name for f in dataclasses.fields(config_cls) if _rule(f.name) is None)
+
+
+def mla_problems(config) -> list:
+    """Cross-field rules of MLA in reuse steps (see megatron_patches/runtime/mla_hooks.py)."""
+    if not getattr(config, "multi_latent_attention", False):
+        return []
+    problems = []
+    if config.context_parallel_size > 1:
+        problems.append("multi_latent_attention with context_parallel_size > 1: the reuse CP "
+                        "path gathers K/V of one head dim and hands MLA no per-token RoPE table; "
+                        "use context_parallel_size=1")
+    if config.apply_rope_fusion:
+        problems.append("multi_latent_attention with apply_rope_fusion=True: the fused MLA RoPE "
+                        "kernel takes cos/sin of positions 0..L-1, not a suffix's positions "
+                        "after its prefix; set apply_rope_fusion=False")
+    if config.sequence_parallel:
+        problems.append("multi_latent_attention with sequence_parallel=True is " + _UNVERIFIED
+                        + " (MLA gathers its latent and k_pe over TP inside the layer); set "
+                        "sequence_parallel=False")
+    if config.virtual_pipeline_model_parallel_size:
+        problems.append("multi_latent_attention with virtual pipeline stages is " + _UNVERIFIED
+                        + "; use virtual_pipeline_model_parallel_size=None")
+    if getattr(config, "rope_type", "rope") not in ("rope", "yarn"):
+        problems.append(f"rope_type={config.rope_type!r}: MLA builds 'rope' or 'yarn'")
+    return problems
 
 
 def _default(field: dataclasses.Field):
@@ -286,7 +343,7 @@ def check_config_supported(config, *, global_loss_contract: bool = False) -> Non
         value = getattr(config, field.name)
         if global_loss_contract and field.name == "calculate_per_token_loss":
             continue
-        rule = FIELD_RULES.get(field.name)
+        rule = _rule(field.name)
         if rule is None:
             if value is not _default(field) and value != _default(field):
                 problems.append(
@@ -295,6 +352,7 @@ def check_config_supported(config, *, global_loss_contract: bool = False) -> Non
                     "megatron_patches/config/config_support.py")
         elif rule.allowed is not None and not rule.allowed(value):
             problems.append(f"{field.name}={value!r}: {rule.fix}")
+    problems += mla_problems(config)
     if problems:
         raise ValueError("prefix reuse cannot honour this TransformerConfig:\n  - "
                          + "\n  - ".join(problems))

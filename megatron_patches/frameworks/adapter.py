@@ -110,6 +110,11 @@ def dims_of_model(model) -> ModelDims:
     """The FLOP model's shape of a Megatron GPT model (policy input)."""
     gpt = unwrap_model(model[0] if isinstance(model, list) else model)
     c = gpt.config
+    if getattr(c, "multi_latent_attention", False):  # never cost MLA as GQA
+        raise ValueError("dims_of_model: the FLOP model (ModelDims) does not count multi-latent "
+                         "attention (low-rank q/kv projections, Q/K head dim "
+                         "qk_head_dim + qk_pos_emb_head_dim != V's); the framework adapter's "
+                         "FLOP report cannot describe this model (docs/LIMITS.md, MLA)")
     return ModelDims(num_layers=c.num_layers, hidden_size=c.hidden_size,
                      ffn_hidden_size=c.ffn_hidden_size, num_attention_heads=c.num_attention_heads,
                      num_query_groups=c.num_query_groups or c.num_attention_heads,

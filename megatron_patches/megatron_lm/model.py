@@ -96,7 +96,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         local and args.sequence_parallel) else None
     gdn = _local_gdn_block_spec(builders) if (
         local and is_gdn_variant(args.experimental_attention_variant)) else None
-    with norms or contextlib.nullcontext(), gdn or contextlib.nullcontext():
+    mla = _local_mla_core_attention(builders) if (
+        local and args.multi_latent_attention) else None
+    with norms or contextlib.nullcontext(), gdn or contextlib.nullcontext(), \
+            mla or contextlib.nullcontext():
         return provider(builders.gpt_builder, pre_process, post_process, vp_stage,
                         config=config or reuse_transformer_config(args),
                         pg_collection=pg_collection)
@@ -145,6 +148,33 @@ def _local_gdn_block_spec(builders):
         yield
     finally:
         setattr(builders, GDN_SPEC_FUNCTION, original)
+
+
+MLA_SPEC_FUNCTIONS = ("get_gpt_decoder_block_spec", "_get_transformer_layer_spec")
+"""gpt_builders' spec functions whose MLA layers get the local core attention sized for MLA."""
+
+
+@contextlib.contextmanager
+def _local_mla_core_attention(builders):
+    """While gpt_builder runs without TE: MLA layers get `models.mla.MLALocalCoreAttention`
+    (Megatron's local DotProductAttention does not take MLA's k_channels / v_channels)."""
+    from megatron_patches.models.mla import use_local_mla_core_attention
+
+    def wrap(function):
+        def spec(*args, **kwargs):
+            result = function(*args, **kwargs)
+            use_local_mla_core_attention(result)
+            return result
+        return spec
+
+    originals = {name: getattr(builders, name) for name in MLA_SPEC_FUNCTIONS}
+    for name, function in originals.items():
+        setattr(builders, name, wrap(function))
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(builders, name, function)
 
 
 SPEC_FUNCTIONS = ("get_gpt_decoder_block_spec",)

@@ -135,8 +135,11 @@ def initialize_distributed(seed: int = 1234, tp: int = 1, pp: int = 1,
     tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
 
 
-def make_transformer_config(cfg: TinyLlamaConfig, **overrides) -> TransformerConfig:
-    """A Llama-style TransformerConfig (dropout 0, RMSNorm, SwiGLU, no biases)."""
+def make_transformer_config(cfg: TinyLlamaConfig, *, config_cls=TransformerConfig,
+                            **overrides) -> TransformerConfig:
+    """A Llama-style TransformerConfig (dropout 0, RMSNorm, SwiGLU, no biases); `config_cls`:
+    a TransformerConfig subclass (MLATransformerConfig for multi-latent attention, whose own
+    fields go in `overrides`)."""
     kwargs = dict(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
@@ -165,7 +168,7 @@ def make_transformer_config(cfg: TinyLlamaConfig, **overrides) -> TransformerCon
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
     )
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return config_cls(**kwargs)
 
 
 class FusedSDPACoreAttention(MegatronModule):
@@ -264,9 +267,10 @@ def _sequence_parallel_block_spec(spec, config: TransformerConfig,
 
 def _check_buildable(config: TransformerConfig, fused_attention: bool) -> None:
     """Options this builder's layer spec would not honour: refused, never dropped."""
-    if config.multi_latent_attention:
-        raise ValueError("build_model builds GQA self-attention; multi_latent_attention is not "
-                         "supported by these builders")
+    if config.multi_latent_attention and (fused_attention or config.qk_l2_norm):
+        raise ValueError("build_model builds MLA (multi_latent_attention=True, an "
+                         "MLATransformerConfig) with Megatron's local core attention only: "
+                         "fused_attention and qk_l2_norm are not supported with it")
     if config.qk_layernorm and config.qk_l2_norm:
         raise ValueError("qk_layernorm and qk_l2_norm are exclusive; choose one")
     if fused_attention:
@@ -305,7 +309,12 @@ def build_model(cfg: TinyLlamaConfig, *, fused_attention: bool = False, seed: Op
     else:
         spec = get_gpt_layer_local_spec(normalization=config.normalization,
                                         qk_layernorm=config.qk_layernorm,
-                                        qk_l2_norm=config.qk_l2_norm)
+                                        qk_l2_norm=config.qk_l2_norm,
+                                        multi_latent_attention=config.multi_latent_attention)
+    if config.multi_latent_attention:  # the local core attention, sized for MLA (models/mla.py)
+        from megatron_patches.models.mla import use_local_mla_core_attention
+
+        use_local_mla_core_attention(spec)
     if fused_attention:
         for layer_spec in getattr(spec, "layer_specs", [spec]):  # an MoE model's block spec
             layer_spec.submodules.self_attention.submodules.core_attention = FusedSDPACoreAttention

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["ATTENTION_CORE_HOOK", "DECLARED_PATCHES", "GDN_STATE_HOOK", "GPT_ROPE_POSITIONS_HOOK",
-           "HYBRID_ROPE_POSITIONS_HOOK", "Hunk", "MAMBA_STATE_HOOK", "PATCH_SETS", "SCHEDULE_SELECTION_HOOK",
-           "SUPPORTED_RELEASES", "SUPPORTED_VERSIONS", "SourcePatch", "TP_GRAD_SUM_HOOK",
-           "patch_set_name",
+           "HYBRID_ROPE_POSITIONS_HOOK", "Hunk", "MAMBA_STATE_HOOK", "MLA_REUSE_HOOK", "PATCH_SETS",
+           "SCHEDULE_SELECTION_HOOK", "SUPPORTED_RELEASES", "SUPPORTED_VERSIONS", "SourcePatch",
+           "TP_GRAD_SUM_HOOK", "patch_set_name",
            "patches_for", "supported_range"]
 
 
@@ -372,9 +372,60 @@ TP_GRAD_SUM_HOOK = SourcePatch(
     references=(("_allreduce_non_tensor_model_parallel_grads", "_tp_grad_sum_hook"),),
 )
 
+MLA_REUSE_HOOK = SourcePatch(
+    id="mla-reuse-hook",
+    target="megatron/core/transformer/multi_latent_attention.py",
+    description=(
+        "MultiLatentAttention asks _mla_reuse_hook for its RoPE table (a suffix continues at its "
+        "prefix length) and for its core attention (MLA overrides _run_core_attention, so the "
+        "attention-core-hook never sees it); a None answer keeps the stock path."
+    ),
+    supported_versions=SUPPORTED_VERSIONS,
+    hunks=(
+        _insert(
+            "    from megatron.core.packed_seq_params import PackedSeqParams\n",
+            _hook_declaration(
+                "mla-reuse-hook", "_mla_reuse_hook",
+                "when set,\n# MultiLatentAttention asks hook(self, 'rope') for a stand-in "
+                "rope(rotary_pos_emb) and\n# hook(self, 'core') for a stand-in of its core "
+                "attention (same arguments); None keeps the stock path.",
+            ),
+            "\n\ndef _prepare_mla_core_attention_value(",
+        ),
+        _insert('''\
+                rotary_pos_emb, mscale = self.rotary_pos_emb(
+                    rotary_seq_len, packed_seq=thd_packed_seq
+                )
+
+''', '''\
+        reuse_rope = _mla_reuse_hook(self, "rope") if _mla_reuse_hook is not None else None
+        if reuse_rope is not None:  # megatron-prefix-reuse: per-token RoPE positions
+            rotary_pos_emb = reuse_rope(rotary_pos_emb)
+
+''', '''\
+        if packed_seq_params is not None and packed_seq_params.qkv_format == 'thd':
+'''),
+        _insert('''\
+        """Run MLA core attention with the THD value pad/trim workaround."""
+''', '''\
+        reuse_core = _mla_reuse_hook(self, "core") if _mla_reuse_hook is not None else None
+        if reuse_core is not None:  # megatron-prefix-reuse: attention over a cached prefix
+            return reuse_core(query, key, value, attention_mask, packed_seq_params=packed_seq_params,
+                              attn_mask_type=attn_mask_type, **extra_kwargs)
+''', '''\
+        value, need_v_pad, orig_v_dim, padded_v_dim = _prepare_mla_core_attention_value(
+'''),
+    ),
+    hook="_mla_reuse_hook",
+    references=(
+        ("MultiLatentAttention._run_core_attention", "_mla_reuse_hook"),
+        ("MLASelfAttention.get_query_key_value_tensors", "_mla_reuse_hook"),
+    ),
+)
+
 DECLARED_PATCHES: tuple[SourcePatch, ...] = (
     ATTENTION_CORE_HOOK, GPT_ROPE_POSITIONS_HOOK, HYBRID_ROPE_POSITIONS_HOOK,
-    SCHEDULE_SELECTION_HOOK, GDN_STATE_HOOK, MAMBA_STATE_HOOK, TP_GRAD_SUM_HOOK,
+    SCHEDULE_SELECTION_HOOK, GDN_STATE_HOOK, MAMBA_STATE_HOOK, TP_GRAD_SUM_HOOK, MLA_REUSE_HOOK,
 )
 """Every declaration, all releases; a release's set is `patches_for(version)`."""
 

@@ -19,7 +19,7 @@ from prefix_schedule.runtime.context import (
     current_context,
 )
 
-__all__ = ["core_attention_hook", "rotary_pos_emb_hook"]
+__all__ = ["core_attention_hook", "positions_table", "rotary_pos_emb_hook"]
 
 
 def _softmax_scale(attention_module, head_dim: int) -> float:
@@ -181,18 +181,32 @@ def rotary_pos_emb_hook(model, rotary_pos_emb):
     Suffix tokens continue at their group's cached prefix length, each sequence of the row
     separately; a prefix row starts at its chunk's offset (0 unchunked: the stock table).
     """
+    return positions_table(model.rotary_pos_emb, rotary_pos_emb)
+
+
+def _table(rope, length: int, **kwargs) -> torch.Tensor:
+    """The RoPE angle table of `length` positions from a rotary module (Megatron's
+    `YarnRotaryEmbedding` returns `(table, mscale)`: mscale does not depend on the length, so the
+    caller keeps the stock call's)."""
+    table = rope(length, **kwargs)
+    return table[0] if isinstance(table, tuple) else table
+
+
+def positions_table(rope, rotary_pos_emb):
+    """`rotary_pos_emb` (the stock table from rotary module `rope`) at the current reuse row's
+    positions (see rotary_pos_emb_hook); unchanged outside reuse steps."""
     context = current_context()
     if rotary_pos_emb is None or context is None:
         return rotary_pos_emb
     if context.cp is not None:  # local zigzag rows: the un-sharded table at their positions
-        table = model.rotary_pos_emb(context.cp.max_position + 1, packed_seq=True)
+        table = _table(rope, context.cp.max_position + 1, packed_seq=True)
         return torch.index_select(table, 0, context.cp.position_ids.to(table.device))
     if isinstance(context, PrefixForwardContext):
         offset = context.position_offset
         if offset == 0:
             return rotary_pos_emb
         # the stock table covers the row's full length (times TP under sequence parallelism)
-        return model.rotary_pos_emb(offset + rotary_pos_emb.shape[0])[offset:]
-    table = model.rotary_pos_emb(context.max_position + 1)  # [max_pos+1, 1, 1, d], lru-cached
+        return _table(rope, offset + rotary_pos_emb.shape[0])[offset:]
+    table = _table(rope, context.max_position + 1)  # [max_pos+1, 1, 1, d], lru-cached
     positions = context.position_ids.to(table.device)
     return torch.index_select(table, 0, positions)

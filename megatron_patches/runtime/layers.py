@@ -7,7 +7,7 @@
 supported, and so are Mamba-2 layers (`M`: SSD state and conv tail cached,
 megatron_patches/runtime/mamba_hooks.py): the last stage's prefix forward runs to the last `*`, `G` or
 `M` (its K/V or state), or on to the router of a later `E` layer whose statistics count the
-prefix (`prefix_stop`); DSA (`D`) and MLA (`+`) attention is not hooked. A GPTModel with `experimental_attention_variant="gated_delta_net"` holds GDN layers too. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
+prefix (`prefix_stop`); DSA (`D`) and MLA (`+`) layers are refused in a pattern (MLA runs in GPTModel, runtime/mla_hooks.py). A GPTModel with `experimental_attention_variant="gated_delta_net"` holds GDN layers too. Every check reads the whole pattern, which every rank holds, so all pipeline ranks
 refuse together, before any compute (no rank is left waiting on a peer that raised).
 """
 
@@ -26,8 +26,10 @@ __all__ = ["check_layers_supported", "check_recurrent_step", "has_recurrent_laye
            "prefix_stop", "stage_patterns"]
 
 _REFUSED = {
-    Symbols.DS_ATTENTION: ("DeepSeek sparse attention", "its core attention is not hooked"),
-    Symbols.MLA: ("multi-latent attention", "its core attention is not hooked"),
+    Symbols.DS_ATTENTION: ("DeepSeek sparse attention", "its indexer's top-k over the prefix "
+                           "needs the prefix's index keys, which the reuse cache does not keep"),
+    Symbols.MLA: ("multi-latent attention", "MLA is verified in GPTModel "
+                  "(multi_latent_attention=True, tests/test_mla.py), not in a HybridModel pattern"),
 }
 
 
@@ -66,8 +68,9 @@ def stage_patterns(pattern: str, pp_size: int, config) -> List[str]:
 def check_layers_supported(config, model) -> None:
     """ValueError, before any compute, for layers whose prefix state is not K/V (see module)."""
     if getattr(config, "mtp_num_layers", None):
-        raise ValueError("multi-token prediction (mtp_num_layers) is not supported in prefix "
-                         "reuse steps yet; train without MTP layers")
+        from megatron_patches.config.config_support import _MTP_WHY
+
+        raise ValueError(f"mtp_num_layers={config.mtp_num_layers}: " + _MTP_WHY)
     hybrid = _hybrid(model)
     if hybrid is None:
         if is_gdn_variant(getattr(config, "experimental_attention_variant", None)):

@@ -165,12 +165,35 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, meta, *, scale=None, mo
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    v, prefix_v, v_dim = _pad_values(q, v, list(prefix_v))
     scale = _validate(q, k, v, prefix_k, prefix_v, meta, scale)
     impl = _select(backend, q)
     if mode == "copy":
-        return impl.copy_attention(q, k, v, list(prefix_k), list(prefix_v), meta, scale)
-    return two_part_attention(impl, q, k, v, list(prefix_k), list(prefix_v), meta.cu_seqlens,
-                              meta.slot_ranges, scale)
+        out = impl.copy_attention(q, k, v, list(prefix_k), prefix_v, meta, scale)
+    else:
+        out = two_part_attention(impl, q, k, v, list(prefix_k), prefix_v, meta.cu_seqlens,
+                                 meta.slot_ranges, scale)
+    return out if v_dim is None else out[..., :v_dim]
+
+
+def _pad_values(q, v, prefix_v):
+    """[Note: unequal V head dim] MLA's values are narrower than its queries and keys
+    (DeepSeek-V3: 128 vs 192). The CPU flash kernel and flash-attn 2 need one head dim, so V
+    (and each prefix V) is zero-padded to q's head dim and the output trimmed back: the zero
+    columns add nothing to any output column, and the padding's gradient is dropped by autograd,
+    so the result is exact (the same workaround Megatron's MLA uses for TE's THD path,
+    `_prepare_mla_core_attention_value`). Cost: a padded copy of the V entries per call (the
+    prefix V is held once more for backward while the call's graph lives). Returns (v,
+    prefix_v, the original width or None when nothing was padded); V wider than Q/K is refused."""
+    if not isinstance(v, torch.Tensor) or v.dim() != 3 or not isinstance(q, torch.Tensor) \
+            or q.dim() != 3 or v.shape[-1] == q.shape[-1]:
+        return v, prefix_v, None
+    v_dim, d = v.shape[-1], q.shape[-1]
+    if v_dim > d:
+        raise ValueError(f"value head dim {v_dim} is larger than the query/key head dim {d}; "
+                         "only a narrower V (MLA) is supported")
+    pad = lambda t: torch.nn.functional.pad(t, (0, d - v_dim))  # noqa: E731
+    return pad(v), [pad(p) if p.dim() == 3 and p.shape[-1] == v_dim else p for p in prefix_v], v_dim
 
 
 def causal_attention(q, k, v, *, scale=None, backend=None):
@@ -180,8 +203,10 @@ def causal_attention(q, k, v, *, scale=None, backend=None):
         raise ValueError(f"q must be [L >= 1, heads, head_dim], got {tuple(q.shape)}")
     meta = PackedMeta(cu_seqlens=(0, q.shape[0]), seq_slot=(0,))
     no_prefix = k.new_empty((0, *k.shape[1:]))  # reuse the shared checks with P = 0
+    v, _, v_dim = _pad_values(q, v, [])  # [Note: unequal V head dim]
     scale = _validate(q, k, v, [no_prefix], [no_prefix], meta, scale)
-    return backend_causal_attention(_select(backend, q), q, k, v, scale)
+    out = backend_causal_attention(_select(backend, q), q, k, v, scale)
+    return out if v_dim is None else out[..., :v_dim]
 
 
 def _reference_mask(meta: PackedMeta, prefix_lens: list[int], device) -> torch.Tensor:
@@ -202,8 +227,10 @@ def _reference_mask(meta: PackedMeta, prefix_lens: list[int], device) -> torch.T
 
 def reference_attention(q, k, v, prefix_k, prefix_v, meta, *, scale=None):
     """float64 dense-mask oracle with the inputs and output of shared_prefix_attention.
-    Computes in float64, returns q's dtype. For tests only (memory T x (sum P + T)); differentiable."""
-    scale = _validate(q, k, v, prefix_k, prefix_v, meta, scale)
+    Computes in float64, returns q's dtype. For tests only (memory T x (sum P + T)); differentiable.
+    V may be narrower than Q/K (MLA): its own width is used throughout (no padding)."""
+    padded_v, padded_prefix_v, _ = _pad_values(q, v, list(prefix_v))
+    scale = _validate(q, k, padded_v, prefix_k, padded_prefix_v, meta, scale)
     rep = q.shape[1] // k.shape[1]
     keys = torch.cat([*prefix_k, k]).to(torch.float64).repeat_interleave(rep, 1)
     values = torch.cat([*prefix_v, v]).to(torch.float64).repeat_interleave(rep, 1)
