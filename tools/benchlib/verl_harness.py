@@ -95,7 +95,7 @@ def verl_engine(cls, model, *, vocab_size: int):
 
 def verl_batch(groups: Sequence[Tuple[int, int]], *, seed: int, vocab_size: int = 256,
                response_lens: Tuple[int, int] = (5, 11), max_token_len_per_gpu: int = 120,
-               mask_drop: float = 0.1, shared_response: int = 0):
+               mask_drop: float = 0.1, shared_response: int = 0, padded: bool = False):
     """verl's actor batch as the trainer hands it, `groups` = (prompt length, samples) per
     prompt: left-padded prompts, right-padded responses of a length drawn from
     [response_lens[0], response_lens[1]), per response token masks (a fraction `mask_drop`
@@ -136,6 +136,8 @@ def verl_batch(groups: Sequence[Tuple[int, int]], *, seed: int, vocab_size: int 
         "ref_log_prob": -torch.rand(B, R, generator=gen) * 3 - 0.5,
         "temperature": torch.ones(B)}, batch_size=[B])
     data["uid"] = NonTensorStack(*[s[3] for s in samples])
+    if padded:  # as the rollout hands it to the trainer (before left_right_2_no_padding)
+        return data
     data = left_right_2_no_padding(data)
     tu.assign_non_tensor(data, use_dynamic_bsz=True, global_batch_size=B,
                          max_token_len_per_gpu=max_token_len_per_gpu)
