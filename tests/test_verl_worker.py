@@ -36,6 +36,7 @@ import pytest
 import torch
 
 if os.environ.get("PREFIX_REUSE_REQUIRE_FRAMEWORKS") == "1":
+    import ray  # noqa: F401  (verl's workers are Ray actors: make test-frameworks needs Ray too)
     import verl  # noqa: F401  (make test-frameworks: a broken install fails, never skips)
 else:
     verl = pytest.importorskip("verl", reason="verl is installed by `make test-frameworks`")
