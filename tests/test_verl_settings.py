@@ -239,6 +239,10 @@ REFUSED = {
     "calculate_sum_pi_squared=True": ({}, dict(calculate_sum_pi_squared=True)),
     "distillation_use_topk=True": ({}, dict(distillation_use_topk=True)),
     "mrope": ({}, dict(position_ids="3d")),
+    "model.use_fused_kernels=True": ({}, dict(engine=dict(use_fused_kernels=True))),
+    "megatron.context_parallel_size > 1": ({}, dict(engine=dict(context_parallel_size=2))),
+    "megatron.dynamic_context_parallel=True": ({}, dict(engine=dict(dynamic_context_parallel=True))),
+    "loss function distillation_ppo_loss": ({}, dict(loss="distillation")),
 }
 
 
@@ -254,11 +258,17 @@ def test_verl_setting_refused_before_compute(megatron_env, name):
         pos = data["position_ids"]
         data["position_ids"] = torch.nested.as_nested_tensor(
             [torch.stack([p] * 3) for p in pos.unbind()], layout=torch.jagged)
-    else:
+    elif meta and "engine" not in meta and "loss" not in meta:
         tu.assign_non_tensor(data, **meta)
     model = _model()
     calls = []
     model.register_forward_pre_hook(lambda *a: calls.append(1))
-    with pytest.raises(ValueError, match=name.split(" (")[0].replace("(", r"\(")):
-        _engine(register_engine(), model).forward_backward_batch(data, _loss(**actor))
+    loss = _loss(**actor)
+    if meta.get("loss") == "distillation":
+        from functools import partial
+        from verl.trainer.distillation import distillation_ppo_loss
+        loss = partial(distillation_ppo_loss, config=loss.keywords["config"])
+    engine = _engine(register_engine(), model, **meta.get("engine", {}))
+    with pytest.raises(ValueError, match=name.replace(">", ">").replace("(", r"\(")):
+        engine.forward_backward_batch(data, loss)
     assert not calls and all(p.grad is None for p in model.parameters())
