@@ -114,3 +114,23 @@ def test_verl_switch_covers_actor_and_ref_in_process():
         os.environ.pop("VERL_ENGINE_DEVICE", None)
         verl_reuse.disable()
     assert not verl_reuse.enabled()
+
+
+def test_verl_switch_options_from_the_environment(monkeypatch):
+    """Options travel as $PREFIX_REUSE_VERL_OPTIONS (verl forwards ray_kwargs.ray_init.runtime_env
+    env_vars to its workers); bad ones fail the switch's import with the option named."""
+    from megatron_patches.frameworks import verl_reuse
+    try:
+        monkeypatch.setenv(verl_reuse.OPTIONS_ENV, '{"min_gain": 1.5, "min_shared_len": 8}')
+        cls = verl_reuse.enable()
+        assert cls.prefix_reuse_config.min_gain == 1.5 and cls.prefix_reuse_config.min_shared_len == 8
+        for bad, named in (('{"min_gian": 1.5}', "min_gian"), ('{"min_gain": 0}', "min_gain"),
+                           ('{"temperature": 0.5}', "temperature"), ("min_gain=1", "not JSON")):
+            monkeypatch.setenv(verl_reuse.OPTIONS_ENV, bad)
+            with pytest.raises(ValueError, match=named):
+                verl_reuse.enable()
+    finally:
+        monkeypatch.delenv(verl_reuse.OPTIONS_ENV, raising=False)
+        verl_reuse.disable()
+        verl_reuse.enable().prefix_reuse_config = verl_reuse.options_from_env()
+        verl_reuse.disable()

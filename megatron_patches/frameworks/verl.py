@@ -185,7 +185,9 @@ def verl_forward_backward(engine, data, loss_function, *, forward_only: bool = F
     from verl.utils import tensordict_utils as tu
     from megatron_patches.frameworks.verl_settings import reuse_settings
     settings = reuse_settings(engine, data, loss_function)
-    config = dataclasses.replace(config or AdapterConfig(), **settings)
+    config = config or AdapterConfig()
+    settings["sequence_level_loss"] = settings["sequence_level_loss"] or config.sequence_level_loss
+    config = dataclasses.replace(config, **settings)
     tu.assign_non_tensor(data, sp_size=engine.engine_config.context_parallel_size)
     tu.assign_non_tensor(data, batch_num_tokens=_batch_num_tokens(engine, data),
                          dp_size=engine.get_data_parallel_size())

@@ -14,12 +14,45 @@ points verl's registry entries for ("language_model", "megatron") at it, so the 
 log-prob passes). The critic (a value model) keeps verl's engine. A verl release outside
 `SUPPORTED_VERL` makes the import fail with the supported range, so the worker stops at start.
 Without the switch nothing here is imported and verl runs unchanged.
+
+Options (AdapterConfig fields, JSON) come from the environment variable
+`PREFIX_REUSE_VERL_OPTIONS`, which verl forwards to every Ray worker through its own
+`ray_kwargs.ray_init.runtime_env` (merged into Ray's job runtime_env by `main_ppo.run_ppo`):
+    +ray_kwargs.ray_init.runtime_env.env_vars.PREFIX_REUSE_VERL_OPTIONS='{"min_gain": 1.2}'
+An unknown field or a bad value fails the import with a ValueError naming it. `temperature`,
+`compute_entropy` follow verl's batch; `sequence_level_loss` is forced on where verl's loss
+needs it (verl_settings.py).
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+
+from megatron_patches.frameworks.adapter import AdapterConfig
 from megatron_patches.frameworks.verl import check_verl_version, register_engine
 
-__all__ = ["enable", "disable", "enabled"]
+__all__ = ["OPTIONS_ENV", "options_from_env", "enable", "disable", "enabled"]
+
+OPTIONS_ENV = "PREFIX_REUSE_VERL_OPTIONS"
+
+
+def options_from_env() -> AdapterConfig:
+    """AdapterConfig from $PREFIX_REUSE_VERL_OPTIONS (JSON object; unset: the defaults)."""
+    text = os.environ.get(OPTIONS_ENV, "").strip()
+    if not text:
+        return AdapterConfig()
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{OPTIONS_ENV}={text!r} is not JSON ({error}); give an object such "
+                         'as {"min_gain": 1.2}') from None
+    known = {f.name for f in dataclasses.fields(AdapterConfig)} - {"temperature", "compute_entropy"}
+    unknown = sorted(set(options) - known) if isinstance(options, dict) else ["(not an object)"]
+    if unknown:
+        raise ValueError(f"{OPTIONS_ENV}: unknown option(s) {unknown}; the options are "
+                         f"{sorted(known)} (temperature and entropy follow verl's batch)")
+    return AdapterConfig(**options)
 
 _replaced: dict = {}
 
@@ -31,6 +64,7 @@ def enable():
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.engine.megatron.transformer_impl import MegatronEngineWithLMHead
     cls = register_engine()
+    cls.prefix_reuse_config = options_from_env()
     registry = EngineRegistry._engines["language_model"]["megatron"]
     for key, engine in list(registry.items()):
         if engine is MegatronEngineWithLMHead:
