@@ -68,11 +68,12 @@ FW_PY := $(FW_VENV)/bin/python
 FW_STAMP := $(FW_VENV)/.setup-stamp
 FW_TESTS := $(wildcard tests/test_*verl*.py tests/test_*train_rl*.py)
 
-$(FW_STAMP): Makefile tools/frameworks-requirements.txt megatron_patches/patching/declarations.py
+$(FW_STAMP): setup.py Makefile tools/frameworks-requirements.txt megatron_patches/patching/declarations.py
 	test -x $(FW_PY) || $(PYTHON) -m venv $(FW_VENV)
 	$(FW_PY) -m pip install -q torch==2.13.0 numpy==2.4.6 'packaging>=24.2' 'pytest>=8' 'hypothesis>=6'
 	$(FW_PY) -m pip install -q --no-deps --ignore-requires-python megatron-core==0.19.2
 	$(FW_PY) -m pip install -q --no-deps verl==0.9.1 -r tools/frameworks-requirements.txt
+	$(FW_PY) -m pip install -q --no-deps --no-build-isolation -e .  # verl's workers import megatron_patches from any directory (external_lib)
 	$(FW_PY) -m megatron_patches apply
 	touch $(FW_STAMP)
 

@@ -80,6 +80,9 @@ class AdapterConfig:
     sequence_level_loss: bool = False
     """The loss is nonlinear per sequence: keep every loss token of a sequence in one
     microbatch (sharing stops at a sequence's first loss token)."""
+    temperature: float = 1.0
+    """Sampling temperature: log-probs and entropy of softmax(logits / temperature), the
+    division in the logits' dtype as verl's logits processor does it (1.0: logits as they are)."""
 
     def __post_init__(self) -> None:
         if self.token_budget is not None and self.token_budget < 2:
@@ -87,6 +90,9 @@ class AdapterConfig:
         if not self.min_gain > 0:
             raise ValueError(f"min_gain={self.min_gain}; give a positive FLOP gain (1.0: reuse "
                              "whenever it saves FLOPs)")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature={self.temperature}; give a positive sampling "
+                             "temperature (1.0: none)")
 
 
 @dataclass(kw_only=True)
@@ -177,6 +183,9 @@ class _TokenStore:
 def _loss(item, logits, *, prepared: "PreparedStep", loss_fn: Optional[LossFn]):
     if "loss_index" in item:  # a prefix-tree unit: one entry per (trajectory, loss token)
         logits = logits[:, item["loss_index"][0]]
+    if prepared.config.temperature != 1.0:
+        logits = logits / torch.tensor(prepared.config.temperature, dtype=logits.dtype,
+                                       device=logits.device)
     seq, pos = item[SEQ_INDEX].reshape(-1), item[SEQ_POSITION].reshape(-1)  # rows [b, s]
     real = seq >= 0
     logprobs = token_logprobs(logits, item["labels"]).reshape(-1)[real]

@@ -11,8 +11,13 @@ itself). What changes against `MegatronEngine.forward_backward_batch`:
   batch TensorDict of the samples it touches, with `num_micro_batch` = the reuse step's count and
   `response_mask` restricted to the positions the micro-batch computes (token sums partition
   exactly; verl's global `batch_num_tokens` / `dp_size` normalisers stay);
-- returned: verl's output dict (`model_output.log_probs` per sample as verl lays them out, `loss`,
-  `metrics`).
+- log-probs (and entropy, when the batch asks `calculate_entropy`) at EVERY response position,
+  the logits divided by the batch's `temperature` as verl's logits processor does;
+- returned: verl's output dict assembled by verl's own `postprocess_batch_func`
+  (`model_output.log_probs` / `entropy` nested per sample in verl's layout, `loss` a list,
+  `metrics` a dict of lists), so `BaseEngine.train_batch` and the worker post-process it as
+  they do the stock engine's.
+Every setting is checked first (verl_settings.py: exact, or a ValueError naming it).
 Refused with the supported range: another verl version. verl is imported lazily: this module
 imports without it (the test environment is `make test-frameworks`).
 """
@@ -83,7 +88,7 @@ def rollout_from_verl(data) -> RolloutBatch:
 
         def full(name):
             return torch.cat([torch.zeros(p), data[name][b, :r].float().detach().cpu()])
-        rows["loss_mask"].append(full("response_mask"))
+        rows["loss_mask"].append(torch.cat([torch.zeros(p), torch.ones(r)]))  # every response token
         rows["advantages"].append(full("advantages") if "advantages" in data.keys() else 0.0)
         for ours, theirs in (("old_logprobs", "old_log_probs"), ("ref_logprobs", "ref_log_prob")):
             rows[ours].append(full(theirs) if has[ours] else None)
@@ -135,36 +140,67 @@ def verl_loss_fn(engine, data, loss_function):
     return loss_fn
 
 
+def _batch_num_tokens(engine, data) -> float:
+    """verl's `forward_backward_batch` normaliser: `loss_mask` tokens summed over DP ranks."""
+    loss_mask = data["loss_mask"] if "loss_mask" in data.keys() else data["response_mask"]
+    count = (loss_mask.values().sum() if loss_mask.is_nested else loss_mask.sum()).to(torch.float32)
+    group = engine.get_data_parallel_group()
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        torch.distributed.all_reduce(count, group=group)
+    return count.item()
+
+
+def _shifted(per_sequence):
+    """Ours: entry j is about token j; verl's: entry j is about token j+1 (last entry 0)."""
+    return [torch.cat([t[1:], t.new_zeros(1)]) for t in per_sequence]
+
+
+def _verl_output(data, result, losses_reduced, forward_only, has_loss):
+    """verl's output dict, assembled by verl's OWN `postprocess_batch_func` (metrics a dict of
+    lists, `loss` a list, `model_output` nested per sample in the batch's order): the reuse
+    micro-batches' outputs (their partial model outputs dropped) plus one entry holding the
+    per-sample log-probs (and entropy) of the whole batch."""
+    from verl.workers.engine.utils import postprocess_batch_func
+    model_output = {"log_probs": torch.nested.as_nested_tensor(_shifted(result.logprobs),
+                                                               layout=torch.jagged)}
+    if result.entropy is not None:
+        model_output["entropy"] = torch.nested.as_nested_tensor(_shifted(result.entropy),
+                                                                layout=torch.jagged)
+    if has_loss:
+        micro = [{k: v for k, v in r.items() if k != "model_output"} for r in losses_reduced]
+    else:  # verl's postprocess_micro_batch_func without a loss: loss 1.0, no metrics
+        micro = [{"loss": 1.0, "metrics": {}} for _ in range(result.num_microbatches)]
+    identity = [list(range(len(result.logprobs)))]
+    return postprocess_batch_func(output_lst=[{"model_output": model_output}] + micro,
+                                  indices=identity, data=data)
+
+
 def verl_forward_backward(engine, data, loss_function, *, forward_only: bool = False,
                           config: Optional[AdapterConfig] = None) -> dict:
-    """`MegatronEngine.forward_backward_batch` with prefix reuse (module docstring)."""
+    """`MegatronEngine.forward_backward_batch` with prefix reuse (module docstring); every
+    setting checked by verl_settings.reuse_settings before any compute."""
     check_verl_version()
+    import dataclasses
+    from megatron.core import parallel_state
     from verl.utils import tensordict_utils as tu
-    if engine.tf_config is not None and engine.tf_config.calculate_per_token_loss:
-        raise ValueError("verl's per-token loss regime (calculate_per_token_loss=True) is not "
-                         "wired to the adapter yet; run verl's engine with it off")
-    for what, on in (("dynamic_context_parallel", engine.engine_config.dynamic_context_parallel),
-                     ("use_fused_kernels", engine.engine_config.use_fused_kernels),
-                     ("context_parallel_size > 1", engine.engine_config.context_parallel_size > 1)):
-        if on:
-            raise ValueError(f"verl with {what} is not supported with prefix reuse; turn it off")
-    batch_num_tokens = data["response_mask"].sum().to(torch.float32)
-    group = engine.get_data_parallel_group()
-    if torch.distributed.get_world_size(group) > 1:
-        torch.distributed.all_reduce(batch_num_tokens, group=group)
-    tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(),
+    from megatron_patches.frameworks.verl_settings import reuse_settings
+    settings = reuse_settings(engine, data, loss_function)
+    config = config or AdapterConfig()
+    settings["sequence_level_loss"] = settings["sequence_level_loss"] or config.sequence_level_loss
+    config = dataclasses.replace(config, **settings)
+    tu.assign_non_tensor(data, sp_size=engine.engine_config.context_parallel_size)
+    tu.assign_non_tensor(data, batch_num_tokens=_batch_num_tokens(engine, data),
                          dp_size=engine.get_data_parallel_size())
     rollout = rollout_from_verl(data)
     adapter = PrefixReuseAdapter(engine.module, config)
     loss_fn = None if loss_function is None else verl_loss_fn(engine, data, loss_function)
     result = adapter.forward_backward(rollout, loss_fn, forward_only=forward_only)
-    if result.logprobs is None:
+    tu.assign_non_tensor(data, num_micro_batch=result.num_microbatches)
+    engine.prefix_reuse_report = result.report
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return {}
-    shifted = [torch.cat([lp[1:], lp.new_zeros(1)]) for lp in result.logprobs]  # j -> j+1
-    out = {"log_probs": torch.nested.as_nested_tensor(shifted, layout=torch.jagged)}
-    losses = [r["loss"] for r in result.losses_reduced if "loss" in r]
-    metrics = [r.get("metrics", {}) for r in result.losses_reduced]
-    return {"model_output": out, "loss": losses, "metrics": metrics, "report": result.report}
+    return _verl_output(data, result, result.losses_reduced, forward_only,
+                        loss_function is not None)
 
 
 def register_engine():
@@ -183,6 +219,7 @@ def register_engine():
         """verl's Megatron engine with the prefix-reuse step (megatron_patches.frameworks.verl)."""
 
         prefix_reuse_config: Optional[AdapterConfig] = None
+        prefix_reuse_report: str = ""
 
         def forward_backward_batch(self, data, loss_function, forward_only=False):
             return verl_forward_backward(self, data, loss_function, forward_only=forward_only,

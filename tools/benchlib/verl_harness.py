@@ -95,11 +95,13 @@ def verl_engine(cls, model, *, vocab_size: int):
 
 def verl_batch(groups: Sequence[Tuple[int, int]], *, seed: int, vocab_size: int = 256,
                response_lens: Tuple[int, int] = (5, 11), max_token_len_per_gpu: int = 120,
-               mask_drop: float = 0.1):
+               mask_drop: float = 0.1, shared_response: int = 0, padded: bool = False):
     """verl's actor batch as the trainer hands it, `groups` = (prompt length, samples) per
     prompt: left-padded prompts, right-padded responses of a length drawn from
     [response_lens[0], response_lens[1]), per response token masks (a fraction `mask_drop`
-    masked out) / log-probs / advantages, `uid` per sample; in verl's no-padding form with
+    masked out) / log-probs / advantages, `uid` per sample (`shared_response` > 0: a group's
+    responses start with the same that many tokens, so a group's shared prefix holds response
+    tokens, the loss tokens a prefix tree caches); in verl's no-padding form with
     verl's default dynamic batch size (micro-batches balanced to `max_token_len_per_gpu`)."""
     from tensordict import TensorDict
     from tensordict.tensorclass import NonTensorStack
@@ -110,10 +112,12 @@ def verl_batch(groups: Sequence[Tuple[int, int]], *, seed: int, vocab_size: int 
     for g, (p, n) in enumerate(groups):
         prompt = torch.randint(1, vocab_size, (p,), generator=gen)
         adv = torch.randn(n, generator=gen)
+        head = torch.randint(1, vocab_size, (shared_response,), generator=gen)
         for k in range(n):
             r = int(torch.randint(*response_lens, (1,), generator=gen))
-            samples.append((prompt, torch.randint(1, vocab_size, (r,), generator=gen),
-                            float(adv[k]), f"uid{g}"))
+            response = torch.randint(1, vocab_size, (r,), generator=gen)
+            response[:min(r, shared_response)] = head[:r]
+            samples.append((prompt, response, float(adv[k]), f"uid{g}"))
     B, P = len(samples), max(s[0].numel() for s in samples)
     R = max(s[1].numel() for s in samples)
     prompts, responses = torch.zeros(B, P, dtype=torch.int64), torch.zeros(B, R, dtype=torch.int64)
@@ -132,6 +136,8 @@ def verl_batch(groups: Sequence[Tuple[int, int]], *, seed: int, vocab_size: int 
         "ref_log_prob": -torch.rand(B, R, generator=gen) * 3 - 0.5,
         "temperature": torch.ones(B)}, batch_size=[B])
     data["uid"] = NonTensorStack(*[s[3] for s in samples])
+    if padded:  # as the rollout hands it to the trainer (before left_right_2_no_padding)
+        return data
     data = left_right_2_no_padding(data)
     tu.assign_non_tensor(data, use_dynamic_bsz=True, global_batch_size=B,
                          max_token_len_per_gpu=max_token_len_per_gpu)
