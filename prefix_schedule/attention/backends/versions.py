@@ -1,12 +1,13 @@
 """The library versions the GPU backends support, and what their call sites depend on per version.
 
-Supported: Transformer Engine 2.2 - 2.18 and flash-attn 2.6 - 2.8 (by major.minor; any patch or
+Supported: Transformer Engine 2.2 - 2.19 and flash-attn 2.6 - 2.8 (by major.minor; any patch or
 .postN release of those). Other versions are refused with the reason (`LibraryUnsupported`,
 reported by the backend's `available`): the low-level APIs below change without deprecation.
 
 Every entry was read in the library's own source at that version's git tag
-(github.com/NVIDIA/TransformerEngine tags v2.2 ... v2.18, github.com/Dao-AILab/flash-attention tags
-v2.6.0 ... v2.8.3.post1); docs/KERNEL_VERSIONS.md lists file and function per fact. The fakes in
+(github.com/NVIDIA/TransformerEngine tags v2.2 ... v2.18 and branch release_v2.19 at 2.19.0 --
+TE 2.20 stays refused: no v2.20 tag or release branch could be read here --,
+github.com/Dao-AILab/flash-attention tags v2.6.0 ... v2.8.3.post1); docs/KERNEL_VERSIONS.md lists file and function per fact. The fakes in
 tests/fake_attention_libs.py are built from the same tables, version by version.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ __all__ = ["FLASH_SUPPORTED", "FlashApi", "TEApi", "TE_SUPPORTED", "TORCH_SUPPOR
            "check_torch_flash_schemas", "flash_api", "get_max_tokens", "schema_args", "te_api",
            "torch_flash_version", "version_tuple"]
 
-TE_SUPPORTED = ((2, 2), (2, 18))
+TE_SUPPORTED = ((2, 2), (2, 19))
 """Inclusive (major, minor) range of Transformer Engine."""
 FLASH_SUPPORTED = ((2, 6), (2, 8))
 """Inclusive (major, minor) range of flash-attn 2."""
@@ -109,7 +110,7 @@ def te_api(version_text: str) -> TEApi:
 
 
 def get_max_tokens(num_tokens: int) -> int:
-    """Port of transformer_engine/common/fused_attn/utils.cu get_max_tokens (2.2-2.18): 1024 up
+    """Port of transformer_engine/common/fused_attn/utils.cu get_max_tokens (2.2-2.19): 1024 up
     to 1024 tokens, then the next power of two up to 32k, then the next multiple of 32k."""
     log2_t = math.ceil(math.log2(num_tokens)) if num_tokens > 0 else -math.inf
     if log2_t <= 10:
