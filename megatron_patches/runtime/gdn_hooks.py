@@ -9,8 +9,8 @@ prefix_schedule/runtime/state_cache.py):
   kernel_size - 1 raw inputs ("conv") and the rule's final state ("rule") -- goes to the cache;
 * a suffix row: every packed sequence from its own group's cached state (zeros for a sequence
   run whole or the padding), so one row may hold several groups.
-The conv runs in torch per segment (its tail prepended; the same depthwise causal conv as the
-stock one); the rule is the layer's own kernel (`self.gated_delta_rule`), called per segment with
+The conv runs in torch, every segment's window (its tail prepended) padded into one batch and
+one depthwise F.conv1d call (the same causal conv as the stock one); the rule is the layer's own kernel (`self.gated_delta_rule`), called per segment with
 `initial_state` / `output_final_state`, whose backward returns the initial state's gradient.
 Under full recompute Phase A stores the states without a graph, and Phase C's re-run attaches
 their accumulated gradients to the recomputed ones (`keep_state`; [Note: prefix full recompute]).
@@ -38,6 +38,8 @@ RULE_STATE = "rule"
 """Cache name of a GDN layer's recurrent state: [1, HV, K, V] (the rule's dtype, fp32)."""
 
 _RULE_ARGS = ("q", "k", "v", "g", "beta")
+BATCH_SEGMENTS = True
+"""One padded conv call per row (see _conv); False: one per segment (the tests' reference)."""
 
 
 def gdn_state_hook(module, site: str):
@@ -150,15 +152,24 @@ def keep_state(context, layer: int, name: str, state: torch.Tensor, out: torch.T
 
 
 def _conv(module, context, segments, qkv, weight, bias):
-    """The GDN short causal conv + activation over qkv [1, T, D], per segment."""
+    """The GDN short causal conv + activation over qkv [1, T, D]: every segment's window
+    ([cached tail or zeros; segment]) right-padded into one [N, D, W-1+Lmax] batch and ONE
+    depthwise F.conv1d (BATCH_SEGMENTS), or one call per segment (the tests' reference).
+    Exact: the conv is causal, so the padding only reaches outputs that are sliced off."""
     if qkv.shape[0] != 1:
         raise AssertionError("reuse rows are packed into batch size 1")
     layer, width = module.layer_number, weight.shape[-1]
-    outs = []
-    for segment, a, b in _bounds(context, segments, qkv.shape[1]):
-        window = conv_window(context, layer, segment, qkv[:, a:b], width)
-        y = F.conv1d(window.transpose(1, 2), weight, bias, groups=qkv.shape[-1])
-        outs.append(module.act_fn(y).transpose(1, 2))
+    bounds = _bounds(context, segments, qkv.shape[1])
+    windows = [conv_window(context, layer, segment, qkv[:, a:b], width) for segment, a, b in bounds]
+    if BATCH_SEGMENTS and len(windows) > 1:
+        lengths = [b - a for _, a, b in bounds]
+        longest = width - 1 + max(lengths)
+        padded = torch.cat([F.pad(w, (0, 0, 0, longest - w.shape[1])) for w in windows])
+        y = module.act_fn(F.conv1d(padded.transpose(1, 2), weight, bias, groups=qkv.shape[-1]))
+        y = y.transpose(1, 2)  # [N, Lmax, D]
+        return torch.cat([y[i:i + 1, :length] for i, length in enumerate(lengths)], dim=1)
+    outs = [module.act_fn(F.conv1d(w.transpose(1, 2), weight, bias, groups=qkv.shape[-1])).transpose(1, 2)
+            for w in windows]
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
 
 
