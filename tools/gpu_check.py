@@ -36,6 +36,7 @@ The JSON's `claims` says what the run proved, what failed and what did not run (
 
     python tools/gpu_check.py --json gpu_check.json
     python tools/gpu_check.py --dry-run --json dry.json   # CPU: torch/math backends, local spec
+    python tools/gpu_check.py --quick --json quick.json   # bare GPU machine: tools/gpu_quick.py
 
 `--dry-run` runs the same code on CPU at small sizes (CPU backends stand in for the GPU ones,
 Megatron's local spec for the TE spec, perf_counter for events, no allocator peaks) and writes
@@ -115,6 +116,10 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="skip the remaining phases once this many seconds have passed")
     p.add_argument("--skip-e2e", action="store_true", help="attention only")
+    p.add_argument("--quick", action="store_true",
+                   help="the short check for a bare GPU machine (tools/gpu_quick.py: torch_cuda "
+                        "attention, a Qwen3-8B-shaped dense vs reuse step at three shares, GDN on "
+                        "fla, the predictor's microbenchmark); docs/GPU.md")
     p.add_argument("--allow-partial", action="store_true",
                    help="exit 0 even when requested phases did not run (they stay listed as "
                         "'not run' in the output and the JSON's not_run)")
@@ -293,6 +298,10 @@ def main(argv=None) -> int:
         print("gpu_check.py: no CUDA device; run on a GPU, or use --dry-run", file=sys.stderr)
         return 2
     device = torch.device("cuda" if cuda else "cpu")
+    if args.quick:
+        import gpu_quick
+
+        return gpu_quick.run(args, device, dry_run=not cuda)
     sizes = GPU if cuda else DRY
     report = dict(schema=SCHEMA, mode="gpu" if cuda else "dry-run",
                   device=torch.cuda.get_device_name(device) if cuda else "cpu",
