@@ -113,3 +113,7 @@ def test_kit_refuses_over_64_mib_and_missing_wheels(tools, tmp_path):
     with pytest.raises(ValueError, match="missing wheels for \\['fla_core'\\]"):
         kit.build(tmp_path / "few", download=lambda requirement, dest: None if "fla" in requirement
                   else _stub_download({})(requirement, dest))
+
+
+def test_docs_give_the_kit_command_verbatim(tools):
+    assert tools("gpu_kit").COMMAND in (ROOT / "docs" / "GPU.md").read_text()

@@ -91,8 +91,9 @@ def _slice_models(device, dry_run: bool, max_seq_len: int):
     shape = DRY_SLICE if dry_run else QWEN_SLICE
     cfg16 = TinyLlamaConfig(**shape, max_seq_len=max_seq_len, params_dtype=torch.bfloat16)
     cfg32 = TinyLlamaConfig(**shape, max_seq_len=max_seq_len)
-    model16 = build_model(cfg16, fused_attention=True, seed=3).to(device)
-    model32 = build_model(cfg32, fused_attention=True, seed=4).to(device)
+    init = dict(use_cpu_initialization=device.type != "cuda")  # 1B parameters: init on the GPU
+    model16 = build_model(cfg16, fused_attention=True, seed=3, **init).to(device)
+    model32 = build_model(cfg32, fused_attention=True, seed=4, **init).to(device)
     model32.load_state_dict({k: v.float() for k, v in model16.state_dict().items()
                              if torch.is_tensor(v) and v.is_floating_point()}, strict=False)
     _expand_kv_heads(model32)
