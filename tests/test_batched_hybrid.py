@@ -77,12 +77,37 @@ def test_mamba_batched_segments_equal_per_segment(megatron_env, monkeypatch):
     assert len(batched["scan"]) < len(single["scan"]) and len(batched["conv"]) < len(single["conv"])
 
 
-def test_gdn_batched_conv_equals_per_segment(megatron_env, monkeypatch):
+def test_gdn_fla_varlen_conv_equals_per_segment(megatron_env, monkeypatch):
+    """fla's path: a suffix row's conv is one causal_conv1d call with cu_seqlens and the cached
+    tails as initial_state [N, D, W] (the CPU stand-in reads it as fla's Triton kernel does)."""
+    from megatron.core.ssm.gated_delta_net import gdn
+    from megatron_patches.runtime import gdn_hooks
+    from test_gdn import _gdn_model
+
+    seen = {True: [], False: []}
+    original = gdn.causal_conv1d
+
+    def recording(*args, **kwargs):
+        if kwargs.get("initial_state") is not None:
+            seen[gdn_hooks.BATCH_SEGMENTS].append(tuple(kwargs["initial_state"].shape))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gdn, "causal_conv1d", recording)
+    model = _gdn_model()
+    _compare(monkeypatch, gdn_hooks, model, 24, {})
+    assert not seen[False] and seen[True]
+    assert max(n for n, _, _ in seen[True]) > 1  # several sequences, one call
+    width = model.decoder.layers[0].self_attention.conv1d.weight.shape[-1]
+    assert all(w == width for _, _, w in seen[True])
+
+
+def test_gdn_padded_conv_equals_per_segment(megatron_env, monkeypatch):
+    """Deterministic mode (Megatron's torch conv and rule): the padded batch, one F.conv1d."""
     import torch.nn.functional as F
     from megatron_patches.runtime import gdn_hooks
     from test_gdn import _gdn_model
 
-    model = _gdn_model()
+    model = _gdn_model(deterministic_mode=True)
     calls = _compare(monkeypatch, gdn_hooks, model, 24, {"conv": (gdn_hooks.F, "conv1d")})
     assert set(calls[False]["conv"]) == {1} and max(calls[True]["conv"]) > 1
     assert len(calls[True]["conv"]) < len(calls[False]["conv"])

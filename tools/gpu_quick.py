@@ -210,7 +210,7 @@ def phase_gdn(device, dry_run: bool) -> dict:
 def phase_predict(device, dry_run: bool) -> dict:
     import predict_bench
 
-    result = predict_bench.measure_device(device.type, repeats=1 if dry_run else 3, quick=True)
+    result = predict_bench.measure_device(device.type, repeats=1 if dry_run else 3, quick=dry_run)
     return dict(claim="predictor microbenchmark (GEMM / attention curves, bandwidth, per-op cost)",
                 ok=True, device=result["device"], raw=result["raw"])
 
