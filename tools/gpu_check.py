@@ -1,7 +1,7 @@
 """Everything that can only be checked on a GPU, in one run (< 8 minutes on an H100/H200), one JSON.
 
-1. Attention: each GPU backend (transformer_engine, flash_attn) x mode (two_part, copy) against
-   the float64 oracle in bf16 and fp16 -- output, dq, dk, dv, prefix gK/gV -- on packed rows of
+1. Attention: each GPU backend (transformer_engine, flash_attn, torch_cuda) x mode (two_part,
+   copy) against the float64 oracle in bf16 and fp16 -- output, dq, dk, dv, prefix gK/gV -- on packed rows of
    3 groups with GQA (H=32/8, D=128): with a slot without a prefix, with only 1-token suffixes,
    and one over 1024 query rows (TE's bucketed softmax stats: 1300 rows -> 2048).
    Context parallelism: every CP rank's zigzag pieces (attention/cp.py all_ranks_attention, the
@@ -75,7 +75,7 @@ GRADS = ("out", "dq", "dk", "dv", "dprefix_k", "dprefix_v")
 # max |error| / max |oracle| per tensor; fp32 (dry run) allows 1e-4: a length-1 suffix's dK is a
 # small difference of large terms (fp32 SDPA in copy mode is as far off).
 TOL = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-10}
-GPU_BACKENDS = ("transformer_engine", "flash_attn")
+GPU_BACKENDS = ("transformer_engine", "flash_attn", "torch_cuda")
 
 
 @dataclasses.dataclass(frozen=True)
