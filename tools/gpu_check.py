@@ -2,8 +2,8 @@
 
 1. Attention: each GPU backend (transformer_engine, flash_attn, torch_cuda) x mode (two_part,
    copy) against the float64 oracle in bf16 and fp16 -- output, dq, dk, dv, prefix gK/gV -- on
-   packed rows of 3 groups with GQA (H=32/8, D=128): with a slot without a prefix, with only 1-token suffixes,
-   and one over 1024 query rows (TE's bucketed softmax stats: 1300 rows -> 2048).
+   packed rows of 3 groups with GQA (H=32/8, D=128): with a slot without a prefix, with only
+   1-token suffixes, and one over 1024 query rows (TE's bucketed softmax stats: 1300 rows -> 2048).
    Context parallelism: every CP rank's zigzag pieces (attention/cp.py all_ranks_attention, the
    CP=2 / CP=4 layouts of the same rows) on each backend against the same oracle: the non-CP
    kernel calls a CP reuse step makes on each rank (TE's own CP attention is never used: it
