@@ -42,6 +42,13 @@ SCHEMAS = {
         "float? scale=None, SymInt? window_size_left=None, SymInt? window_size_right=None) -> "
         "(Tensor, Tensor, Tensor)"),
 }
+# Older schema texts of the same ops, as other projects record them (not read at a PyTorch tag):
+# FlagGems' aten op table (forward without block_table / num_splits) and xformers' torch-flash
+# compatibility check (backward naming the forward's tensors philox_seed / philox_offset).
+SCHEMAS["flaggems-table"] = (SCHEMAS["2.13"][0].replace(
+    ", Tensor? block_table=None, int? num_splits=None", ""), SCHEMAS["2.13"][1])
+SCHEMAS["philox-names"] = (SCHEMAS["2.13"][0], SCHEMAS["2.13"][1].replace(
+    "Tensor rng_state, Tensor unused", "Tensor philox_seed, Tensor philox_offset"))
 HALF = (torch.float16, torch.bfloat16, torch.float64)
 
 

@@ -38,6 +38,15 @@ def test_two_part_matches_oracle(monkeypatch, case, heads):
     assert not p_fwd["causal"] and all(c["max_q"] >= 2 for c in state.calls)  # never the swap path
 
 
+@pytest.mark.parametrize("schemas", ["flaggems-table", "philox-names"])
+def test_older_schema_texts_load_and_match_oracle(monkeypatch, schemas):
+    """The leading parameters the backend passes are the same in the older schema texts."""
+    fake.install(monkeypatch, "2.10.0", schemas=fake.SCHEMAS[schemas])
+    on_cpu(monkeypatch, "torch_cuda")
+    args, grad_out = make_problem(4, *CASES["packed3"], 8, 2, F64)
+    check_against_oracle(args, grad_out, TOL[F64], backend="torch_cuda")
+
+
 def test_empty_prefix_slot_stays_in_part_p(monkeypatch):
     """PACKED has a slot whose prefix is empty: it stays a key-less entry of part P (out 0,
     LSE +inf in the kernel; the merge counts it as no mass)."""
