@@ -155,10 +155,11 @@ def keep_state(context, layer: int, name: str, state: torch.Tensor, out: torch.T
 def _conv(module, context, segments, qkv, weight, bias):
     """The GDN short causal conv + activation over qkv [1, T, D]. A row whose segments store no
     state (suffix rows) on fla's path: ONE varlen `causal_conv1d` call with each segment's cached
-    tail as its initial state (_fla_varlen_conv). Otherwise every segment's window ([cached tail
-    or zeros; segment]) right-padded into one [N, D, W-1+Lmax] batch and ONE depthwise F.conv1d
-    (exact: the conv is causal, the padding only reaches outputs that are sliced off). With
-    BATCH_SEGMENTS False: one F.conv1d per segment (the tests' reference)."""
+    tail as its initial state (_fla_varlen_conv); in deterministic mode every segment's window
+    ([cached tail or zeros; segment]) right-padded into one [N, D, W-1+Lmax] batch and ONE
+    depthwise F.conv1d (exact: the conv is causal, the padding only reaches outputs that are
+    sliced off). Rows that store a tail (prefix rows), and BATCH_SEGMENTS False (the tests'
+    reference): one F.conv1d per segment."""
     if qkv.shape[0] != 1:
         raise AssertionError("reuse rows are packed into batch size 1")
     layer, width = module.layer_number, weight.shape[-1]
@@ -167,7 +168,7 @@ def _conv(module, context, segments, qkv, weight, bias):
     if BATCH_SEGMENTS and fla_conv is not None and not any(s.store for s, _, _ in bounds):
         return _fla_varlen_conv(fla_conv, module, context, bounds, qkv, weight, bias)
     windows = [conv_window(context, layer, segment, qkv[:, a:b], width) for segment, a, b in bounds]
-    if BATCH_SEGMENTS and len(windows) > 1:
+    if BATCH_SEGMENTS and len(windows) > 1 and not any(s.store for s, _, _ in bounds):
         lengths = [b - a for _, a, b in bounds]
         longest = width - 1 + max(lengths)
         padded = torch.cat([F.pad(w, (0, 0, 0, longest - w.shape[1])) for w in windows])

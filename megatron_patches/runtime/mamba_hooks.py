@@ -11,9 +11,10 @@ prefix state] in prefix_schedule/runtime/state_cache.py), each run from its own 
 * "ssm": the SSD state `[1, heads, head_dim, d_state]` (fp32 in the kernels), passed as
   `initial_states` to the library's `mamba_chunk_scan_combined` with `return_final_states`
   (mamba-ssm 2.3.x returns dinitial_states and takes dfinal_states: ssd_combined.py).
-A suffix row's segments (no state to store) run as ONE padded [N, Lmax] batch, one call of each
-kernel with per-row initial states (_batched; exact, tests/test_batched_hybrid.py against the
-per-segment path _per_segment). Each segment computes what the fused op computes with Megatron's arguments (no
+With BATCH_SEGMENTS, a suffix row's segments (no state to store) run as ONE padded [N, Lmax]
+batch, one call of each kernel with per-row initial states (_batched; exact,
+tests/test_batched_hybrid.py against the per-segment path _per_segment; off by default until the
+saved-bytes model counts the padding). Each segment computes what the fused op computes with Megatron's arguments (no
 rmsnorm_weight, no outproj_weight): y = scan(x) + D x, times silu(z); Megatron's own code goes on
 with its grouped norm and out-projection. Under full recompute both states go through the GDN
 hooks' `keep_state`: Phase A stores them without a graph, and Phase C's re-run (HybridStack's
@@ -43,9 +44,11 @@ __all__ = ["mamba_state_hook", "CONV_STATE", "SSM_STATE"]
 
 SSM_STATE = "ssm"
 """Cache name of a Mamba layer's SSD state: [1, heads, head_dim, d_state]."""
-BATCH_SEGMENTS = True
-"""Run a suffix row's segments as one padded batch (_batched); False: one call pair per segment
-(_per_segment, the reference the tests compare against)."""
+BATCH_SEGMENTS = False
+"""True: run a suffix row's segments as one padded batch (_batched, exact; tests/
+test_batched_hybrid.py). Off by default: the kernels then save N x Lmax rows instead of the
+segments' sum, which the saved-bytes model (prefix_schedule/planning, held to the byte by
+tests/test_memory_mamba.py) does not count yet; False runs one call pair per segment."""
 
 
 def mamba_state_hook(module):
