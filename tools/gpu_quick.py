@@ -131,6 +131,12 @@ def _steps(device, model16, model32, batch, plan, warmup: int, repeats: int) -> 
     return _compare(phases, grads)
 
 
+def _repeats(dry_run: bool) -> tuple[int, int]:
+    """(warm-up, timed) steps per bf16 phase: (1, 2) on a GPU; the dry run only checks
+    that everything runs (its CPU times mean nothing)."""
+    return (0, 1) if dry_run else (1, 2)
+
+
 def _setup(backend: str) -> None:
     import megatron_patches
     from benchlib.steps import private_rendezvous
@@ -164,7 +170,7 @@ def phase_slice(device, dry_run: bool, deadline: float) -> dict:
         plan = plan_microbatches(batch, token_budget=2 * suffix, max_seq_len=prefix + suffix)
         rows[name] = dict(prefix=prefix, suffix=suffix, group_size=group,
                           suffix_microbatches=len(plan.microbatches),
-                          **_steps(device, model16, model32, batch, plan, warmup=1, repeats=2))
+                          **_steps(device, model16, model32, batch, plan, *_repeats(dry_run)))
         torch.cuda.empty_cache() if device.type == "cuda" else None
     result = dict(claim="Qwen3-8B-shaped slice (4 layers, bf16), dense vs prefix reuse at each share: "
                         "reuse no farther from an fp32 reference than 1.5 x bf16 dense, losses agree; "
@@ -198,7 +204,7 @@ def phase_gdn(device, dry_run: bool) -> dict:
     batch = make_batch(**work, vocab_size=shape["vocab_size"], seed=5)
     plan = plan_microbatches(batch, token_budget=work["group_size"] * work["suffix_len"],
                              max_seq_len=work["prefix_len"] + work["suffix_len"])
-    steps = _steps(device, model16, model32, batch, plan, warmup=1, repeats=2)
+    steps = _steps(device, model16, model32, batch, plan, *_repeats(dry_run))
     steps_ok = steps.pop("ok")
     return dict(claim="Qwen3.5 layout (GDN 3:1) on fla's kernels: state passing and gradients vs "
                       "the torch rule; bf16 reuse as close to an fp32 reference as bf16 dense; "
