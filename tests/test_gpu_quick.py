@@ -63,7 +63,7 @@ def test_exit_status_lists_phases_that_did_not_run(tools, monkeypatch, tmp_path,
 
     quick = tools("gpu_quick")
     monkeypatch.setattr(quick, "PHASES", tuple(
-        (name, lambda d, dry, deadline, r=result: dict(r)) for name, result in phases.items()))
+        (name, lambda d, dry, deadline, full, r=result: dict(r)) for name, result in phases.items()))
     assert quick.run(_args(tmp_path, allow_partial), torch.device("cpu"), dry_run=True) == status
     report = json.loads((tmp_path / "q.json").read_text())
     assert report["not_run"] == [n for n, p in phases.items() if "skipped" in p]
@@ -77,10 +77,10 @@ def test_a_crashing_phase_is_a_failure_and_the_rest_still_run(tools, monkeypatch
 
     quick = tools("gpu_quick")
 
-    def boom(d, dry, deadline):
+    def boom(d, dry, deadline, full):
         raise RuntimeError("kernel exploded")
 
-    monkeypatch.setattr(quick, "PHASES", (("a", boom), ("b", lambda d, dry, deadline: {"ok": True})))
+    monkeypatch.setattr(quick, "PHASES", (("a", boom), ("b", lambda d, dry, deadline, full: {"ok": True})))
     assert quick.run(_args(tmp_path), torch.device("cpu"), dry_run=True) == 1
     report = json.loads((tmp_path / "q.json").read_text())
     assert "kernel exploded" in report["phases"]["a"]["error"] and report["phases"]["b"]["ok"]

@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     if args.quick:
         import gpu_quick
 
-        return gpu_quick.run(args, device, dry_run=not cuda)
+        return gpu_quick.run(args, device, dry_run=not cuda, full=sys.modules[__name__])
     sizes = GPU if cuda else DRY
     report = dict(schema=SCHEMA, mode="gpu" if cuda else "dry-run",
                   device=torch.cuda.get_device_name(device) if cuda else "cpu",

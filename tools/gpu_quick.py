@@ -20,7 +20,7 @@ d. the predictor's microbenchmark (tools/predict_bench.py): `predict_device`, a 
    `tools/predict.py --device-file`.
 A phase that cannot run (a library missing, the time budget used up) is listed in `not_run` and
 makes the exit status 4 unless --allow-partial; a failed claim exits 1. `--dry-run` runs every
-phase on CPU at tiny sizes with the CPU stand-ins (tests/test_gpu_check.py runs it).
+phase on CPU at tiny sizes with the CPU stand-ins (tests/test_gpu_quick.py runs it).
 """
 from __future__ import annotations
 
@@ -41,20 +41,21 @@ GROUP_SIZE, DRY_GROUP_SIZE = 8, 3
 LOSS_KW = dict(clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.05)
 
 
-def attention_sizes(dry_run: bool):
-    from gpu_check import DRY, GPU
-
+def attention_sizes(full, dry_run: bool):
     if dry_run:
-        return dataclasses.replace(DRY, backends=("torch",))
-    layouts = {k: GPU.layouts[k] for k in ("3groups", "empty_slot", "len1_only")}
-    return dataclasses.replace(GPU, backends=("torch_cuda",), layouts=layouts, timing=(8192, 8, 1024))
+        return dataclasses.replace(full.DRY, backends=("torch",))
+    layouts = {k: full.GPU.layouts[k] for k in ("3groups", "empty_slot", "len1_only")}
+    return dataclasses.replace(full.GPU, backends=("torch_cuda",), layouts=layouts,
+                               timing=(8192, 8, 1024))
 
 
-def phase_attention(device, dry_run: bool) -> dict:
-    from gpu_check import check_correctness, time_attention
+def phase_attention(device, dry_run: bool, full) -> dict:
+    """`full`: tools/gpu_check.py's module (its sizes, check_correctness, time_attention; passed
+    in by its main, which imports this module: no import circle)."""
     from prefix_schedule.attention.backends import availability
 
-    sizes = attention_sizes(dry_run)
+    check_correctness, time_attention = full.check_correctness, full.time_attention
+    sizes = attention_sizes(full, dry_run)
     name = sizes.backends[0]
     why = availability(device, getattr(torch, sizes.dtypes[0]), sizes.head_dim)[name]
     schemas = [str(op.default._schema) for op in (torch.ops.aten._flash_attention_forward,
@@ -221,13 +222,14 @@ def phase_predict(device, dry_run: bool) -> dict:
                 ok=True, device=result["device"], raw=result["raw"])
 
 
-PHASES = (("a_attention", lambda d, dry, deadline: phase_attention(d, dry)),
-          ("b_slice_e2e", phase_slice),
-          ("c_gdn", lambda d, dry, deadline: phase_gdn(d, dry)),
-          ("d_predict", lambda d, dry, deadline: phase_predict(d, dry)))
+PHASES = (("a_attention", lambda d, dry, deadline, full: phase_attention(d, dry, full)),
+          ("b_slice_e2e", lambda d, dry, deadline, full: phase_slice(d, dry, deadline)),
+          ("c_gdn", lambda d, dry, deadline, full: phase_gdn(d, dry)),
+          ("d_predict", lambda d, dry, deadline, full: phase_predict(d, dry)))
 
 
-def run(args, device, dry_run: bool) -> int:
+def run(args, device, dry_run: bool, full=None) -> int:
+    """`full`: tools/gpu_check.py's module (phase a uses its attention checks)."""
     from gpu_check_report import library_versions
 
     started = time.monotonic()
@@ -242,7 +244,7 @@ def run(args, device, dry_run: bool) -> int:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         try:
-            report["phases"][name] = fn(device, dry_run, deadline)
+            report["phases"][name] = fn(device, dry_run, deadline, full)
         except Exception:  # noqa: BLE001 -- the other phases still count
             report["phases"][name] = dict(ok=False, error=traceback.format_exc())
         report["phases"][name]["elapsed_s"] = time.monotonic() - started
