@@ -86,11 +86,18 @@ def test_a_crashing_phase_is_a_failure_and_the_rest_still_run(tools, monkeypatch
     assert "kernel exploded" in report["phases"]["a"]["error"] and report["phases"]["b"]["ok"]
 
 
-def _stub_download(sizes):
+def _stub_download(sizes, extra=""):
+    """Writes a small zip named like the wheel (one package dir + .dist-info, plus `extra`)."""
+    import zipfile
+
     def download(requirement, dest):
-        name = requirement.split("==")[0].replace("-", "_")
-        (dest / f"{name}-{requirement.split('==')[1]}-py3-none-any.whl").write_bytes(
-            b"0" * sizes.get(name, 10))
+        name, version = requirement.split("==")
+        name = name.replace("-", "_")
+        with zipfile.ZipFile(dest / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(f"{name}/__init__.py", "0" * sizes.get(name, 10))
+            wheel.writestr(f"{name}-{version}.dist-info/METADATA", "")
+            if extra:
+                wheel.writestr(f"{name}-{version}.data/{extra}", "")
     return download
 
 
@@ -100,9 +107,21 @@ def test_kit_writes_wheels_and_the_one_command(tools, tmp_path):
     assert sorted(result["wheels"]) == ["fla_core-0.5.2-py3-none-any.whl",
                                         "megatron_core-0.19.2-py3-none-any.whl"]
     command = (tmp_path / ".gpu-kit" / "COMMAND.txt").read_text().strip()
-    assert command == kit.COMMAND and "--no-index --no-deps" in command and "torch" not in command.split(
-        "gpu_check.py")[0].replace("--target", "")
-    assert "python -m megatron_patches apply" in command and "--quick" in command
+    assert command == kit.COMMAND and "extractall('/tmp/prefix-reuse-kit')" in command
+    assert "python3 -m megatron_patches apply" in command and "--quick" in command
+
+
+def test_kit_unpacks_like_an_install_and_refuses_data_trees(tools, tmp_path):
+    import zipfile
+
+    kit = tools("gpu_kit")
+    result = kit.build(tmp_path / ".gpu-kit", download=_stub_download({}))
+    site = tmp_path / "site"
+    for name in result["wheels"]:
+        zipfile.ZipFile(tmp_path / ".gpu-kit" / "wheels" / name).extractall(site)
+    assert (site / "megatron_core" / "__init__.py").exists() and (site / "fla_core").is_dir()
+    with pytest.raises(ValueError, match=".data tree"):
+        kit.build(tmp_path / "data", download=_stub_download({}, extra="scripts/x"))
 
 
 def test_kit_refuses_over_64_mib_and_missing_wheels(tools, tmp_path):

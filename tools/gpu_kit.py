@@ -8,13 +8,15 @@ version, hence `--python-version 3.12`) and fla-core (Megatron's GatedDeltaNet k
 Python + Triton). Transformer Engine, flash-attn and mamba-ssm ship as source only (a build does
 not fit the time) and torch is never downloaded. Wheels are fetched with
 `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform ...` and installed
-there with `pip install --no-index --no-deps --target`, so nothing else is pulled or replaced.
+there by unpacking them into a private directory on PYTHONPATH (pure packages plus
+.dist-info), so nothing else is pulled or replaced.
 """
 from __future__ import annotations
 
 import argparse
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 KIT = (("megatron-core", "0.19.2"), ("fla-core", "0.5.2"))
@@ -22,10 +24,13 @@ PYTHON = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_24_x86_64", "manylinux2014_x86_64", "any")
 LIMIT_MIB = 64
 SITE = "/tmp/prefix-reuse-kit"
-COMMAND = (f"python -m pip install -q --no-index --no-deps --target {SITE} .gpu-kit/wheels/*.whl && "
-           f"export PYTHONPATH={SITE}:$PWD && python -m megatron_patches apply && "
-           "python tools/gpu_check.py --quick --budget-s 360 --json ${OUT:-.}/gpu_quick.json")
-"""Run from the repository root with .gpu-kit carried; the JSON goes to $OUT (or here)."""
+COMMAND = ("python3 -c \"import glob, zipfile; [zipfile.ZipFile(w).extractall('" + SITE + "') "
+           "for w in glob.glob('.gpu-kit/wheels/*.whl')]\" && "
+           f"export PYTHONPATH={SITE}:$PWD && python3 -m megatron_patches apply && "
+           "python3 tools/gpu_check.py --quick --budget-s 360 --json ${OUT:-.}/gpu_quick.json")
+"""Run from the repository root with .gpu-kit carried; the JSON goes to $OUT (or here). The
+wheels are unpacked, not pip-installed (a bare Python may lack pip): build() checks that each
+holds only its packages and its .dist-info (no .data tree a plain unpack would misplace)."""
 
 
 def pip_download(requirement: str, dest: Path) -> None:
@@ -46,6 +51,11 @@ def build(kit: Path, download=pip_download) -> dict:
     found = {f.name.split("-")[0].lower() for f in files}
     if not wanted <= found:
         raise ValueError(f"missing wheels for {sorted(wanted - found)} in {wheels}")
+    for f in files:
+        with zipfile.ZipFile(f) as wheel:
+            data = [n for n in wheel.namelist() if n.split("/")[0].endswith(".data")]
+        if data:
+            raise ValueError(f"{f.name} has a .data tree ({data[0]} ...): unpacking would not install it")
     size = sum(f.stat().st_size for f in files)
     if size > LIMIT_MIB * 2**20:
         raise ValueError(f"the kit is {size / 2**20:.1f} MiB, over the {LIMIT_MIB} MiB a GPU call "
