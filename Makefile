@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-fast test-frameworks bench patches-report clean
+.PHONY: setup demo test test-fast test-frameworks bench patches-report clean gpu-kit
 
 setup: $(STAMP)
 
@@ -53,6 +53,11 @@ test-fast: setup
 
 bench: setup
 	$(PY) tools/bench.py
+
+# The wheels a bare GPU machine lacks for `tools/gpu_check.py --quick` (docs/GPU.md), in .gpu-kit/
+# (ignored by git, < 64 MiB), and the one command line to run there. Never downloads torch.
+gpu-kit: setup
+	$(PY) tools/gpu_kit.py --kit .gpu-kit
 
 patches-report: setup
 	$(PY) -m megatron_patches report

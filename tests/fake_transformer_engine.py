@@ -1,4 +1,4 @@
-"""A fake Transformer Engine of a given version (2.2 - 2.18) for CPU tests of the TE backend.
+"""A fake Transformer Engine of a given version (2.2 - 2.19) for CPU tests of the TE backend.
 
 Read at the NVIDIA/TransformerEngine tags (docs/KERNEL_VERSIONS.md has file and function per row):
 - cpp_extensions/fused_attn.py fused_attn_fwd / fused_attn_bwd: the parameter lists below, per
@@ -10,6 +10,11 @@ Read at the NVIDIA/TransformerEngine tags (docs/KERNEL_VERSIONS.md has file and 
   get_max_tokens(total_q) rows (common/fused_attn/utils.cu) in 2.2-2.10, total_q from 2.11;
   [batch, heads, max_seqlen_q, 1] with `packed_stats=False` (2.18 on sm120; cuDNN < 9.6);
 - utils.py get_cudnn_version, constants.py TE_DType, the public DotProductAttention.
+- the fused-backend enum: transformer_engine_torch.NVTE_Fused_Attn_Backend is a pybind11 enum
+  without py::arithmetic (common/util/pybind_helper.h), so == / != against another type is
+  strict (False / True); cpp_extensions/fused_attn.py `FusedAttnBackend` is a dict of those
+  members in 2.2 - 2.18 and an IntEnum with `cast` in 2.19 (release_v2.19), whose
+  fused_attn_fwd/bwd cast the backend they are given.
 Rows of a bucketed stats buffer past total_q hold NaN; the backward insists on the row count its
 own forward would have produced.
 """
@@ -24,7 +29,65 @@ from fake_attention_libs import (HALF, R, _check_cu, _install, _lse_dtype, dense
                                  dense_varlen_bwd, versioned, vt)
 
 TE_VERSIONS = ("2.2.0", "2.4.0", "2.5.0", "2.8.0", "2.9.0", "2.10.0", "2.11.0", "2.12.0", "2.14.0",
-               "2.15.0", "2.18.0")
+               "2.15.0", "2.18.0", "2.19.0")
+
+
+class PybindEnum:
+    """A member of a pybind11 enum without py::arithmetic: strict comparisons, int() works."""
+
+    def __init__(self, name: str, value: int):
+        self.name, self.value = name, value
+
+    def __int__(self):
+        return self.value
+
+    def __eq__(self, other):
+        return type(other) is PybindEnum and other.value == self.value
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __repr__(self):
+        return f"<NVTE_Fused_Attn_Backend.NVTE_{self.name}: {self.value}>"
+
+
+# common/include/transformer_engine/fused_attn.h NVTE_Fused_Attn_Backend (F16_max512_seqlen = 0
+# existed before 2.18; THD layouts never got it)
+_NVTE_BACKENDS = {n: PybindEnum(n, i) for n, i in (("No_Backend", -1), ("F16_max512_seqlen", 0),
+                                                   ("F16_arbitrary_seqlen", 1), ("FP8", 2))}
+
+
+def fused_attn_backend_enum(version: str):
+    """cpp_extensions/fused_attn.py FusedAttnBackend: a dict of the pybind members (2.2 - 2.18),
+    an IntEnum comparing equal to them by value with `cast` (2.19)."""
+    if vt(version)[:2] < (2, 19):
+        return dict(_NVTE_BACKENDS)
+    import enum
+
+    class FusedAttnBackend(enum.IntEnum):
+        No_Backend = -1
+        F16_arbitrary_seqlen = 1
+        FP8 = 2
+
+        @classmethod
+        def cast(cls, backend):
+            return backend if isinstance(backend, cls) else cls(int(backend))
+
+        def __eq__(self, other):
+            if isinstance(other, PybindEnum):
+                return int(self) == int(other)
+            return int.__eq__(self, other)
+
+        def __ne__(self, other):
+            result = self.__eq__(other)
+            return result if result is NotImplemented else not result
+
+        __hash__ = int.__hash__
+
+    return FusedAttnBackend
 _MASKS = {"padding": "none", "padding_causal": "top_left", "padding_causal_bottom_right": "bottom_right",
           "no_mask": "none", "causal": "top_left", "causal_bottom_right": "bottom_right"}
 
@@ -102,7 +165,8 @@ def install(monkeypatch, version: str = "2.12.0", cudnn=(9, 8, 0), packed_stats=
     fa.AttnMaskType = {n: "NVTE_" + n.upper() for n in _MASKS}
     if vt(version) >= (2, 8):
         fa.SoftmaxType = {n: "NVTE_" + n.upper() for n in ("vanilla", "off-by-one", "learnable")}
-    fa.FusedAttnBackend = {"F16_max512_seqlen": 0, "F16_arbitrary_seqlen": 1, "FP8": 2, "No_Backend": 3}
+    fa.FusedAttnBackend = fused_attn_backend_enum(version)
+    cast = getattr(fa.FusedAttnBackend, "cast", lambda backend: backend)  # 2.19: fwd/bwd cast
     fa.calls, fa.refuse = [], lambda args: False
     bucketed, io_formats = vt(version)[:2] < (2, 11), vt(version)[:2] >= (2, 15)
     arg_names = backend_args(version)
@@ -125,9 +189,10 @@ def install(monkeypatch, version: str = "2.12.0", cudnn=(9, 8, 0), packed_stats=
               and mask.startswith("padding") and a["head_dim_qk"] % 8 == 0 and a["head_dim_qk"] <= 128
               and a["window_size_left"] == -1 and a["window_size_right"] in (-1, 0)
               and not ("bottom_right" in mask and a["max_seqlen_q"] > a["max_seqlen_kv"]))
-        return fa.FusedAttnBackend["F16_arbitrary_seqlen" if ok and not fa.refuse(a) else "No_Backend"]
+        return _NVTE_BACKENDS["F16_arbitrary_seqlen" if ok and not fa.refuse(a) else "No_Backend"]
 
     def check(kw, q, k, v):
+        kw["fused_attention_backend"] = cast(kw["fused_attention_backend"])
         assert kw["fused_attention_backend"] != fa.FusedAttnBackend["No_Backend"], \
             "Fused attention does not support this input combination."
         assert kw["fused_attention_backend"] == fa.FusedAttnBackend["F16_arbitrary_seqlen"]

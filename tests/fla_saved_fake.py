@@ -52,6 +52,9 @@ CHUNK = 64
 RCP_LN2 = 1.0 / math.log(2.0)
 calls = {"rule": 0, "conv": 0, "l2norm": 0}
 rows = []
+varlen_conv = []
+"""Per rule call (as `rows`): whether that layer's conv was the reuse hook's varlen call with
+per-sequence initial states (suffix rows), not torch's conv (prefix rows) or the stock call."""
 """(tokens, packed sequence lengths) of every rule call: the row layout the bytes depend on."""
 mutate = None
 """Tests only: a function of the rule's saved tuple that returns the tuple to save instead (a
@@ -115,40 +118,42 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype=None) -> torch.Tenso
     return L2NormFunction.apply(x, eps, output_dtype)
 
 
-def _standin_conv(x, weight, bias, activation, cu_seqlens):
+def _standin_conv(x, weight, bias, activation, cu_seqlens, initial_state=None):
     from megatron_patches.support import gdn_cpu
 
-    return gdn_cpu.causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens)[0]
+    return gdn_cpu.causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=cu_seqlens,
+                                 initial_state=initial_state)[0]
 
 
 class CausalConv1dFunction(torch.autograd.Function):
     """fla/modules/causal_conv1d/ops.py CausalConv1dFunction: saves (x, weight, bias, residual,
-    initial_state), x as given (a view keeps its whole storage)."""
+    initial_state), x as given (a view keeps its whole storage); the backward returns the initial
+    state's gradient (the prefix-reuse hook's per-sequence tails, [N, D, W])."""
 
     @staticmethod
     def forward(ctx, x, weight=None, bias=None, residual=None, initial_state=None,
                 output_final_state=False, activation=None, cu_seqlens=None, cu_seqlens_cpu=None,
                 chunk_indices=None, chunk_size=64):
-        if residual is not None or initial_state is not None or output_final_state:
-            raise ValueError("fake causal_conv1d: only what Megatron's GDN passes (no residual, "
-                             "no initial or final state)")
+        if residual is not None or output_final_state:
+            raise ValueError("fake causal_conv1d: only what Megatron's GDN and the reuse hook "
+                             "pass (no residual, no final state)")
         ctx.activation, ctx.cu_seqlens = activation, cu_seqlens
         ctx.save_for_backward(x, weight, bias, residual, initial_state)
         with torch.no_grad():
-            y = _standin_conv(x, weight, bias, activation, cu_seqlens)
+            y = _standin_conv(x, weight, bias, activation, cu_seqlens, initial_state)
         return y, None
 
     @staticmethod
     def backward(ctx, dy, dht=None):
-        x, weight, bias, _, _ = ctx.saved_tensors
+        x, weight, bias, _, initial_state = ctx.saved_tensors
         leaves = [t.detach().requires_grad_(t.requires_grad) if t is not None else None
-                  for t in (x, weight, bias)]
+                  for t in (x, weight, bias, initial_state)]
         with torch.enable_grad(), _no_saved_hooks():
-            y = _standin_conv(*leaves, ctx.activation, ctx.cu_seqlens)
+            y = _standin_conv(*leaves[:3], ctx.activation, ctx.cu_seqlens, leaves[3])
             wanted = [t for t in leaves if t is not None and t.requires_grad]
             grads = iter(torch.autograd.grad(y, wanted, dy, allow_unused=True))
-        dx, dw, db = [next(grads) if t is not None and t.requires_grad else None for t in leaves]
-        return dx, dw, db, None, None, None, None, None, None, None, None
+        dx, dw, db, dh0 = [next(grads) if t is not None and t.requires_grad else None for t in leaves]
+        return dx, dw, db, None, dh0, None, None, None, None, None, None
 
 
 def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
@@ -158,6 +163,7 @@ def causal_conv1d(x, weight=None, bias=None, residual=None, initial_state=None,
     if backend != "triton" or cp_context is not None:
         raise ValueError("fake causal_conv1d: the triton backend without CP only")
     calls["conv"] += 1
+    calls["conv_varlen_state"] = initial_state is not None  # read by the next rule call's row
     weight = weight.contiguous() if weight is not None else None  # input_guard (not x)
     return CausalConv1dFunction.apply(x, weight, bias, residual, initial_state,
                                       output_final_state, activation, cu_seqlens,
@@ -241,6 +247,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
             initial_state.shape[0] != len(cu_seqlens) - 1:
         raise ValueError("one initial state per packed sequence")
     calls["rule"] += 1
+    varlen_conv.append(calls.pop("conv_varlen_state", False))
     bounds = [0, q.shape[1]] if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()]
     rows.append((q.shape[0] * q.shape[1], [b - a for a, b in zip(bounds[:-1], bounds[1:])]
                  * (q.shape[0] if cu_seqlens is None else 1)))

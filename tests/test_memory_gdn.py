@@ -31,9 +31,11 @@ def test_formula_by_hand():
     out = 2 * 4 * vd + 4 * (hv + 2 * vd)
     assert m.to_state_per_token == norm + conv + l2 + gates + rule
     assert m.per_token == m.to_state_per_token + out and m.per_sequence == 2 * 2 * hv
-    r = gdn_mixer_bytes(DIMS, 2, reuse=True)  # torch conv per segment, per-sequence states
-    assert r.per_token - m.per_token == 2 * 2 * (2 * qk + vd) - conv + 16 / 64
-    assert r.per_sequence == 4 * hv * 16 * 16 + 2 * 3 * (2 * qk + vd) + 32 + 2 * 2 * hv
+    # reuse: the larger of a prefix row's torch conv per segment and a suffix row's varlen fla
+    # conv per token, a [D, W] conv state (W = 4) and the rule's state per sequence
+    r = gdn_mixer_bytes(DIMS, 2, reuse=True)
+    assert r.per_token - m.per_token == max(2 * 2 * (2 * qk + vd), conv) - conv + 16 / 64
+    assert r.per_sequence == 4 * hv * 16 * 16 + 2 * 4 * (2 * qk + vd) + 32 + 2 * 2 * hv
     with pytest.raises(ValueError, match="linear_"):
         gdn_mixer_bytes(dataclasses.replace(DIMS, linear_num_value_heads=0), 2)
     with pytest.raises(ValueError, match="act_bytes"):
@@ -84,22 +86,28 @@ class _MixerMeter:
             handle.remove()
 
 
-def _exact(dims, a, tokens, lengths, *, reuse, completed=True):
+def _exact(dims, a, tokens, lengths, *, reuse, completed=True, varlen_conv=False):
     """The bytes the fakes make the layer save for one call: the formula's per-token terms, and
     the per-sequence ones as they are (chunk indices rounded up per sequence, cu_seqlens and
-    exp(A_log) once per call)."""
+    exp(A_log) once per call). Reuse rows save the conv of their path: a suffix row's varlen fla
+    call (`varlen_conv`) keeps the in_proj output view and one [D, W] initial state per sequence;
+    a prefix row's torch conv per segment keeps [tail; x] and the SiLU output."""
     m = gdn_mixer_bytes(dims, a, reuse=reuse)
     per_token = m.per_token if completed else m.to_state_per_token
     hv = dims.linear_num_value_heads
     per_call = 2 * a * hv
     if not reuse:
         return per_token * tokens + per_call
+    qk = dims.linear_num_key_heads * dims.linear_key_head_dim
+    vd = hv * dims.linear_value_head_dim
+    channels, width = 2 * qk + vd, dims.linear_conv_kernel_dim
+    fla_conv, torch_conv = a * (2 * qk + 2 * vd + 2 * hv), a * 2 * channels
+    conv = fla_conv if varlen_conv else torch_conv
     state = 4 * hv * dims.linear_key_head_dim * dims.linear_value_head_dim
-    tail = a * (dims.linear_conv_kernel_dim - 1) * (
-        2 * dims.linear_num_key_heads * dims.linear_key_head_dim + hv * dims.linear_value_head_dim)
+    tail = a * channels * (width if varlen_conv else width - 1)
     indices = 16 * sum(math.ceil(n / FLA_CHUNK) for n in lengths)
-    exact = (per_token - 16 / FLA_CHUNK) * tokens + len(lengths) * (state + tail) + \
-        8 * (len(lengths) + 1) + indices + per_call
+    exact = (per_token - max(fla_conv, torch_conv) + conv - 16 / FLA_CHUNK) * tokens + \
+        len(lengths) * (state + tail) + 8 * (len(lengths) + 1) + indices + per_call
     assert exact <= per_token * tokens + m.per_sequence * len(lengths)  # the model's bound
     return exact
 
@@ -210,6 +218,7 @@ def test_every_gdn_mixer_of_a_step_saves_what_the_formula_says(request, kind):
     batch = make_batch(11, [(33, [6, 9, 4]), (70, [8, 3])])
     probe = _MixerMeter(gdn_model)
     fla_saved_fake.rows.clear()
+    fla_saved_fake.varlen_conv.clear()
     try:
         if kind == "dense":
             with probe.meter:
@@ -228,9 +237,11 @@ def test_every_gdn_mixer_of_a_step_saves_what_the_formula_says(request, kind):
     if kind == "reuse":
         assert any(len(lengths) > 1 for _, lengths in calls), "a packed row must hold several"
         assert not all(done for _, done in probe.forwards), "a prefix must stop at a state"
-    for (tokens, lengths), (measured, done) in zip(calls, probe.forwards):
+    varlen = list(fla_saved_fake.varlen_conv)  # suffix rows: the hook's varlen fla conv
+    assert len(varlen) == len(calls) and any(varlen) == (kind == "reuse")
+    for (tokens, lengths), (measured, done), var in zip(calls, probe.forwards, varlen):
         assert measured == _exact(DIMS, 4, tokens, lengths, reuse=kind == "reuse",
-                                  completed=done), (tokens, lengths, done)
+                                  completed=done, varlen_conv=var), (tokens, lengths, done, var)
 
 
 def _qwen_like(recompute):

@@ -1,9 +1,9 @@
 """Everything that can only be checked on a GPU, in one run (< 8 minutes on an H100/H200), one JSON.
 
-1. Attention: each GPU backend (transformer_engine, flash_attn) x mode (two_part, copy) against
-   the float64 oracle in bf16 and fp16 -- output, dq, dk, dv, prefix gK/gV -- on packed rows of
-   3 groups with GQA (H=32/8, D=128): with a slot without a prefix, with only 1-token suffixes,
-   and one over 1024 query rows (TE's bucketed softmax stats: 1300 rows -> 2048).
+1. Attention: each GPU backend (transformer_engine, flash_attn, torch_cuda) x mode (two_part,
+   copy) against the float64 oracle in bf16 and fp16 -- output, dq, dk, dv, prefix gK/gV -- on
+   packed rows of 3 groups with GQA (H=32/8, D=128): with a slot without a prefix, with only
+   1-token suffixes, and one over 1024 query rows (TE's bucketed softmax stats: 1300 rows -> 2048).
    Context parallelism: every CP rank's zigzag pieces (attention/cp.py all_ranks_attention, the
    CP=2 / CP=4 layouts of the same rows) on each backend against the same oracle: the non-CP
    kernel calls a CP reuse step makes on each rank (TE's own CP attention is never used: it
@@ -36,6 +36,7 @@ The JSON's `claims` says what the run proved, what failed and what did not run (
 
     python tools/gpu_check.py --json gpu_check.json
     python tools/gpu_check.py --dry-run --json dry.json   # CPU: torch/math backends, local spec
+    python tools/gpu_check.py --quick --json quick.json   # bare GPU machine: tools/gpu_quick.py
 
 `--dry-run` runs the same code on CPU at small sizes (CPU backends stand in for the GPU ones,
 Megatron's local spec for the TE spec, perf_counter for events, no allocator peaks) and writes
@@ -74,7 +75,7 @@ GRADS = ("out", "dq", "dk", "dv", "dprefix_k", "dprefix_v")
 # max |error| / max |oracle| per tensor; fp32 (dry run) allows 1e-4: a length-1 suffix's dK is a
 # small difference of large terms (fp32 SDPA in copy mode is as far off).
 TOL = {"bfloat16": 3e-2, "float16": 1e-2, "float32": 1e-4, "float64": 1e-10}
-GPU_BACKENDS = ("transformer_engine", "flash_attn")
+GPU_BACKENDS = ("transformer_engine", "flash_attn", "torch_cuda")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +116,10 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="skip the remaining phases once this many seconds have passed")
     p.add_argument("--skip-e2e", action="store_true", help="attention only")
+    p.add_argument("--quick", action="store_true",
+                   help="the short check for a bare GPU machine (tools/gpu_quick.py: torch_cuda "
+                        "attention, a Qwen3-8B-shaped dense vs reuse step at three shares, GDN on "
+                        "fla, the predictor's microbenchmark); docs/GPU.md")
     p.add_argument("--allow-partial", action="store_true",
                    help="exit 0 even when requested phases did not run (they stay listed as "
                         "'not run' in the output and the JSON's not_run)")
@@ -293,6 +298,10 @@ def main(argv=None) -> int:
         print("gpu_check.py: no CUDA device; run on a GPU, or use --dry-run", file=sys.stderr)
         return 2
     device = torch.device("cuda" if cuda else "cpu")
+    if args.quick:
+        import gpu_quick
+
+        return gpu_quick.run(args, device, dry_run=not cuda, full=sys.modules[__name__])
     sizes = GPU if cuda else DRY
     report = dict(schema=SCHEMA, mode="gpu" if cuda else "dry-run",
                   device=torch.cuda.get_device_name(device) if cuda else "cpu",

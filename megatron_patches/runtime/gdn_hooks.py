@@ -9,8 +9,9 @@ prefix_schedule/runtime/state_cache.py):
   kernel_size - 1 raw inputs ("conv") and the rule's final state ("rule") -- goes to the cache;
 * a suffix row: every packed sequence from its own group's cached state (zeros for a sequence
   run whole or the padding), so one row may hold several groups.
-The conv runs in torch per segment (its tail prepended; the same depthwise causal conv as the
-stock one); the rule is the layer's own kernel (`self.gated_delta_rule`), called per segment with
+The conv of a suffix row is one varlen call of fla's causal_conv1d with the cached tails as
+per-sequence initial states (the stock kernel on the fla path); elsewhere it runs in torch, every
+segment's window (its tail prepended) padded into one batch and one depthwise F.conv1d call; the rule is the layer's own kernel (`self.gated_delta_rule`), called per segment with
 `initial_state` / `output_final_state`, whose backward returns the initial state's gradient.
 Under full recompute Phase A stores the states without a graph, and Phase C's re-run attaches
 their accumulated gradients to the recomputed ones (`keep_state`; [Note: prefix full recompute]).
@@ -38,6 +39,8 @@ RULE_STATE = "rule"
 """Cache name of a GDN layer's recurrent state: [1, HV, K, V] (the rule's dtype, fp32)."""
 
 _RULE_ARGS = ("q", "k", "v", "g", "beta")
+BATCH_SEGMENTS = True
+"""One padded conv call per row (see _conv); False: one per segment (the tests' reference)."""
 
 
 def gdn_state_hook(module, site: str):
@@ -150,16 +153,62 @@ def keep_state(context, layer: int, name: str, state: torch.Tensor, out: torch.T
 
 
 def _conv(module, context, segments, qkv, weight, bias):
-    """The GDN short causal conv + activation over qkv [1, T, D], per segment."""
+    """The GDN short causal conv + activation over qkv [1, T, D]. A row whose segments store no
+    state (suffix rows) on fla's path: ONE varlen `causal_conv1d` call with each segment's cached
+    tail as its initial state (_fla_varlen_conv); in deterministic mode every segment's window
+    ([cached tail or zeros; segment]) right-padded into one [N, D, W-1+Lmax] batch and ONE
+    depthwise F.conv1d (exact: the conv is causal, the padding only reaches outputs that are
+    sliced off). Rows that store a tail (prefix rows), and BATCH_SEGMENTS False (the tests'
+    reference): one F.conv1d per segment."""
     if qkv.shape[0] != 1:
         raise AssertionError("reuse rows are packed into batch size 1")
     layer, width = module.layer_number, weight.shape[-1]
-    outs = []
-    for segment, a, b in _bounds(context, segments, qkv.shape[1]):
-        window = conv_window(context, layer, segment, qkv[:, a:b], width)
-        y = F.conv1d(window.transpose(1, 2), weight, bias, groups=qkv.shape[-1])
-        outs.append(module.act_fn(y).transpose(1, 2))
+    bounds = _bounds(context, segments, qkv.shape[1])
+    fla_conv = _fla_conv(module)
+    if BATCH_SEGMENTS and fla_conv is not None and not any(s.store for s, _, _ in bounds):
+        return _fla_varlen_conv(fla_conv, module, context, bounds, qkv, weight, bias)
+    windows = [conv_window(context, layer, segment, qkv[:, a:b], width) for segment, a, b in bounds]
+    if BATCH_SEGMENTS and len(windows) > 1 and not any(s.store for s, _, _ in bounds):
+        lengths = [b - a for _, a, b in bounds]
+        longest = width - 1 + max(lengths)
+        padded = torch.cat([F.pad(w, (0, 0, 0, longest - w.shape[1])) for w in windows])
+        y = module.act_fn(F.conv1d(padded.transpose(1, 2), weight, bias, groups=qkv.shape[-1]))
+        y = y.transpose(1, 2)  # [N, Lmax, D]
+        return torch.cat([y[i:i + 1, :length] for i, length in enumerate(lengths)], dim=1)
+    outs = [module.act_fn(F.conv1d(w.transpose(1, 2), weight, bias, groups=qkv.shape[-1])).transpose(1, 2)
+            for w in windows]
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+
+def _fla_conv(module):
+    """fla's causal_conv1d as Megatron's GDN module calls it (its stock non-deterministic conv
+    with a silu/swish activation), else None."""
+    if module.config.deterministic_mode or getattr(module, "activation", None) not in ("silu", "swish"):
+        return None
+    from megatron.core.ssm.gated_delta_net import gdn
+
+    return getattr(gdn, "causal_conv1d", None)
+
+
+def _fla_varlen_conv(fla_conv, module, context, bounds, qkv, weight, bias):
+    """One fla `causal_conv1d(x, weight [D, W], bias, activation, initial_state [N, D, W],
+    cu_seqlens)` call: fla-core's Triton kernel (fla/modules/conv/triton/kernels.py) reads
+    initial_state[n, :, t + W] for the inputs at t = -(W-1) .. -1 of sequence n (index 0 is never
+    read), and its backward returns the initial state's gradient (the tails' gradient)."""
+    layer, width = module.layer_number, weight.shape[-1]
+    dim = qkv.shape[-1]
+    states = []
+    for segment, _, _ in bounds:
+        tail = _read(context, layer, segment.read, CONV_STATE)  # [1, W-1, D] or None
+        if tail is None:
+            states.append(qkv.new_zeros((1, dim, width)))
+        else:
+            states.append(F.pad(tail.to(qkv.dtype).transpose(1, 2), (1, 0)))  # [1, D, W]
+    cu = _cu_seqlens(bounds, qkv.device)
+    out, _ = fla_conv(x=qkv, weight=weight.reshape(dim, width), bias=bias,
+                      activation=module.activation, initial_state=torch.cat(states),
+                      output_final_state=False, cu_seqlens=cu)
+    return out
 
 
 def _rule(module, context, segments, *args, initial_state=None, output_final_state=False,

@@ -11,7 +11,10 @@ prefix state] in prefix_schedule/runtime/state_cache.py), each run from its own 
 * "ssm": the SSD state `[1, heads, head_dim, d_state]` (fp32 in the kernels), passed as
   `initial_states` to the library's `mamba_chunk_scan_combined` with `return_final_states`
   (mamba-ssm 2.3.x returns dinitial_states and takes dfinal_states: ssd_combined.py).
-The segment then computes what the fused op computes with Megatron's arguments (no
+With BATCH_SEGMENTS, a suffix row's segments (no state to store) run as ONE padded [N, Lmax]
+batch, one call of each kernel with per-row initial states (_batched; exact,
+tests/test_batched_hybrid.py against the per-segment path _per_segment; off by default until the
+saved-bytes model counts the padding). Each segment computes what the fused op computes with Megatron's arguments (no
 rmsnorm_weight, no outproj_weight): y = scan(x) + D x, times silu(z); Megatron's own code goes on
 with its grouped norm and out-projection. Under full recompute both states go through the GDN
 hooks' `keep_state`: Phase A stores them without a graph, and Phase C's re-run (HybridStack's
@@ -21,9 +24,11 @@ recompute]; tests/test_hybrid_recompute.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from prefix_schedule.runtime.context import (
     PrefixForwardContext,
@@ -39,6 +44,11 @@ __all__ = ["mamba_state_hook", "CONV_STATE", "SSM_STATE"]
 
 SSM_STATE = "ssm"
 """Cache name of a Mamba layer's SSD state: [1, heads, head_dim, d_state]."""
+BATCH_SEGMENTS = False
+"""True: run a suffix row's segments as one padded batch (_batched, exact; tests/
+test_batched_hybrid.py). Off by default: the kernels then save N x Lmax rows instead of the
+segments' sum, which the saved-bytes model (prefix_schedule/planning, held to the byte by
+tests/test_memory_mamba.py) does not count yet; False runs one call pair per segment."""
 
 
 def mamba_state_hook(module):
@@ -76,30 +86,92 @@ def _split_conv_scan(module, context, segments, zxbcdt, conv1d_weight, conv1d_bi
     dstate = (zxbcdt.shape[-1] - 2 * dim - heads) // ngroups // 2
     z, xbc, dt = torch.split(zxbcdt, [dim, dim + 2 * ngroups * dstate, heads], dim=-1)
     layer, width = module.layer_number, conv1d_weight.shape[-1]
-    outs = []
-    for segment, a, b in _bounds(context, segments, zxbcdt.shape[1]):
-        window = conv_window(context, layer, segment, xbc[:, a:b], width)  # [1, W-1+L, ch]
-        conv = mamba_mixer.causal_conv1d_fn(window.transpose(1, 2), conv1d_weight, conv1d_bias,
-                                            activation=activation)
-        conv = conv[..., width - 1:].transpose(1, 2)  # [1, L, channels]
-        # contiguous copies of what the scan saves: its views would keep the whole zxBCdt and
-        # conv output alive, and offload would copy each view's span of them apart
-        x, bmat, cmat = (t.contiguous() for t in torch.split(
-            conv, [dim, ngroups * dstate, ngroups * dstate], dim=-1))
-        length = b - a
-        state = _read(context, layer, segment.read, SSM_STATE)
-        result = mamba_mixer.mamba_chunk_scan_combined(
-            x.reshape(1, length, heads, headdim), dt[:, a:b].contiguous(), A,
-            bmat.reshape(1, length, ngroups, dstate), cmat.reshape(1, length, ngroups, dstate),
-            chunk_size, D=D, z=z[:, a:b].contiguous().reshape(1, length, heads, headdim),
-            dt_bias=dt_bias,
-            dt_softplus=True, initial_states=state, return_final_states=segment.store,
-            **kernel_kwargs)
-        y, final = result if segment.store else (result, None)
-        if segment.store:
-            y = keep_state(context, layer, SSM_STATE, final, y, num_tokens=length)
-        outs.append(y.reshape(1, length, dim))
+    bounds = _bounds(context, segments, zxbcdt.shape[1])
+    shape = _Shape(heads=heads, headdim=headdim, dim=dim, ngroups=ngroups, dstate=dstate,
+                   width=width, chunk_size=chunk_size, activation=activation)
+    run = _batched if BATCH_SEGMENTS and len(bounds) > 1 and not any(s.store for s, _, _ in bounds) \
+        else _per_segment
+    out = run(mamba_mixer, context, layer, bounds, shape, z, xbc, dt, conv1d_weight, conv1d_bias,
+              dt_bias, A, D, kernel_kwargs)
     if (isinstance(context, PrefixForwardContext) and not context.recomputing
             and context.stop_after_layer == layer and not context.stop_in_router):
         raise PrefixForwardDone()
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    heads: int
+    headdim: int
+    dim: int
+    ngroups: int
+    dstate: int
+    width: int
+    chunk_size: int
+    activation: str
+
+
+def _split_xbc(conv, shape):
+    """x, B, C of the conv output [N, L, channels], as contiguous copies: views would keep the
+    whole conv output alive (and offload would copy each view's span of it apart)."""
+    return (t.contiguous() for t in torch.split(
+        conv, [shape.dim, shape.ngroups * shape.dstate, shape.ngroups * shape.dstate], dim=-1))
+
+
+def _per_segment(lib, context, layer, bounds, shape, z, xbc, dt, weight, bias, dt_bias, A, D, kw):
+    """One causal_conv1d_fn and one mamba_chunk_scan_combined call per segment (the reference
+    for _batched; the path for rows whose segments store a prefix state)."""
+    width, outs = shape.width, []
+    for segment, a, b in bounds:
+        window = conv_window(context, layer, segment, xbc[:, a:b], width)  # [1, W-1+L, ch]
+        conv = lib.causal_conv1d_fn(window.transpose(1, 2), weight, bias, activation=shape.activation)
+        x, bmat, cmat = _split_xbc(conv[..., width - 1:].transpose(1, 2), shape)  # [1, L, ...]
+        length = b - a
+        state = _read(context, layer, segment.read, SSM_STATE)
+        result = lib.mamba_chunk_scan_combined(
+            x.reshape(1, length, shape.heads, shape.headdim), dt[:, a:b].contiguous(), A,
+            bmat.reshape(1, length, shape.ngroups, shape.dstate),
+            cmat.reshape(1, length, shape.ngroups, shape.dstate), shape.chunk_size, D=D,
+            z=z[:, a:b].contiguous().reshape(1, length, shape.heads, shape.headdim),
+            dt_bias=dt_bias, dt_softplus=True, initial_states=state,
+            return_final_states=segment.store, **kw)
+        y, final = result if segment.store else (result, None)
+        if segment.store:
+            y = keep_state(context, layer, SSM_STATE, final, y, num_tokens=length)
+        outs.append(y.reshape(1, length, shape.dim))
     return torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+
+
+def _pad_rows(rows, length: int) -> torch.Tensor:
+    """[1, L_i, C] pieces as one [N, length, C] batch, zeros after each piece (differentiable)."""
+    return torch.cat([F.pad(r, (0, 0, 0, length - r.shape[1])) for r in rows])
+
+
+def _batched(lib, context, layer, bounds, shape, z, xbc, dt, weight, bias, dt_bias, A, D, kw):
+    """The row's segments padded into one [N, Lmax] batch, each row from its own states: one
+    causal_conv1d_fn and one mamba_chunk_scan_combined call. Exact for the real positions: both
+    are causal along the sequence (an output depends on inputs at or before it), each row starts
+    at position 0 as in the per-segment call (same chunk boundaries), and the padding's outputs
+    are sliced off (their gradient is zero). Only for rows whose segments store no state: a
+    padded row's final state would include the padding (dt_softplus makes its decay non-zero)."""
+    width = shape.width
+    lengths = [b - a for _, a, b in bounds]
+    longest, n = max(lengths), len(lengths)
+    windows = [conv_window(context, layer, segment, xbc[:, a:b], width) for segment, a, b in bounds]
+    conv = lib.causal_conv1d_fn(_pad_rows(windows, width - 1 + longest).transpose(1, 2), weight,
+                                bias, activation=shape.activation)
+    x, bmat, cmat = _split_xbc(conv[..., width - 1:].transpose(1, 2), shape)  # [N, Lmax, ...]
+    states = [_read(context, layer, segment.read, SSM_STATE) for segment, _, _ in bounds]
+    known = [s for s in states if s is not None]
+    initial = None if not known else torch.cat(
+        [torch.zeros_like(known[0]) if s is None else s.to(known[0].dtype) for s in states])
+    y = lib.mamba_chunk_scan_combined(
+        x.reshape(n, longest, shape.heads, shape.headdim),
+        _pad_rows([dt[:, a:b] for _, a, b in bounds], longest), A,
+        bmat.reshape(n, longest, shape.ngroups, shape.dstate),
+        cmat.reshape(n, longest, shape.ngroups, shape.dstate), shape.chunk_size, D=D,
+        z=_pad_rows([z[:, a:b] for _, a, b in bounds], longest).reshape(
+            n, longest, shape.heads, shape.headdim),
+        dt_bias=dt_bias, dt_softplus=True, initial_states=initial, return_final_states=False, **kw)
+    y = y.reshape(n, longest, shape.dim)
+    return torch.cat([y[i:i + 1, :length] for i, length in enumerate(lengths)], dim=1)

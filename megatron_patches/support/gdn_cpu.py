@@ -67,14 +67,24 @@ def causal_conv1d(x: torch.Tensor, weight: Optional[torch.Tensor] = None,
                   initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
                   activation: Optional[str] = None, cu_seqlens: Optional[torch.Tensor] = None,
                   **_backend):
-    """fla's causal_conv1d for the arguments Megatron's GDN passes (returns (y, None))."""
-    if initial_state is not None or output_final_state or residual is not None or weight is None:
-        raise ValueError("the CPU causal_conv1d implements what Megatron's GatedDeltaNet passes "
-                         "(a weight, no residual, no initial/final state)")
+    """fla's causal_conv1d for the arguments Megatron's GDN passes (returns (y, None)), and the
+    prefix-reuse hook's per-sequence `initial_state` [N, D, W] (fla-core 0.5.2
+    fla/modules/conv/triton/kernels.py: sequence n's input at t = -(W-1) .. -1 is
+    initial_state[n, :, t + W]; index 0 is never read)."""
+    if output_final_state or residual is not None or weight is None:
+        raise ValueError("the CPU causal_conv1d implements what Megatron's GatedDeltaNet and the "
+                         "reuse hook pass (a weight, no residual, no final state)")
     if cu_seqlens is not None and x.shape[0] != 1:
         raise ValueError("causal_conv1d: packed sequences (cu_seqlens) need batch size 1")
-    parts = [conv_segment(x[:, a:b], weight, bias, activation)
-             for a, b in _segments(cu_seqlens, x.shape[1])]
+    segments = _segments(cu_seqlens, x.shape[1])
+    rows = len(segments) if cu_seqlens is not None else x.shape[0]
+    if initial_state is not None and tuple(initial_state.shape) != (rows, x.shape[-1], weight.shape[-1]):
+        raise ValueError(f"causal_conv1d: initial_state must be [N, D, W], got "
+                         f"{tuple(initial_state.shape)}")
+    parts = [conv_segment(x[:, a:b], weight, bias, activation,
+                          None if initial_state is None else
+                          initial_state[n:n + 1, :, 1:].transpose(1, 2).to(x.dtype))
+             for n, (a, b) in enumerate(segments)]
     return torch.cat(parts, dim=1), None
 
 

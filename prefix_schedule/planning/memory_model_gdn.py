@@ -7,8 +7,10 @@ bytes, per token unless said, with qk = HK*dk, vd = HV*dv, D = 2 qk + vd (conv c
 - input norm and in_proj input: a x 3h + 4 (rstd), as the attention half counts them;
 - short conv, dense rows: fla's CausalConv1dFunction saves its x, a strided view of the in_proj
   output, so that whole output stays: a x (2 qk + 2 vd + 2 HV). Reuse rows (the state hook,
-  megatron_patches/runtime/gdn_hooks.py) run torch's conv per segment: the window [tail; x]
-  (a x D per token, a x (W-1) x D per segment) and the conv output SiLU saves (a x D);
+  megatron_patches/runtime/gdn_hooks.py): a suffix row is one varlen fla call as above plus one
+  initial state [D, W] per sequence (a x D x W); a prefix row runs torch's conv per segment: the
+  window [tail; x] (a x D per token, a x (W-1) x D per segment) and the conv output SiLU saves
+  (a x D). The reuse bound takes the larger of the two per token and a x D x W per sequence;
 - l2norm of q and k (fla L2NormFunction): y (a x 2 qk) and fp32 rstd (4 x 2 HK);
 - gates (`_compute_g_and_beta`): softplus input and output (fp32, 2 x 4 HV), sigmoid(beta)
   (a x HV); per forward call exp(A_log) and its negation (2 x a x HV, parameter dtype == a);
@@ -60,10 +62,8 @@ def gdn_mixer_bytes(dims: ModelDims, act_bytes: int, *, reuse: bool = False) -> 
     dk, dv, width = dims.linear_key_head_dim, dims.linear_value_head_dim, dims.linear_conv_kernel_dim
     conv_channels = 2 * qk + vd
     norm_in = a * 3 * h + FP32
-    if reuse:
-        conv = a * 2 * conv_channels
-    else:
-        conv = a * (2 * qk + 2 * vd + 2 * hv)
+    fla_conv = a * (2 * qk + 2 * vd + 2 * hv)
+    conv = max(fla_conv, a * 2 * conv_channels) if reuse else fla_conv
     l2 = a * 2 * qk + FP32 * 2 * hk
     gates = FP32 * 2 * hv + a * hv
     rule = a * (2 * hv * dk + vd + FLA_CHUNK * hv) + FP32 * hv
@@ -74,7 +74,7 @@ def gdn_mixer_bytes(dims: ModelDims, act_bytes: int, *, reuse: bool = False) -> 
         return MixerBytes(per_token=to_state + out, to_state_per_token=to_state,
                           per_sequence=per_call)
     indices = 2 * INT64 / FLA_CHUNK  # chunk_indices, per token (its rounding: per sequence)
-    per_sequence = FP32 * hv * dk * dv + a * (width - 1) * conv_channels + \
+    per_sequence = FP32 * hv * dk * dv + a * width * conv_channels + \
         INT64 + INT64 + 2 * INT64 + per_call
     return MixerBytes(per_token=to_state + out + indices, to_state_per_token=to_state + indices,
                       per_sequence=per_sequence)

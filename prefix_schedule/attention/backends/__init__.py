@@ -1,8 +1,9 @@
 """Kernel backends for shared-prefix attention: registry, selection and the process default.
 
 Backends, in "auto" order: "transformer_engine" (cuDNN fused, THD; sm90+), "flash_attn"
-(flash-attn >= 2.6 varlen; sm80+), "torch" (PyTorch's fused CPU kernel; CPU only), "math"
-(plain torch, any device). Each one's `available(device, dtype, head_dim)` says why it cannot run.
+(flash-attn >= 2.6 varlen; sm80+), "torch_cuda" (PyTorch's own varlen flash attention, torch
+2.10 - 2.13 CUDA builds; sm80+; nothing to compile), "torch" (PyTorch's fused CPU kernel; CPU
+only), "math" (plain torch, any device). Each one's `available(device, dtype, head_dim)` says why it cannot run.
 
 Selection (`select_backend`): an explicit name must be available, else ValueError with the reason
 and what to install. "auto" -- the default, changed with `set_default_backend` (the
@@ -26,6 +27,7 @@ from prefix_schedule.attention.backends._base import Availability, Backend
 from prefix_schedule.attention.backends.flash_attn import FlashAttnBackend
 from prefix_schedule.attention.backends.math import MathBackend
 from prefix_schedule.attention.backends.torch_cpu import TorchCpuBackend
+from prefix_schedule.attention.backends.torch_cuda import TorchCudaBackend
 from prefix_schedule.attention.backends.transformer_engine import TransformerEngineBackend
 from prefix_schedule.attention.backends.two_part import two_part_attention
 
@@ -47,7 +49,8 @@ __all__ = [
 AUTO = "auto"
 ENV_VAR = "PREFIX_REUSE_ATTENTION_BACKEND"
 _BACKENDS: dict[str, Backend] = {b.name: b for b in (
-    TransformerEngineBackend(), FlashAttnBackend(), TorchCpuBackend(), MathBackend())}
+    TransformerEngineBackend(), FlashAttnBackend(), TorchCudaBackend(), TorchCpuBackend(),
+    MathBackend())}
 BACKEND_NAMES = tuple(_BACKENDS)
 """Every backend name, in "auto" preference order."""
 
@@ -128,8 +131,8 @@ def _choose(requested, source, device, dtype, head_dim) -> Backend:
                 warnings.warn(
                     f"prefix_schedule attention: 'auto' fell back to the math kernel for {what}: it "
                     "materialises the attention scores, O(L_q x L_k) memory per layer (an 8k prefix "
-                    f"is ~8 GB per layer){skips}. Use bf16/fp16 with transformer_engine or "
-                    f"flash_attn, or request 'math' explicitly (--attention-backend / {ENV_VAR}) "
+                    f"is ~8 GB per layer){skips}. Use bf16/fp16 with transformer_engine, "
+                    f"flash_attn or torch_cuda, or request 'math' explicitly (--attention-backend / {ENV_VAR}) "
                     "to accept it", MathFallbackWarning, stacklevel=4)
             return backend
         skipped.append((backend.name, status.reason))

@@ -1,4 +1,4 @@
-"""The "transformer_engine" backend: cuDNN fused attention through Transformer Engine 2.2 - 2.18.
+"""The "transformer_engine" backend: cuDNN fused attention through Transformer Engine 2.2 - 2.19.
 
 Two-part mode calls TE's low-level `transformer_engine.pytorch.cpp_extensions.fused_attn`
 `fused_attn_fwd` / `fused_attn_bwd` with qkv_layout "thd_thd_thd" and cu_seqlens (plus
@@ -16,7 +16,10 @@ versions.TEApi (table with file and function per fact: docs/KERNEL_VERSIONS.md):
   [rows, H, 1] float32 (natural-log LSE) for THD with cuDNN >= 9.6, where rows is
   get_max_tokens(total_q) (>= 1024, bucketed) in 2.2-2.10 and total_q from 2.11: forward slices
   the first total_q rows, backward gets a buffer of the forward's row count (extra rows unread);
-  TE 2.18 on sm120 gives per-sequence stats [batch, H, max_seqlen_q, 1] instead (handled too);
+  TE 2.18 - 2.19 on sm120 give per-sequence stats [batch, H, max_seqlen_q, 1] instead (handled too);
+- the backend get_fused_attn_backend returns (a pybind11 enum member, strict comparisons) is
+  compared with FusedAttnBackend["F16_arbitrary_seqlen"] by int value: that is a pybind member in
+  2.2 - 2.18 and an IntEnum member in 2.19 (fused_attn_fwd/bwd cast either);
 - masks "padding" (part P) and "padding_causal" (part S: square, so top-left is right).
 An entry without keys is not specified for cuDNN, so slots without a prefix are left out of
 part P (empty_kv_ok = False). Copy mode uses the public DotProductAttention with
@@ -49,7 +52,7 @@ class TransformerEngineBackend(Backend):
     """TE fused (cuDNN) attention, THD layout (CUDA sm90+, fp16/bf16, cuDNN >= 9.6)."""
 
     name = "transformer_engine"
-    install_hint = ("pip install --no-build-isolation 'transformer_engine[pytorch]>=2.2,<2.19' "
+    install_hint = ("pip install --no-build-isolation 'transformer_engine[pytorch]>=2.2,<2.20' "
                     "(with cuDNN >= 9.6)")
     empty_kv_ok = False
     DTYPES = (torch.float16, torch.bfloat16)
@@ -113,7 +116,9 @@ class TransformerEngineBackend(Backend):
             if "softmax_type" in lib.api.backend_args:
                 values["softmax_type"] = fa.SoftmaxType["vanilla"]
             chosen = lib.get_backend(*(values[name] for name in lib.api.backend_args))
-            if chosen != lib.arbitrary:
+            # By value: the pybind enum compares strictly by type, and 2.19's FusedAttnBackend
+            # is an IntEnum (a pybind member != an IntEnum member of the same value).
+            if int(chosen) != int(lib.arbitrary):
                 raise ValueError(
                     f"transformer_engine {lib.text}: get_fused_attn_backend chose {chosen} (not "
                     f"F16_arbitrary_seqlen) for THD {dtype} {mask}, heads {heads}/{kv_heads}, "

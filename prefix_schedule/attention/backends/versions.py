@@ -1,12 +1,13 @@
 """The library versions the GPU backends support, and what their call sites depend on per version.
 
-Supported: Transformer Engine 2.2 - 2.18 and flash-attn 2.6 - 2.8 (by major.minor; any patch or
+Supported: Transformer Engine 2.2 - 2.19 and flash-attn 2.6 - 2.8 (by major.minor; any patch or
 .postN release of those). Other versions are refused with the reason (`LibraryUnsupported`,
 reported by the backend's `available`): the low-level APIs below change without deprecation.
 
 Every entry was read in the library's own source at that version's git tag
-(github.com/NVIDIA/TransformerEngine tags v2.2 ... v2.18, github.com/Dao-AILab/flash-attention tags
-v2.6.0 ... v2.8.3.post1); docs/KERNEL_VERSIONS.md lists file and function per fact. The fakes in
+(github.com/NVIDIA/TransformerEngine tags v2.2 ... v2.18 and branch release_v2.19 at 2.19.0 --
+TE 2.20 stays refused: no v2.20 tag or release branch could be read here --,
+github.com/Dao-AILab/flash-attention tags v2.6.0 ... v2.8.3.post1); docs/KERNEL_VERSIONS.md lists file and function per fact. The fakes in
 tests/fake_attention_libs.py are built from the same tables, version by version.
 """
 from __future__ import annotations
@@ -17,10 +18,11 @@ from dataclasses import dataclass
 
 from prefix_schedule.attention.backends._base import LibraryUnsupported
 
-__all__ = ["FLASH_SUPPORTED", "FlashApi", "TEApi", "TE_SUPPORTED", "flash_api", "get_max_tokens",
-           "te_api", "version_tuple"]
+__all__ = ["FLASH_SUPPORTED", "FlashApi", "TEApi", "TE_SUPPORTED", "TORCH_SUPPORTED",
+           "check_torch_flash_schemas", "flash_api", "get_max_tokens", "schema_args", "te_api",
+           "torch_flash_version", "version_tuple"]
 
-TE_SUPPORTED = ((2, 2), (2, 18))
+TE_SUPPORTED = ((2, 2), (2, 19))
 """Inclusive (major, minor) range of Transformer Engine."""
 FLASH_SUPPORTED = ((2, 6), (2, 8))
 """Inclusive (major, minor) range of flash-attn 2."""
@@ -108,7 +110,7 @@ def te_api(version_text: str) -> TEApi:
 
 
 def get_max_tokens(num_tokens: int) -> int:
-    """Port of transformer_engine/common/fused_attn/utils.cu get_max_tokens (2.2-2.18): 1024 up
+    """Port of transformer_engine/common/fused_attn/utils.cu get_max_tokens (2.2-2.19): 1024 up
     to 1024 tokens, then the next power of two up to 32k, then the next multiple of 32k."""
     log2_t = math.ceil(math.log2(num_tokens)) if num_tokens > 0 else -math.inf
     if log2_t <= 10:
@@ -152,3 +154,56 @@ def flash_api(version_text: str) -> FlashApi:
     version = _check_range("flash-attn", version_text, FLASH_SUPPORTED)
     split = version[:2] >= (2, 7)
     return FlashApi(version=version, split_window=split, fwd_outputs=4 if split else 8)
+
+
+# ---- PyTorch's own flash attention (the "torch_cuda" backend) ---------------------------------
+
+TORCH_SUPPORTED = ((2, 10), (2, 13))
+"""Inclusive (major, minor) range of PyTorch whose aten flash-attention ops the torch_cuda
+backend calls (docs/KERNEL_VERSIONS.md, "PyTorch")."""
+TORCH_FWD_POSITIONAL = ("query", "key", "value", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+                        "dropout_p", "is_causal", "return_debug_mask")
+"""aten::_flash_attention_forward's positional parameters, in order, as the backend passes them
+(then `scale=` by keyword); it returns (output, softmax_logsumexp, rng_state, unused,
+debug_attn_mask)."""
+TORCH_BWD_POSITIONAL = ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q",
+                        "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal")
+"""aten::_flash_attention_backward's leading positional parameters, in order; then the forward's
+rng_state and unused tensors (named philox_seed / philox_offset or rng_state / unused by version)
+and `scale=` by keyword."""
+TORCH_FWD_OUTPUTS = 5
+
+
+def torch_flash_version(version_text: str) -> tuple[int, ...]:
+    """PyTorch's version, or LibraryUnsupported outside TORCH_SUPPORTED."""
+    return _check_range("torch", version_text, TORCH_SUPPORTED)
+
+
+def schema_args(schema_text: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(positional names, keyword-only names) of an aten schema string such as
+    str(torch.ops.aten._flash_attention_forward.default._schema)."""
+    inner = schema_text[schema_text.index("(") + 1:schema_text.index(") ->")]
+    positional, keyword, kw_only = [], [], False
+    for part in (p.strip() for p in inner.split(",")):
+        if part == "*":
+            kw_only = True
+            continue
+        name = part.split("=")[0].split()[-1]
+        (keyword if kw_only else positional).append(name)
+    return tuple(positional), tuple(keyword)
+
+
+def check_torch_flash_schemas(fwd_schema: str, bwd_schema: str) -> None:
+    """LibraryUnsupported unless the installed aten schemas take the arguments the backend passes
+    where it passes them (a PyTorch build whose ops changed is refused, not miscalled)."""
+    fwd_pos, fwd_kw = schema_args(fwd_schema)
+    bwd_pos, bwd_kw = schema_args(bwd_schema)
+    problems = []
+    if fwd_pos[:len(TORCH_FWD_POSITIONAL)] != TORCH_FWD_POSITIONAL or "scale" not in fwd_kw:
+        problems.append(f"aten::_flash_attention_forward is {fwd_schema}")
+    if (bwd_pos[:len(TORCH_BWD_POSITIONAL)] != TORCH_BWD_POSITIONAL
+            or len(bwd_pos) != len(TORCH_BWD_POSITIONAL) + 2 or "scale" not in bwd_kw):
+        problems.append(f"aten::_flash_attention_backward is {bwd_schema}")
+    if problems:
+        raise LibraryUnsupported("the installed PyTorch's flash-attention ops differ from the "
+                                 "checked schemas (docs/KERNEL_VERSIONS.md): " + "; ".join(problems))
