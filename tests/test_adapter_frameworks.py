@@ -1,9 +1,10 @@
-"""The adapter fed data shaped exactly as slime, NeMo-RL, AReaL and ROLL hand Megatron (field
+"""The adapter fed data shaped exactly as NeMo-RL, AReaL and ROLL hand Megatron (field
 names, padding / THD layout, alignment, their normaliser and microbatch factor), reuse == the
 framework's own dense step over its own microbatches (stock Megatron, fp32 1e-5). The dense
 reference runs each microbatch as right-padded rows where the framework packs THD: with causal
 attention and no cross-sequence attention both are the same computation. docs/FRAMEWORKS.md
-names the file and function of each framework where the adapter goes."""
+names the file and function of each framework where the adapter goes. slime runs through its
+real code in tests/test_fw_slime.py (make test-frameworks)."""
 import pytest
 import torch
 
@@ -44,40 +45,6 @@ def _sequences(seed):
     seqs, gen = grpo_sequences(seed)
     masks, adv, old, ref = rollout_arrays(seqs, gen)
     return seqs, masks, adv, old, ref
-
-
-def test_slime_shape(megatron_env):
-    """slime (slime/backends/megatron_utils/model.py::train_one_step, loss.py::loss_function):
-    per sample `tokens`, `total_lengths`, `response_lengths`, and per RESPONSE token
-    `loss_masks`, `advantages`, `log_probs`, `ref_log_probs`; `Sample.group_index`. Without
-    --calculate-per-token-loss: the sum of per-sample means x num_microbatches /
-    step_global_batch_size x dp_cp, returned as (loss, 1, {"keys", "values"})."""
-    from megatron_patches.frameworks import RolloutBatch
-    seqs, masks, adv, old, ref = _sequences(11)
-    data = {"tokens": [s[0] for s in seqs], "total_lengths": [s[0].numel() for s in seqs],
-            "response_lengths": [s[0].numel() - s[1] for s in seqs],
-            "loss_masks": [m[s[1]:] for m, s in zip(masks, seqs)],
-            "advantages": [torch.full((s[0].numel() - s[1],), a) for a, s in zip(adv, seqs)],
-            "log_probs": [o[s[1]:] for o, s in zip(old, seqs)],
-            "ref_log_probs": [r[s[1]:] for r, s in zip(ref, seqs)]}
-    group_index = [s[2] for s in seqs]
-
-    def full(per_response, total, response):  # response-aligned -> token-aligned
-        return torch.cat([torch.zeros(total - response), per_response])
-    lens = list(zip(data["total_lengths"], data["response_lengths"]))
-    rollout = RolloutBatch(
-        tokens=data["tokens"], group_ids=group_index,
-        loss_mask=[full(m, t, r) for m, (t, r) in zip(data["loss_masks"], lens)],
-        advantages=[full(a, t, r) for a, (t, r) in zip(data["advantages"], lens)],
-        old_logprobs=[full(o, t, r) for o, (t, r) in zip(data["log_probs"], lens)],
-        ref_logprobs=[full(o, t, r) for o, (t, r) in zip(data["ref_log_probs"], lens)])
-    global_batch_size, dp_cp = len(seqs), 1
-
-    def slime_loss(b):
-        sample_mean = (_ppo(b) * b.loss_mask / b.sequence_loss_tokens().clamp(min=1)).sum()
-        loss = sample_mean * b.num_microbatches / global_batch_size * dp_cp
-        return loss, torch.tensor(1), {"loss": (sample_mean / global_batch_size).detach()}
-    _check(_model(), rollout, slime_loss, [[0, 1, 2], [3, 4, 5, 6], [7, 8], [9, 10, 11, 12]])
 
 
 def test_nemo_rl_shape(megatron_env):

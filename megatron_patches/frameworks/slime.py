@@ -27,8 +27,9 @@ With it on, a training call (forward_only=False) goes through `SlimeReuseCall`:
    `--calculate-per-token-loss` the (sum, num_tokens) contract needs no factor.
 
 Refused before compute (ValueError naming the setting): context parallelism (slime's zigzag CP
-layout), `--allgather-cp`, multimodal inputs, MTP training, rollout top-p replay, combined 1F1B
-(`return_schedule_plan`), and a loss token of a sample outside its reuse microbatch.
+layout), `--allgather-cp`, multimodal inputs, `--enable-mtp-training`, rollout top-p replay
+(`--rollout-top-p` < 1), the critic's `value_loss`, pipeline parallelism through this hook. A
+loss token of a sample outside its reuse microbatch raises (RuntimeError: a planning bug).
 Log-prob passes (`forward_only`) run slime's dense path unchanged.
 """
 from __future__ import annotations
