@@ -22,6 +22,7 @@ megatron-core GPTModel in Megatron's DDP with Megatron's optimizer (SGD) and sli
 """
 from __future__ import annotations
 
+import importlib.machinery
 import os
 import sys
 import tarfile
@@ -87,7 +88,9 @@ def import_slime():
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     for name in STUBBED_MODULES:
-        sys.modules.setdefault(name, types.ModuleType(name))
+        if name not in sys.modules:
+            sys.modules[name] = types.ModuleType(name)
+            sys.modules[name].__spec__ = importlib.machinery.ModuleSpec(name, None)
     sys.modules["sglang.srt.server_args"].ServerArgs = _NoCliArgs
     sys.modules["sglang_router.launch_router"].RouterArgs = _NoCliArgs
     try:
