@@ -5,7 +5,7 @@ the stubs named below. Missing: skip, or FAIL under PREFIX_REUSE_REQUIRE_FRAMEWO
 Stubs (modules imported at NeMo-RL's load that need a GPU or an inference engine, loggers, and
 Megatron-Bridge; nothing of them runs in a training step here):
 * `zmq` (vLLM weight-sync IPC), `pynvml` (NVIDIA management), `mlflow`, `swanlab`, `wandb`,
-  `matplotlib`, `prometheus_client` (loggers / metrics);
+  `matplotlib` (loggers / plots); prometheus-client is installed (tools/frameworks-requirements.txt);
 * `megatron.bridge` (Megatron-Bridge: model providers and the CP partition helper
   `get_packed_seq_cp_partition_indices`, used only with context parallelism; CP=1 here);
 * `BatchedDataDict.to("cuda")` (NeMo-RL moves each microbatch to CUDA) keeps tensors on CPU;
@@ -23,7 +23,6 @@ import torch
 from slime_support import ThdCoreAttention, missing, unpacked
 
 STUBBED = ("zmq", "pynvml", "mlflow", "swanlab", "wandb", "matplotlib", "matplotlib.pyplot",
-           "prometheus_client", "prometheus_client.parser", "prometheus_client.samples",
            "megatron.bridge", "megatron.bridge.models", "megatron.bridge.models.model_provider",
            "megatron.bridge.training", "megatron.bridge.training.config",
            "megatron.bridge.training.state", "megatron.bridge.training.utils",

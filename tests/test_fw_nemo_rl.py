@@ -11,8 +11,7 @@ with the hook (megatron_patches/frameworks/nemo_rl.py, NEMO_RL_HOOK) installed. 
 (sum over microbatches) and every gradient, fp32 1e-5 relative, NaN/inf fail.
 
 Stubs, named (tests/fw_nemo_support.py): modules NeMo-RL imports at load that need a GPU,
-an inference engine or are loggers (zmq, pynvml, mlflow, swanlab, wandb, matplotlib,
-prometheus_client), Megatron-Bridge (model providers; its CP partition helper, CP=1 here),
+an inference engine or are loggers (zmq, pynvml, mlflow, swanlab, wandb, matplotlib), Megatron-Bridge (model providers; its CP partition helper, CP=1 here),
 `BatchedDataDict.to("cuda")` kept on CPU, and Transformer Engine's THD attention on the dense
 packed side (tests/slime_support.py ThdCoreAttention).
 """
