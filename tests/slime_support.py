@@ -16,6 +16,10 @@ irrelevant heavy import):
 * `ThdCoreAttention`: Transformer Engine's THD (packed, cu_seqlens) attention, which slime's
   dense forward uses and which needs CUDA: per packed segment, causal torch SDPA. It serves
   only slime's dense step; reuse steps run the reuse attention hook.
+For the actor (`slime_actor`): torch_memory_saver (CUDA memory offload) and SGLang engine
+internals imported by actor.py; the actor object made without its __init__ (Ray placement
+group, NCCL, checkpoint loading), its SGLang weight updater's metrics empty; the test makes
+`ray.get` the identity (the rollout arrives as a Ray object reference).
 Everything else is slime's code: its argument parser (with Megatron's), `compute_advantages_and_
 returns`, `DataIterator`, `get_batch`, `train_one_step`, `train`, `loss_function`; the model is a
 megatron-core GPTModel in Megatron's DDP with Megatron's optimizer (SGD) and slime's scheduler.
@@ -122,8 +126,8 @@ def _register_cpu_accelerator() -> None:
         def device_name(self, index=None) -> str:
             return "cpu"
 
-        def current_device(self) -> int:
-            return 0
+        def current_device(self) -> str:
+            return "cpu"
 
         def set_device(self, index) -> None:
             return None
@@ -142,15 +146,21 @@ def slime_args(*argv: str):
     then set as Megatron's global args (slime's train_one_step reads get_args())."""
     from megatron.training import global_vars
     from megatron.training.arguments import parse_args
-    from slime.utils.arguments import get_slime_extra_args_provider
+    from slime.utils.arguments import _pre_parse_mode, get_slime_extra_args_provider
     from megatron_patches.frameworks.slime import add_prefix_reuse_arguments
     saved = sys.argv
     sys.argv = ["train.py", "--rollout-batch-size", "4", "--optimizer", "sgd", "--lr", "0.5",
                 "--min-lr", "0.5", "--num-rollout", "1", "--global-batch-size", "12",
-                "--no-check-for-nan-in-loss-and-grad", "--clip-grad", "0", *argv]
+                "--no-check-for-nan-in-loss-and-grad", "--clip-grad", "0",
+                # the model slime_model builds (framework_data.SMALL), as a launch passes it
+                "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "176",
+                "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups",
+                "2", "--kv-channels", "16", "--swiglu", "--seq-length", "256", *argv]
     try:
         args = parse_args(extra_args_provider=get_slime_extra_args_provider(
             add_prefix_reuse_arguments), ignore_unknown_args=False)
+        for key, value in vars(_pre_parse_mode()).items():  # as slime's parse_args merges them
+            setattr(args, key, value)
     finally:
         sys.argv = saved
     args.n_samples_per_prompt = 4
@@ -161,6 +171,8 @@ def slime_args(*argv: str):
     args.start_weight_decay = args.end_weight_decay = args.weight_decay  # validate_args too
     if args.eps_clip_high is None:  # slime_validate_args (which needs a full launch) does this
         args.eps_clip_high = args.eps_clip
+    args.use_critic = args.advantage_estimator == "ppo"  # slime_validate_args too
+    args.vocab_size = args.padded_vocab_size = 256  # Megatron's tokenizer setup (SMALL's vocab)
     args.load = "unused"  # no checkpoint: the model is built here
     global_vars._GLOBAL_ARGS = args
     return args
@@ -222,3 +234,51 @@ def record_grads(optimizer, model, into: list):
         into.append({n: p.main_grad.detach().clone() for n, p in model[0].named_parameters()})
         return real_step(*a, **kw)
     optimizer.step = step
+
+
+ACTOR_STUBS = ("torch_memory_saver", "sglang.srt.patch_torch", "sglang.srt.utils",
+               "sglang.srt.model_executor", "sglang.srt.model_executor.model_runner")
+"""What slime's actor module imports beyond model.py: torch_memory_saver (CUDA memory
+offload) and SGLang's engine internals (weight sync). Stubbed: inert classes."""
+
+
+class _InertModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = type(name, (), {"__init__": lambda self, *a, **k: None})
+        setattr(self, name, value)
+        return value
+
+
+def slime_actor(args, model, optimizer, scheduler):
+    """slime's MegatronTrainRayActor without Ray: the object made without its __init__ (which
+    joins a Ray placement group, initialises NCCL and loads a checkpoint), with the fields
+    __init__ would set: the model / optimizer / scheduler built here, slime's TensorBackuper in its
+    single-tag form (the copying form pins memory: CUDA), slime's TrainProfiler, and a weight
+    updater whose metrics are empty (SGLang weight sync: stubbed)."""
+    for name in ACTOR_STUBS:
+        if name not in sys.modules:
+            module = _InertModule(name)
+            module.__path__ = []
+            module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+            sys.modules[name] = module
+    from slime.backends.megatron_utils.actor import MegatronTrainRayActor
+    from slime.observability.profile_utils import TrainProfiler
+    from slime.utils.tensor_backper import TensorBackuper
+    actor = object.__new__(MegatronTrainRayActor)
+    actor.args, actor.model, actor.role = args, model, "actor"
+    actor.optimizer, actor.opt_param_scheduler = optimizer, scheduler
+    actor.weights_backuper = TensorBackuper.create(
+        source_getter=lambda: model[0].named_parameters(), single_tag="actor")
+    actor._active_model_tag = "actor"
+    actor.weights_backuper.backup("actor")
+    actor.rollout_data_postprocess = None
+    actor.prof = TrainProfiler(args)
+    actor.weight_updater = types.SimpleNamespace(pop_metrics=lambda: {})
+    from slime.observability.timer import Timer
+    try:
+        Timer().start("train_wait")  # what __init__'s with_defer does on return
+    except AssertionError:  # started by an earlier actor's train (slime's Timer is global)
+        pass
+    return actor

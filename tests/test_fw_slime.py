@@ -9,10 +9,12 @@ weights and the same rollout: slime's argument parser (Megatron's + slime's prov
 off. The only difference: with `--prefix-reuse` the hook (megatron_patches/frameworks/slime.py,
 SLIME_HOOK) replaces slime's `get_forward_backward_func`. Compared: every gradient (Megatron
 DDP main_grad, just before the optimizer step), slime's reduced loss dict, fp32 1e-5 relative,
-NaN/inf fail. `train` (slime's per-rollout loop, the function its Megatron actor's `train`
-calls) runs 2 steps each way. Not driven: `MegatronTrainRayActor.train` itself (Ray actor,
-torch_memory_saver, SGLang weight sync). Stubs: tests/slime_support.py (wandb, SGLang's CLI
-argument classes, Transformer Engine's THD attention for the dense side).
+NaN/inf fail. `train` (slime's per-rollout loop) runs 2 steps each way, and so does slime's
+Megatron actor, `MegatronTrainRayActor.train`, without Ray (its log-prob recompute, advantages,
+train loop; the actor object made without its Ray/NCCL/checkpoint __init__). Stubs:
+tests/slime_support.py (wandb, SGLang's CLI argument classes and engine internals,
+torch_memory_saver, a CPU accelerator backend, `ray.get` as the identity, Transformer Engine's
+THD attention for the dense side).
 """
 import pytest
 import torch
@@ -175,3 +177,42 @@ def test_refusals_before_compute(megatron_env, slime_model_module):
     args.allgather_cp, args.rollout_top_p = False, 0.9
     with pytest.raises(ValueError, match="rollout-top-p"):
         check_slime_args(args)
+
+
+def test_slime_actor_train_two_steps_reuse_equals_dense(megatron_env, slime_model_module,
+                                                        monkeypatch):
+    """slime's Megatron actor: `MegatronTrainRayActor.train(rollout_id, rollout_data_ref)`
+    without Ray (slime_support.slime_actor; `ray.get` of the rollout's object reference is the
+    identity here: Ray's object store). One rollout of 2 training steps: slime's
+    process_rollout_data, its log-prob recompute (`forward_only`, dense either way),
+    compute_advantages_and_returns, `train` -> 2 x train_one_step."""
+    import ray
+    from slime.utils.misc import Box
+    from megatron_patches.frameworks import slime as slime_reuse
+    slime_reuse.install(slime_model_module)
+    monkeypatch.setattr(ray, "get", lambda ref: ref)
+    args = support.slime_args("--advantage-estimator", "grpo")
+    base = _rollout_data(args, seed=5, steps=2)
+    num_mbs = _step_microbatches(base, 2)
+    runs = {}
+    for reuse in (False, True):
+        args.prefix_reuse = reuse
+        model = support.slime_model()
+        optimizer, scheduler = support.slime_optimizer(args, model)
+        grads = []
+        support.record_grads(optimizer, model, grads)
+        actor = support.slime_actor(args, model, optimizer, scheduler)
+        n = len(base["tokens"])
+        rollout = {k: list(base[k]) for k in ("tokens", "total_lengths", "response_lengths",
+                                              "loss_masks", "rewards")}
+        rollout.update(partition=list(range(n)), num_microbatches=num_mbs,
+                       global_batch_sizes=[n // 2, n // 2],
+                       micro_batch_indices=base["micro_batch_indices"])
+        slime_reuse.last_call = None
+        actor.train(0, [Box(rollout)])
+        assert (slime_reuse.last_call is not None) == reuse
+        runs[reuse] = grads, {n_: p.detach().clone() for n_, p in model[0].named_parameters()}
+    assert len(runs[False][0]) == len(runs[True][0]) == 2
+    for step in range(2):
+        _assert_close(runs[False][0][step], runs[True][0][step], f"actor step {step} grad")
+    _assert_close(runs[False][1], runs[True][1], "actor weights after 2 steps")
