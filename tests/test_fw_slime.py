@@ -160,6 +160,7 @@ def test_slime_train_two_steps_reuse_equals_dense(megatron_env, slime_model_modu
         slime_reuse.last_call = None
         slime_model_module.train(0, model, optimizer, scheduler, iterator, num_mbs, [12, 12])
         assert (slime_reuse.last_call is not None) == reuse
+        assert not reuse or slime_reuse.last_call.num_microbatches is not None  # a train step
         runs[reuse] = grads, {n: p.detach().clone() for n, p in model[0].named_parameters()}
     assert len(runs[False][0]) == len(runs[True][0]) == 2
     for step in range(2):
@@ -211,6 +212,7 @@ def test_slime_actor_train_two_steps_reuse_equals_dense(megatron_env, slime_mode
         slime_reuse.last_call = None
         actor.train(0, [Box(rollout)])
         assert (slime_reuse.last_call is not None) == reuse
+        assert not reuse or slime_reuse.last_call.num_microbatches is not None  # a train step
         runs[reuse] = grads, {n_: p.detach().clone() for n_, p in model[0].named_parameters()}
     assert len(runs[False][0]) == len(runs[True][0]) == 2
     for step in range(2):
