@@ -131,7 +131,7 @@ def policy_cfg(packing: bool, prefix_reuse: bool) -> dict:
                              "prefix_reuse": prefix_reuse}}
 
 
-def clipped_pg_cfg(*, token_level_loss: bool):
+def clipped_pg_cfg(*, token_level_loss: bool, sequence_level_importance_ratios: bool = False):
     """NeMo-RL's ClippedPGLossConfig (pydantic) as its GRPO YAML's `loss_fn` section sets it."""
     from nemo_rl.algorithms.loss.loss_functions import ClippedPGLossConfig
     return ClippedPGLossConfig(**{"reference_policy_kl_penalty": 0.05, "reference_policy_kl_type": "k3",
@@ -139,7 +139,8 @@ def clipped_pg_cfg(*, token_level_loss: bool):
             "ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "ratio_clip_c": None,
             "use_on_policy_kl_approximation": False, "use_importance_sampling_correction": False,
             "truncated_importance_sampling_ratio": None, "token_level_loss": token_level_loss,
-            "disable_ppo_ratio": False, "sequence_level_importance_ratios": False,
+            "disable_ppo_ratio": False,
+            "sequence_level_importance_ratios": sequence_level_importance_ratios,
             "force_on_policy_ratio": False})
 
 

@@ -81,12 +81,13 @@ def _step(nemo, model, data, cfg, loss_cfg, sampling):
 
 
 CASES = [(False, True, None), (True, True, None), (False, False, None),
-         (True, False, (0.7, None, 1.0)), (False, True, (1.0, 20, 0.9))]
+         (True, False, (0.7, None, 1.0)), (False, True, (1.0, 20, 0.9)), (True, "gspo", None)]
 
 
 @pytest.mark.parametrize("packing,token_level,sampling", CASES,
                          ids=["unpacked-token", "packed-token", "unpacked-seq",
-                              "packed-seq-temperature", "unpacked-token-topk-topp"])
+                              "packed-seq-temperature", "unpacked-token-topk-topp",
+                              "packed-sequence-level-ratios"])
 def test_megatron_forward_backward_reuse_equals_nemo_dense(megatron_env, nemo, packing,
                                                           token_level, sampling):
     from megatron_patches.frameworks import nemo_rl as nemo_reuse
@@ -94,7 +95,8 @@ def test_megatron_forward_backward_reuse_equals_nemo_dense(megatron_env, nemo, p
     nemo_reuse.install()
     model = support.nemo_model(packed=packing)
     data = _data(3)
-    loss_cfg = support.clipped_pg_cfg(token_level_loss=token_level)
+    loss_cfg = (support.clipped_pg_cfg(token_level_loss=False, sequence_level_importance_ratios=True)
+                if token_level == "gspo" else support.clipped_pg_cfg(token_level_loss=token_level))
     params = support.sampling_params(sampling)
     dense_loss, dense_mbs = _step(nemo, model, data, support.policy_cfg(packing, False), loss_cfg,
                                   params)
