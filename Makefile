@@ -37,7 +37,7 @@ $(STAMP): setup.py Makefile megatron_patches/patching/declarations.py
 demo: setup
 	$(PY) examples/grpo_demo.py
 
-# The framework tests (names with verl / train_rl) run in `make test-frameworks` (CI runs both):
+# The framework tests (names with verl / train_rl, and tests/test_fw_*.py) run in `make test-frameworks` (CI runs both):
 # once is enough, and there in the environment verl needs.
 test: setup
 	$(PY) -m pytest -q $(addprefix --ignore=,$(FW_TESTS)) $(PYTEST_ARGS) tests
@@ -71,7 +71,7 @@ clean:
 FW_VENV := .venv-frameworks
 FW_PY := $(FW_VENV)/bin/python
 FW_STAMP := $(FW_VENV)/.setup-stamp
-FW_TESTS := $(wildcard tests/test_*verl*.py tests/test_*train_rl*.py)
+FW_TESTS := $(wildcard tests/test_*verl*.py tests/test_*train_rl*.py tests/test_fw_*.py)
 
 $(FW_STAMP): setup.py Makefile tools/frameworks-requirements.txt megatron_patches/patching/declarations.py
 	test -x $(FW_PY) || $(PYTHON) -m venv $(FW_VENV)

@@ -1,9 +1,11 @@
-"""The adapter fed data shaped exactly as slime, NeMo-RL, AReaL and ROLL hand Megatron (field
+"""The adapter fed data shaped exactly as AReaL and ROLL hand Megatron (field
 names, padding / THD layout, alignment, their normaliser and microbatch factor), reuse == the
 framework's own dense step over its own microbatches (stock Megatron, fp32 1e-5). The dense
 reference runs each microbatch as right-padded rows where the framework packs THD: with causal
 attention and no cross-sequence attention both are the same computation. docs/FRAMEWORKS.md
-names the file and function of each framework where the adapter goes."""
+names the file and function of each framework where the adapter goes. slime and NeMo-RL run
+through their real code in tests/test_fw_slime.py and tests/test_fw_nemo_rl.py (make
+test-frameworks)."""
 import pytest
 import torch
 
@@ -44,74 +46,6 @@ def _sequences(seed):
     seqs, gen = grpo_sequences(seed)
     masks, adv, old, ref = rollout_arrays(seqs, gen)
     return seqs, masks, adv, old, ref
-
-
-def test_slime_shape(megatron_env):
-    """slime (slime/backends/megatron_utils/model.py::train_one_step, loss.py::loss_function):
-    per sample `tokens`, `total_lengths`, `response_lengths`, and per RESPONSE token
-    `loss_masks`, `advantages`, `log_probs`, `ref_log_probs`; `Sample.group_index`. Without
-    --calculate-per-token-loss: the sum of per-sample means x num_microbatches /
-    step_global_batch_size x dp_cp, returned as (loss, 1, {"keys", "values"})."""
-    from megatron_patches.frameworks import RolloutBatch
-    seqs, masks, adv, old, ref = _sequences(11)
-    data = {"tokens": [s[0] for s in seqs], "total_lengths": [s[0].numel() for s in seqs],
-            "response_lengths": [s[0].numel() - s[1] for s in seqs],
-            "loss_masks": [m[s[1]:] for m, s in zip(masks, seqs)],
-            "advantages": [torch.full((s[0].numel() - s[1],), a) for a, s in zip(adv, seqs)],
-            "log_probs": [o[s[1]:] for o, s in zip(old, seqs)],
-            "ref_log_probs": [r[s[1]:] for r, s in zip(ref, seqs)]}
-    group_index = [s[2] for s in seqs]
-
-    def full(per_response, total, response):  # response-aligned -> token-aligned
-        return torch.cat([torch.zeros(total - response), per_response])
-    lens = list(zip(data["total_lengths"], data["response_lengths"]))
-    rollout = RolloutBatch(
-        tokens=data["tokens"], group_ids=group_index,
-        loss_mask=[full(m, t, r) for m, (t, r) in zip(data["loss_masks"], lens)],
-        advantages=[full(a, t, r) for a, (t, r) in zip(data["advantages"], lens)],
-        old_logprobs=[full(o, t, r) for o, (t, r) in zip(data["log_probs"], lens)],
-        ref_logprobs=[full(o, t, r) for o, (t, r) in zip(data["ref_log_probs"], lens)])
-    global_batch_size, dp_cp = len(seqs), 1
-
-    def slime_loss(b):
-        sample_mean = (_ppo(b) * b.loss_mask / b.sequence_loss_tokens().clamp(min=1)).sum()
-        loss = sample_mean * b.num_microbatches / global_batch_size * dp_cp
-        return loss, torch.tensor(1), {"loss": (sample_mean / global_batch_size).detach()}
-    _check(_model(), rollout, slime_loss, [[0, 1, 2], [3, 4, 5, 6], [7, 8], [9, 10, 11, 12]])
-
-
-def test_nemo_rl_shape(megatron_env):
-    """NeMo-RL (nemo_rl/models/megatron/train.py::megatron_forward_backward, LossPostProcessor):
-    BatchedDataDict `input_ids` [B, S] right-padded, `input_lengths`, `token_mask` and
-    `sample_mask`, `advantages` / `prev_logprobs` / `reference_policy_logprobs` [B, S] aligned
-    with input_ids; loss normalised by global_valid_toks, then x num_microbatches / cp_size."""
-    from megatron_patches.frameworks import RolloutBatch
-    seqs, masks, adv, old, ref = _sequences(12)
-    B, S = len(seqs), max(s[0].numel() for s in seqs)
-    data = {k: torch.zeros(B, S) for k in ("token_mask", "advantages", "prev_logprobs",
-                                           "reference_policy_logprobs")}
-    data["input_ids"] = torch.zeros(B, S, dtype=torch.int64)
-    data["input_lengths"] = torch.tensor([s[0].numel() for s in seqs])
-    data["sample_mask"] = torch.ones(B)
-    data["sample_mask"][3] = 0.0  # a filtered sample: its tokens carry no loss
-    for b, (s, m, a, o, r) in enumerate(zip(seqs, masks, adv, old, ref)):
-        n = s[0].numel()
-        data["input_ids"][b, :n] = s[0]
-        data["token_mask"][b, :n], data["advantages"][b, :n] = m, a
-        data["prev_logprobs"][b, :n], data["reference_policy_logprobs"][b, :n] = o, r
-    num_generations_per_prompt_ids = [s[2] for s in seqs]  # consecutive samples of one prompt
-    attention = torch.arange(S)[None] < data["input_lengths"][:, None]
-    rollout = RolloutBatch.from_padded(
-        input_ids=data["input_ids"], attention_mask=attention,
-        loss_mask=data["token_mask"] * data["sample_mask"][:, None],
-        group_ids=num_generations_per_prompt_ids, advantages=data["advantages"],
-        old_logprobs=data["prev_logprobs"], ref_logprobs=data["reference_policy_logprobs"])
-    global_valid_toks, cp_size = rollout.num_loss_tokens, 1
-
-    def nemo_loss(b):
-        loss = (_ppo(b) * b.loss_mask).sum() / global_valid_toks
-        return loss * b.num_microbatches / cp_size, {"loss": loss.detach()}
-    _check(_model(), rollout, nemo_loss, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12]])
 
 
 def test_areal_shape(megatron_env):
