@@ -133,6 +133,7 @@ def gptoss_rank(tp: int, pp: int, ep: int) -> dict:
                 experts=sum("local_experts" in n for n in dg), prefixes=len(plan.prefixes))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, pp, ep", [(1, 2, 1), (2, 1, 1), (1, 1, 2)],
                          ids=["PP=2", "TP=2", "EP=2"])
 def test_parallel_reuse_equals_dense(tp, pp, ep):

@@ -83,6 +83,7 @@ def nano_ep_rank(ep: int) -> dict:
                 experts=sum("local_experts" in n for n in dg), prefixes=len(plan.prefixes))
 
 
+@pytest.mark.slow
 def test_nano_moe_ep2_reuse_equals_dense():
     from dist_harness import run_distributed
 
