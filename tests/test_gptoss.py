@@ -145,3 +145,22 @@ def test_parallel_reuse_equals_dense(tp, pp, ep):
         assert out["sinks"] > 0 and out["experts"] > 0 and out["prefixes"] > 0, (rank, out)
         assert not out["missing"], (rank, out["missing"][:5])
         assert out["grads"] <= 1e-5 and out["loss"] <= 1e-5, (rank, out)
+
+
+def test_a_backend_without_window_kernels_is_refused_before_compute(model, monkeypatch):
+    """On a GPU 'auto' picks TE or flash-attn: a windowed model is refused before any compute."""
+    from prefix_schedule.attention.backends import (get_backend, get_default_backend,
+                                                    set_default_backend)
+    from prefix_schedule.planning.planner import plan_microbatches
+    from prefix_schedule.runtime.step import ReuseStep
+    from test_config_support import _call_reuse
+
+    monkeypatch.setattr(type(get_backend("torch")), "supports_window", False)
+    before = get_default_backend()
+    set_default_backend("torch")
+    try:
+        batch = make_batch(4, [(10, [3, 4])])
+        step = ReuseStep(batch, plan_microbatches(batch, token_budget=8, max_seq_len=512))
+        assert "no sliding-window path" in _call_reuse(model, step)
+    finally:
+        set_default_backend(before)
