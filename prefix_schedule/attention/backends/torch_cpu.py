@@ -9,6 +9,7 @@ import torch
 
 from prefix_schedule.attention.backends._base import (Backend, acc_dtype, sdpa_causal_attention,
                                                       sdpa_copy_attention)
+from prefix_schedule.attention.backends.math_kernels import math_bwd, math_fwd
 
 __all__ = ["LoopBackend", "TorchCpuBackend", "cpu_flash_bwd", "cpu_flash_fwd"]
 
@@ -48,8 +49,6 @@ class LoopBackend(Backend):
     def _kernels(self, call):
         if call.window is None:
             return self.kernels()
-        from prefix_schedule.attention.backends.math import math_bwd, math_fwd
-
         w = call.window
         return (lambda *a: math_fwd(*a, window=w)), (lambda *a: math_bwd(*a, window=w))
 
