@@ -178,3 +178,18 @@ def test_recompute_reuse_equals_dense(megatron_env, recompute):
     dense, dg, reuse, rg, plan = run_both(model, batch, 12, prefix_chunk_tokens=6)
     assert plan.prefixes
     assert_equal_step(dense, dg, reuse, rg)
+
+
+@pytest.mark.parametrize("spec, chunk", [
+    (dict(depth=3, branching=2, node_len=6, suffix_len=4, inner=1), 4),
+    (dict(depth=2, branching=3, node_len=3, suffix_len=3, per_leaf=2, node_loss=True), None)],
+    ids=["depth 3, chunks split nodes", "nodes shorter than the window, loss in nodes"])
+def test_prefix_trees_reuse_equals_dense(model, spec, chunk):
+    """Prefix trees (tests/test_prefix_trees_megatron.py): a node's or suffix's window reaches
+    back through its chain of ancestors' K/V."""
+    from tree_batches import make_tree_batch
+
+    batch = make_tree_batch(17, [spec])
+    dense, dg, reuse, rg, plan = run_both(model, batch, 12, prefix_chunk_tokens=chunk)
+    assert len(plan.prefix_units()) >= batch.groups[0].num_nodes > 1
+    assert_equal_step(dense, dg, reuse, rg)
