@@ -193,3 +193,60 @@ def test_prefix_trees_reuse_equals_dense(model, spec, chunk):
     dense, dg, reuse, rg, plan = run_both(model, batch, 12, prefix_chunk_tokens=chunk)
     assert len(plan.prefix_units()) >= batch.groups[0].num_nodes > 1
     assert_equal_step(dense, dg, reuse, rg)
+
+
+@pytest.mark.slow
+def test_tiny_twin_from_megatron_lm_parser_reuse_equals_dense(megatron_env, monkeypatch):
+    """gpt-oss-20b-tiny's Megatron-LM arguments through Megatron-LM's own parser and config
+    builder (megatron.training of the wheel, tests/megatron_lm_args.py's shim), the local spec,
+    then one reuse step == stock dense. Deviations from the twin's flags, named: no linear biases
+    (megatron-core 0.19.2's local SequentialMLP fails on expert biases, above), no bias-GELU
+    fusion (CUDA), plain RoPE (build_model's; prefix reuse refuses YaRN before compute)."""
+    import sys
+
+    from megatron_lm_args import _import_megatron_training
+    from megatron_patches.models.model_configs_gptoss import GPTOSS_MODELS
+    from megatron_patches.models.tiny import TinyLlamaConfig, build_model
+    from megatron_patches.training import scale_grads_by_token_count
+
+    arguments, argument_utils, _ = _import_megatron_training()
+    spec = GPTOSS_MODELS["gpt-oss-20b-tiny"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *spec.megatron_args(),
+                                      "--disable-bias-linear", "--no-bias-gelu-fusion",
+                                      "--micro-batch-size", "1", "--global-batch-size", "1",
+                                      "--seq-length", "64", "--transformer-impl", "local",
+                                      "--no-masked-softmax-fusion", "--no-rope-fusion",
+                                      "--no-gradient-accumulation-fusion",
+                                      "--use-cpu-initialization", "--no-persist-layer-norm",
+                                      "--calculate-per-token-loss"])
+    args = arguments.parse_and_validate_args()
+    config = argument_utils.core_transformer_config_from_args(args)
+    assert config.softmax_type == "learnable" and tuple(config.window_size) == (7, 0)
+    cfg = TinyLlamaConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+                          ffn_hidden_size=spec.moe_ffn_hidden_size,
+                          num_attention_heads=spec.num_attention_heads,
+                          num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim,
+                          vocab_size=spec.vocab_size, max_seq_len=512,
+                          rotary_base=spec.rope_theta)
+    model = build_model(cfg, transformer_config=config)
+    model.config.finalize_model_grads_func = scale_grads_by_token_count
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("softmax_offset"):
+                p.normal_()
+    from megatron_patches.training import dense_step, param_grads, reuse_step
+    from prefix_schedule.planning.planner import plan_microbatches
+    from test_equivalence import LOSS
+
+    batch = make_batch(31, [(19, [5, 1, 6]), (6, [4, 7])], vocab=spec.vocab_size)
+    plan = plan_microbatches(batch, token_budget=12, max_seq_len=512)
+    dense = dense_step(model, batch, LOSS, packing=plan)
+    dg = param_grads(model)
+    model.zero_grad(set_to_none=True)
+    reuse = reuse_step(model, batch, plan, LOSS)
+    rg = param_grads(model)
+    assert plan.prefixes and any("local_experts" in n for n in dg)
+    assert_equal_step(dense, dg, reuse, rg)
