@@ -99,9 +99,8 @@ def _call_reuse(model, step):
 
 
 @pytest.mark.parametrize("override", [
-    dict(window_size=(4, 0)),
+    dict(window_size=(4, 2)),
     dict(softmax_type="off-by-one"),
-    dict(softmax_type="learnable"),
     dict(apply_query_key_layer_scaling=True),
     dict(fp32_residual_connection=True),
 ])

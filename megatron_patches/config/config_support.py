@@ -63,6 +63,12 @@ _DSA_WHY = (
     "(dsa_indexer_topk) before the sparse attention and the indexer loss; a suffix row holds no "
     "prefix hidden states and the reuse cache keeps no prefix index keys, so the top-k set over "
     "the prefix would not be dense's; train DSA models without prefix reuse")
+_SINKS_WINDOWS = ("tests/test_attention_sinks_windows.py (float64 reference), "
+                  "tests/test_gptoss.py (reuse == stock dense, HF gpt_oss float64)")
+
+
+def _causal_window(value) -> bool:
+    return value is None or (len(value) == 2 and int(value[1]) == 0 and int(value[0]) >= -1)
 
 FIELD_RULES: Dict[str, Rule] = _merge(
     _group("supported", _REF, "num_layers hidden_size num_attention_heads num_query_groups "
@@ -116,12 +122,15 @@ FIELD_RULES: Dict[str, Rule] = _merge(
     {"multi_latent_attention": Rule(
         "supported", _MLA + "; in a HybridModel pattern ('+') it is refused "
         "(megatron_patches/runtime/layers.py)")},
-    _refuse("window_size", "sliding window", "sliding-window attention (window_size) is not "
-              "implemented by the prefix-reuse attention; set window_size=None", (128, 0),
-              allowed=lambda v: v is None),
-    _refuse("softmax_type", "attention sinks", "softmax_type (attention sinks) other than "
-              "'vanilla' is not implemented by the prefix-reuse attention", "off-by-one",
-              allowed=lambda v: v == "vanilla"),
+    {"window_size": Rule(
+        "supported", _SINKS_WINDOWS, allowed=_causal_window, example=(128, 4),
+        fix="prefix reuse runs causal sliding windows only: window_size=(W, 0) with W >= 0 "
+            "(or None)")},
+    {"window_attn_skip_freq": Rule("supported", _SINKS_WINDOWS)},
+    {"softmax_type": Rule(
+        "supported", _SINKS_WINDOWS, allowed=lambda v: v in ("vanilla", "learnable"),
+        example="off-by-one", fix="softmax_type must be 'vanilla' or 'learnable' (attention "
+        "sinks) with prefix reuse; 'off-by-one' is not verified against dense training")},
     _refuse("apply_query_key_layer_scaling", "scale", "apply_query_key_layer_scaling "
               "divides the core attention's softmax scale by the layer number (and multiplies "
               "back inside its fp32 softmax); the reuse attention computes softmax in fp32 "
@@ -239,9 +248,9 @@ FIELD_RULES: Dict[str, Rule] = _merge(
              "fp4_recipe fp4_param fp4_quantizer_factory"),
     _group("irrelevant", "only read with use_kitchen (refused)", "use_kitchen_attention "
              "kitchen_attention_backend"),
-    _group("irrelevant", "only read with qk_clip / window_size / muP / attention variants / "
+    _group("irrelevant", "only read with qk_clip / muP / attention variants / "
              "linear attention / Mamba / mrope (refused)", "qk_clip_alpha qk_clip_threshold "
-             "window_attn_skip_freq mup_width_mult mup_base_hidden_size mup_embedding_mult "
+             "mup_width_mult mup_base_hidden_size mup_embedding_mult "
              "mup_output_mult mup_base_head_dim mup_attn_scale_power "
              "experimental_attention_variant_loss_scale_func dsa_indexer_n_heads "
              "dsa_indexer_head_dim dsa_indexer_topk dsa_indexer_topk_freq "
@@ -353,6 +362,11 @@ def check_config_supported(config, *, global_loss_contract: bool = False) -> Non
         elif rule.allowed is not None and not rule.allowed(value):
             problems.append(f"{field.name}={value!r}: {rule.fix}")
     problems += mla_problems(config)
+    if config.context_parallel_size > 1 and (config.window_size is not None
+                                             or config.softmax_type != "vanilla"):
+        problems.append("context_parallel_size > 1 with window_size or softmax_type "
+                        "'learnable': the zigzag CP attention of prefix reuse has no sinks or "
+                        "windows; use context_parallel_size=1")
     if problems:
         raise ValueError("prefix reuse cannot honour this TransformerConfig:\n  - "
                          + "\n  - ".join(problems))

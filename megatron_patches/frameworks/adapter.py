@@ -125,7 +125,17 @@ def dims_of_model(model) -> ModelDims:
                      ffn_hidden_size=c.ffn_hidden_size, num_attention_heads=c.num_attention_heads,
                      num_query_groups=c.num_query_groups or c.num_attention_heads,
                      vocab_size=gpt.vocab_size, gated_linear_unit=bool(c.gated_linear_unit),
-                     kv_channels=c.kv_channels)
+                     kv_channels=c.kv_channels, **window_dims(c))
+
+
+def window_dims(config) -> dict:
+    """ModelDims' window fields from a TransformerConfig (window_size (W, 0), skip freq int)."""
+    if config.window_size is None or config.window_size[0] < 0:
+        return {}
+    freq = config.window_attn_skip_freq
+    if freq is not None and not isinstance(freq, int):
+        raise ValueError(f"window_attn_skip_freq={freq!r}: the FLOP model takes an int (or None)")
+    return dict(window_size=int(config.window_size[0]), window_attn_skip_freq=freq)
 
 
 def _flats(rollout: RolloutBatch) -> List[FlatTrajectory]:

@@ -76,12 +76,30 @@ def check_reuse_supported(config, step, num_microbatches, model=None,
             "positions) continue at the prefix length in reuse steps; yarn / mrope are not hooked")
     _check_layout(step, num_model_chunks)
     if model is not None:
+        _check_window_backend(config, model)
         check_layers_supported(config, model)  # HybridModel layer kinds, MTP
         check_recurrent_step(config, model, step)  # GDN: no prefix trees
     _check_context_parallel(config, step)
     _check_sequence_parallel_rows(config, step)
     _check_deferred_embedding_wgrad(config, step)
     step.check()  # rows that belong to the batch, CP layouts, not spent
+
+
+def _check_window_backend(config, model) -> None:
+    """Sliding windows run on backends with window kernels only ([Note: sliding windows]):
+    refuse the others here, not at the first windowed layer's attention."""
+    if config.window_size is None:
+        return
+    from prefix_schedule.attention.backends import select_backend
+
+    param = next(unwrap_model(model).parameters())
+    head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
+    backend = select_backend(device=param.device, dtype=config.params_dtype, head_dim=head_dim)
+    if not backend.supports_window:
+        raise ValueError(
+            f"window_size={tuple(config.window_size)}: the attention backend {backend.name!r} "
+            "has no sliding-window path in prefix reuse; choose 'torch' (CPU) or 'math' with "
+            "--attention-backend / PREFIX_REUSE_ATTENTION_BACKEND")
 
 
 def _check_full_recompute(config, step) -> None:

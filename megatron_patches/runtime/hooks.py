@@ -30,6 +30,24 @@ def _softmax_scale(attention_module, head_dim: int) -> float:
     return float(scale) if scale is not None else head_dim**-0.5
 
 
+def _sink_and_window(module):
+    """This layer's learnable (or off-by-one) softmax offsets and its window W, as Megatron's core
+    attention applies them (DotProductAttention / TEDotProductAttention read the same fields)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    config = module.config
+    sink = getattr(module.core_attention, "softmax_offset", None)
+    window = None
+    if is_layer_window_attention(config.window_size, config.window_attn_skip_freq,
+                                 module.layer_number):
+        left, right = config.window_size
+        if right != 0:
+            raise ValueError(f"window_size={tuple(config.window_size)}: prefix reuse runs causal "
+                             "sliding windows only (window_size=(W, 0))")
+        window = None if left < 0 else int(left)
+    return sink, window
+
+
 def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_type=None,
                         attention_bias=None, packed_seq_params=None, **extra_kwargs):
     """Megatron `Attention._run_core_attention` hook: q/k/v are post-RoPE `[s, 1, heads, d]`.
@@ -50,12 +68,16 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
     if query.shape[1] != 1:
         raise AssertionError("reuse rows are packed into batch size 1")
     scale = _softmax_scale(module, query.shape[-1])
+    extra = dict(zip(("sink", "window"), _sink_and_window(module)))
     q, k, v = query[:, 0], key[:, 0], value[:, 0]
     if context.cp is not None:
+        if extra["sink"] is not None or extra["window"] is not None:
+            raise ValueError("context parallelism with attention sinks or sliding windows is not "
+                             "implemented by prefix reuse; use context_parallel_size=1")
         out = _cp_attention(context, module.layer_number, q, k, v, key, value, scale)
     elif isinstance(context, PrefixForwardContext):
         if context.inject:  # [Note: prefix full recompute]: Phase C with Megatron's checkpoints
-            out = _prefix_attention(context, module.layer_number, q, k, v, scale)
+            out = _prefix_attention(context, module.layer_number, q, k, v, scale, extra)
             if torch.is_grad_enabled():
                 out = context.cache.inject_grads(context.group, module.layer_number, out, key,
                                                  value, chunk=context.chunk,
@@ -74,7 +96,7 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
                                 chunk=context.chunk)
             if context.stop_after_layer == module.layer_number and not context.stop_in_router:
                 raise PrefixForwardDone()
-        out = _prefix_attention(context, module.layer_number, q, k, v, scale)
+        out = _prefix_attention(context, module.layer_number, q, k, v, scale, extra)
     else:
         assert isinstance(context, SuffixForwardContext)
         prefix_k, prefix_v = [], []
@@ -90,7 +112,8 @@ def core_attention_hook(module, query, key, value, attention_mask, *, attn_mask_
                                             length=length)
                 prefix_k.append(pk)
                 prefix_v.append(pv)
-        out = shared_prefix_attention(q, k, v, prefix_k, prefix_v, context.meta, scale=scale)
+        out = shared_prefix_attention(q, k, v, prefix_k, prefix_v, context.meta, scale=scale,
+                                      **extra)
     return out.reshape(out.shape[0], 1, -1)
 
 
@@ -163,15 +186,15 @@ def _packed_prefix_attention(context, layer, q, k, v, key, value, scale):
     return zigzag_attention(q, k, v, k_full, v_full, layout, none, none, scale=scale)
 
 
-def _prefix_attention(context, layer, q, k, v, scale):
+def _prefix_attention(context, layer, q, k, v, scale, extra):
     if context.chunk == 0:
-        return causal_attention(q, k, v, scale=scale)
+        return causal_attention(q, k, v, scale=scale, **extra)
     # [Note: prefix chunks] (units.py): the chunk attends like a suffix whose "prefix" is the
     # group's earlier chunks; through the reads, its backward adds to their gK/gV buffers.
     prefix_k, prefix_v = context.cache.read(context.group, layer, before_chunk=context.chunk,
                                             chunks=context.reads)
     meta = PackedMeta(cu_seqlens=(0, q.shape[0]), seq_slot=(0,))
-    return shared_prefix_attention(q, k, v, [prefix_k], [prefix_v], meta, scale=scale)
+    return shared_prefix_attention(q, k, v, [prefix_k], [prefix_v], meta, scale=scale, **extra)
 
 
 def rotary_pos_emb_hook(model, rotary_pos_emb):

@@ -149,6 +149,12 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _cpu_sliding_window_causal_mask(sq: int, skv: int, window_size) -> torch.Tensor:
+    """transformer/utils.py get_sliding_window_causal_mask (True = masked), on the CPU."""
+    keep = torch.ones(sq, skv, dtype=torch.bool).triu(skv - sq - window_size[0])
+    return ~keep.tril(skv - sq + window_size[1])
+
+
 def _on_cpu(factory):
     def make(*args, **kwargs):
         if str(kwargs.get("device", "")).startswith("cuda"):  # "cuda", "cuda:0", a device
@@ -258,6 +264,7 @@ def _patch_megatron_modules() -> None:
     rotary_pos_embedding.get_pos_emb_on_this_cp_rank = _cpu_pos_emb_on_this_cp_rank
     transformer_utils.get_default_causal_mask = _cpu_default_causal_mask
     fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
     for module in (schedules, megatron_optimizer, clip_grads, core_utils, distrib_optimizer):
         module.torch = _CpuFactoryTorch()
     optimizer_class = distrib_optimizer.DistributedOptimizer

@@ -146,12 +146,37 @@ def _validate(q, k, v, prefix_k, prefix_v, meta, scale) -> float:
     return float(scale)
 
 
-def _select(backend: Optional[str], q: torch.Tensor):
-    return select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
+def _select(backend: Optional[str], q: torch.Tensor, window: Optional[int] = None):
+    impl = select_backend(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1])
+    if window is not None and not impl.supports_window:
+        raise ValueError(
+            f"attention backend {impl.name!r} does not run sliding windows in the prefix-reuse "
+            "two-part path (its windowed part P needs one entry per suffix with a per-entry "
+            "window offset, see [Note: sliding windows] in backends/two_part.py); use the 'torch' "
+            "or 'math' backend (--attention-backend) for window_size models")
+    return impl
+
+
+def _check_extras(q, sink, window, mode) -> None:
+    """ValueError for a bad sink / window before compute (see two_part.py's notes)."""
+    if sink is not None:
+        if not isinstance(sink, torch.Tensor) or sink.dim() != 1 or sink.shape[0] != q.shape[1]:
+            raise ValueError(f"sink must be a [{q.shape[1]}] tensor (one logit per query head), "
+                             f"got {getattr(sink, 'shape', sink)!r}")
+        if sink.device != q.device or not sink.dtype.is_floating_point:
+            raise ValueError(f"sink must be a floating tensor on {q.device}, got {sink.dtype} on "
+                             f"{sink.device}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, Integral)
+                               or window < 0):
+        raise ValueError(f"window must be None or a python int >= 0 (Megatron's window_size[0]), "
+                         f"got {window!r}")
+    if mode == "copy" and (sink is not None or window is not None):
+        raise ValueError("copy mode implements neither attention sinks nor sliding windows; use "
+                         "mode='two_part'")
 
 
 def shared_prefix_attention(q, k, v, prefix_k, prefix_v, meta, *, scale=None, mode="two_part",
-                            backend=None):
+                            backend=None, sink=None, window=None):
     """Suffix tokens attend to their group's cached prefix and causally to their own suffix.
 
     q: [T, Hq, D]; k, v: [T, Hkv, D] (packed THD row of suffix tokens; Hq % Hkv == 0, GQA).
@@ -162,17 +187,23 @@ def shared_prefix_attention(q, k, v, prefix_k, prefix_v, meta, *, scale=None, mo
     (prefix gathered per suffix, one bottom-right causal call; the public-API fallback).
     backend: a name of prefix_schedule.attention.backends.BACKEND_NAMES or "auto"; None uses
     the process default (set_default_backend). Errors are raised before any compute.
+    sink: [Hq] learnable softmax offsets (Megatron softmax_type='learnable'), counted once per
+    query ([Note: attention sinks] in backends/two_part.py); window: W of Megatron's
+    window_size (W, 0): a token at position p sees positions p - W ... p, where a suffix token's
+    position continues after its prefix ([Note: sliding windows]).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     v, prefix_v, v_dim = _pad_values(q, v, list(prefix_v))
     scale = _validate(q, k, v, prefix_k, prefix_v, meta, scale)
-    impl = _select(backend, q)
+    _check_extras(q, sink, window, mode)
+    impl = _select(backend, q, window)
     if mode == "copy":
         out = impl.copy_attention(q, k, v, list(prefix_k), prefix_v, meta, scale)
     else:
         out = two_part_attention(impl, q, k, v, list(prefix_k), prefix_v, meta.cu_seqlens,
-                                 meta.slot_ranges, scale)
+                                 meta.slot_ranges, scale, sink=sink,
+                                 window=None if window is None else int(window))
     return out if v_dim is None else out[..., :v_dim]
 
 
@@ -196,16 +227,18 @@ def _pad_values(q, v, prefix_v):
     return pad(v), [pad(p) if p.dim() == 3 and p.shape[-1] == v_dim else p for p in prefix_v], v_dim
 
 
-def causal_attention(q, k, v, *, scale=None, backend=None):
+def causal_attention(q, k, v, *, scale=None, backend=None, sink=None, window=None):
     """Square causal self-attention on [L, Hq, D] / [L, Hkv, D]. Differentiable.
-    backend: as for shared_prefix_attention."""
+    backend, sink, window: as for shared_prefix_attention."""
     if q.dim() != 3 or q.shape[0] < 1:
         raise ValueError(f"q must be [L >= 1, heads, head_dim], got {tuple(q.shape)}")
     meta = PackedMeta(cu_seqlens=(0, q.shape[0]), seq_slot=(0,))
     no_prefix = k.new_empty((0, *k.shape[1:]))  # reuse the shared checks with P = 0
     v, _, v_dim = _pad_values(q, v, [])  # [Note: unequal V head dim]
     scale = _validate(q, k, v, [no_prefix], [no_prefix], meta, scale)
-    out = backend_causal_attention(_select(backend, q), q, k, v, scale)
+    _check_extras(q, sink, window, "two_part")
+    out = backend_causal_attention(_select(backend, q, window), q, k, v, scale, sink=sink,
+                                   window=None if window is None else int(window))
     return out if v_dim is None else out[..., :v_dim]
 
 

@@ -14,7 +14,10 @@ d = kv_channels (default h / a), V = vocab_size:
 - output layer (once per token, not per layer): 2 * h * V
 - attention products QK^T and PV: 2 * a*d per (query, key) pair each, i.e. 4 * a*d per pair.
   Only unmasked pairs count: a causal row of s tokens has s*(s+1)/2 pairs (the diagonal
-  included); a suffix row of n tokens over c cached prefix keys has n*c + n*(n+1)/2.
+  included); a suffix row of n tokens over c cached prefix keys has n*c + n*(n+1)/2. A
+  sliding-window layer (`window_size` W, on the layers `window_attn_skip_freq` leaves windowed)
+  counts only the pairs a window sees: min(p + 1, W + 1) keys for the token at position p.
+  Attention sinks (softmax_type='learnable') add one logit per (query, head): not counted.
 
 - Gated DeltaNet layers (`linear_attention_freq` set: layer i is softmax attention when
   (i+1) % freq == 0, GDN otherwise, Megatron's get_linear_attention_pattern), with HK/HV key/value
@@ -69,7 +72,7 @@ from typing import Any
 from prefix_schedule.planning.data import GroupBatch
 from prefix_schedule.planning.flops_layers import (HYBRID_SYMBOLS, MAMBA, MIXERS, MOE,
                                                    layer_parts, mixer_forward, mixer_to_cache,
-                                                   mlp_forward, router)
+                                                   mlp_forward, router, layer_window)
 
 __all__ = ["ModelDims", "dense_flops", "reuse_flops", "ideal_speedup"]
 
@@ -134,6 +137,12 @@ class ModelDims:
     """Mamba-2 causal conv window (MambaMixer's d_conv)."""
     mamba_chunk_size: int = 128
     """Mamba-2 SSD chunk length Q (MambaMixer's chunk_size)."""
+    window_size: int | None = None
+    """Sliding-window attention (gpt-oss): W of Megatron's window_size (W, 0), a token at
+    position p sees keys p - W ... p; None: full causal attention."""
+    window_attn_skip_freq: int | None = None
+    """Megatron's rule: 1-based layer l is windowed unless l % freq == 0 (gpt-oss: 2, alternate
+    layers); None: every attention layer is windowed when window_size is set."""
 
     def __post_init__(self) -> None:
         if self.linear_attention_freq is not None and (
@@ -159,6 +168,12 @@ class ModelDims:
         elif isinstance(self.kv_channels, bool) or not isinstance(self.kv_channels, int) or self.kv_channels < 1:
             raise ValueError(f"ModelDims.kv_channels={self.kv_channels!r}; give an int >= 1 or None")
         self._check_hybrid()
+        for name in ("window_size", "window_attn_skip_freq"):
+            value = getattr(self, name)
+            low = 0 if name == "window_size" else 1
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < low):
+                raise ValueError(f"ModelDims.{name}={value!r}; give an int >= {low} or None")
         if self.num_experts is not None:
             if not 1 <= self.moe_router_topk <= self.num_experts:
                 raise ValueError(f"moe_router_topk={self.moe_router_topk} with num_experts="
@@ -203,7 +218,8 @@ def _row_forward(dims: ModelDims, length: int, cached: int) -> int:
     total = 0
     for i in range(dims.num_layers):
         mixer, mlp = layer_parts(dims, i)
-        total += mixer_forward(dims, mixer, length, cached) + mlp_forward(dims, mlp, length)
+        total += (mixer_forward(dims, mixer, length, cached, layer_window(dims, i))
+                  + mlp_forward(dims, mlp, length))
     return total + length * 2 * dims.hidden_size * dims.vocab_size
 
 
@@ -224,10 +240,12 @@ def _prefix_forward(dims: ModelDims, length: int, cached: int = 0) -> int:
     total = 0
     for i in range(stop):
         mixer, mlp = layer_parts(dims, i)
-        total += mixer_forward(dims, mixer, length, cached) + mlp_forward(dims, mlp, length)
+        total += (mixer_forward(dims, mixer, length, cached, layer_window(dims, i))
+                  + mlp_forward(dims, mlp, length))
     mixer, _ = layer_parts(dims, stop)
     if in_router:
-        return total + mixer_forward(dims, mixer, length, cached) + length * router(dims)
+        return (total + mixer_forward(dims, mixer, length, cached, layer_window(dims, stop))
+                + length * router(dims))
     return total + mixer_to_cache(dims, mixer, length, cached)
 
 

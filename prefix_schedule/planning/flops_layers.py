@@ -10,6 +10,7 @@ if TYPE_CHECKING:  # flops.py imports this module
     from prefix_schedule.planning.flops import ModelDims
 
 __all__ = ["ATTENTION", "GDN", "MAMBA", "MIXERS", "MLP", "MOE", "HYBRID_SYMBOLS", "layer_parts",
+           "layer_window",
            "mixer_forward", "mixer_to_cache", "mlp_forward", "router"]
 
 ATTENTION, GDN, MAMBA, MLP, MOE = "*", "G", "M", "-", "E"
@@ -29,14 +30,30 @@ def layer_parts(dims: "ModelDims", layer: int) -> Tuple[Optional[str], Optional[
     return mixer, (MOE if dims.num_experts else MLP)
 
 
+def layer_window(dims: "ModelDims", layer: int) -> Optional[int]:
+    """W when 0-based `layer` is a sliding-window attention layer (Megatron's
+    is_layer_window_attention on layer_number = layer + 1), else None."""
+    freq = dims.window_attn_skip_freq
+    if dims.window_size is None or (freq is not None and (layer + 1) % freq == 0):
+        return None
+    return dims.window_size
+
+
 def _qkv(dims: "ModelDims") -> int:
     """linear_qkv: q (plus its output gate with attention_output_gate), k, v."""
     heads = dims.num_attention_heads * (2 if dims.attention_output_gate else 1)
     return 2 * dims.hidden_size * (heads + 2 * dims.num_query_groups) * dims.kv_channels
 
 
-def _pairs(length: int, cached: int) -> int:
-    return length * cached + length * (length + 1) // 2
+def _pairs(length: int, cached: int, window: Optional[int] = None) -> int:
+    """(query, key) pairs of `length` tokens at positions cached .. cached + length - 1, each
+    seeing min(p + 1, W + 1) keys (all p + 1 without a window)."""
+    full = length * cached + length * (length + 1) // 2
+    if window is None:
+        return full
+    first = max(cached, window)  # positions >= W see W + 1 keys, earlier ones p + 1
+    capped = max(0, cached + length - first)
+    return full - (capped * (first + 1) + capped * (capped - 1) // 2) + capped * (window + 1)
 
 
 def _dense_mlp(dims: "ModelDims", f: int) -> int:
@@ -102,14 +119,17 @@ def mixer_to_cache(dims: "ModelDims", symbol: str, length: int, cached: int) -> 
     return _mamba(dims, length)[0]
 
 
-def mixer_forward(dims: "ModelDims", symbol: Optional[str], length: int, cached: int) -> int:
+def mixer_forward(dims: "ModelDims", symbol: Optional[str], length: int, cached: int,
+                  window: Optional[int] = None) -> int:
     """`length` tokens through a whole mixer over `cached` cached keys (attention: unmasked
-    pairs; GDN / Mamba start from the cached state, so `cached` costs nothing)."""
+    pairs, within `window` when set; GDN / Mamba start from the cached state, so `cached`
+    costs nothing)."""
     if symbol is None:
         return 0
     if symbol == ATTENTION:
         ad = dims.num_attention_heads * dims.kv_channels
-        return length * (_qkv(dims) + 2 * ad * dims.hidden_size) + 4 * ad * _pairs(length, cached)
+        return (length * (_qkv(dims) + 2 * ad * dims.hidden_size)
+                + 4 * ad * _pairs(length, cached, window))
     if symbol == GDN:
         return length * sum(_gdn(dims))
     return sum(_mamba(dims, length))

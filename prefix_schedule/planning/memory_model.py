@@ -121,6 +121,13 @@ class ActivationModel(LayerTerms):
     def __post_init__(self) -> None:
         if not isinstance(self.dims, ModelDims):
             raise ValueError(f"ActivationModel.dims={self.dims!r}; give a flops.ModelDims")
+        if self.dims.window_size is not None:
+            raise ValueError(
+                f"ActivationModel: window_size={self.dims.window_size} (sliding-window attention, "
+                "gpt-oss) is not in the memory model: its reuse attention runs the math kernels "
+                "(scores of each suffix and of its windowed prefix part materialised), which "
+                "nothing here counts; costing it as full attention would be wrong. No capacity "
+                "or memory prediction for window_size models yet")
         for name in ("act_bytes", "tp", "in_flight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -52,6 +52,11 @@ class VarlenCall:
     """Key boundaries per batch entry: 0, ..., total_k; entries may be empty."""
     causal: bool
     """Causal within each entry; only for square entries."""
+    window: Optional[int] = None
+    """Sliding window (Megatron's window_size[0], left W): query i of an entry sees key j only if
+    j >= pos(i) - W, where pos(i) = i in a causal (square) entry and pos(i) = n_k + i in a
+    non-causal one (its queries follow its keys: part P, the prefix before the suffix). None: no
+    window. Only backends with `supports_window` take it ([Note: sliding windows] in two_part.py)."""
     max_q: int = field(init=False)
     """Longest query entry (derived; passed to kernels as a python int, never read from device)."""
     max_k: int = field(init=False)
@@ -68,6 +73,7 @@ class VarlenCall:
         nk = [b - a for a, b in zip(self.cu_k, self.cu_k[1:])]
         assert nq and len(nq) == len(nk) and self.cu_q[0] == 0 == self.cu_k[0], (self.cu_q, self.cu_k)
         assert min(nq) >= 0 and min(nk) >= 0 and not (self.causal and nq != nk)
+        assert self.window is None or (isinstance(self.window, int) and self.window >= 0)
         runs: list[list[int]] = []
         for qs, ks, a, b in zip(self.cu_q, self.cu_k, nq, nk):
             if runs and runs[-1][2:4] == [a, b]:
@@ -153,6 +159,8 @@ class Backend:
     name: str = ""
     install_hint: str = ""
     """What to install when the library is missing."""
+    supports_window: bool = False
+    """Its varlen kernels honour VarlenCall.window (else a windowed layer is refused before compute)."""
     empty_kv_ok: bool = True
     """The kernel gives out 0 and LSE +-inf for an entry without keys. When False, slots with an
     empty prefix are left out of part P instead (their query rows are gathered out)."""

@@ -2,48 +2,10 @@
 memory O(L_q x L_k) per run of equal-shape entries."""
 from __future__ import annotations
 
-import math
-
-import torch
-
-from prefix_schedule.attention.backends._base import acc_dtype
+from prefix_schedule.attention.backends.math_kernels import math_bwd, math_fwd
 from prefix_schedule.attention.backends.torch_cpu import LoopBackend
 
 __all__ = ["MathBackend", "math_bwd", "math_fwd"]
-
-
-def _scores(q, k, causal, scale):
-    rep = q.shape[1] // k.shape[1]
-    acc = acc_dtype(q.dtype)
-    s = torch.einsum("bhqd,bhkd->bhqk", q.to(acc), k.repeat_interleave(rep, 1).to(acc)) * scale
-    if causal:
-        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
-        s = s.masked_fill(~keep, -math.inf)
-    return s, rep, acc
-
-
-def math_fwd(q, k, v, causal, scale):
-    """Dense [B, H, L, D] attention returning (out, natural-log LSE [B, H, L])."""
-    s, rep, acc = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.einsum("bhqk,bhkd->bhqd", torch.exp(s - lse[..., None]), v.repeat_interleave(rep, 1).to(acc))
-    return out.to(q.dtype), lse
-
-
-def math_bwd(g, q, k, v, out, lse, causal, scale):
-    """Gradients from the given (possibly merged) out and LSE, like a flash kernel's backward."""
-    s, rep, acc = _scores(q, k, causal, scale)
-    p = torch.exp(s - lse[..., None].to(acc))
-    g, vr = g.to(acc), v.repeat_interleave(rep, 1).to(acc)
-    dv = torch.einsum("bhqk,bhqd->bhkd", p, g)
-    ds = p * (torch.einsum("bhqd,bhkd->bhqk", g, vr) - (g * out.to(acc)).sum(-1, keepdim=True))
-    dq = torch.einsum("bhqk,bhkd->bhqd", ds, k.repeat_interleave(rep, 1).to(acc)) * scale
-    dk = torch.einsum("bhqk,bhqd->bhkd", ds, q.to(acc)) * scale
-
-    def fold(x):  # sum the query-head copies of each kv head back (GQA)
-        return x.unflatten(1, (k.shape[1], rep)).sum(2).to(q.dtype)
-
-    return dq.to(q.dtype), fold(dk), fold(dv)
 
 
 class MathBackend(LoopBackend):

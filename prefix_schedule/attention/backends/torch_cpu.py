@@ -9,6 +9,7 @@ import torch
 
 from prefix_schedule.attention.backends._base import (Backend, acc_dtype, sdpa_causal_attention,
                                                       sdpa_copy_attention)
+from prefix_schedule.attention.backends.math_kernels import math_bwd, math_fwd
 
 __all__ = ["LoopBackend", "TorchCpuBackend", "cpu_flash_bwd", "cpu_flash_fwd"]
 
@@ -36,13 +37,23 @@ def _lse_view(lse: torch.Tensor, start: int, n: int, count: int) -> torch.Tensor
 
 class LoopBackend(Backend):
     """Varlen calls as one dense kernel call per run (VarlenCall.runs); copy and causal modes
-    through public SDPA. Subclasses give the dense kernels."""
+    through public SDPA. Subclasses give the dense kernels. A windowed call (VarlenCall.window)
+    runs the math kernels with the band mask: PyTorch's CPU flash op takes no window; the
+    windowed part P is at most W x W per suffix ([Note: sliding windows] in two_part.py)."""
+
+    supports_window = True
 
     def kernels(self):
         raise NotImplementedError
 
+    def _kernels(self, call):
+        if call.window is None:
+            return self.kernels()
+        w = call.window
+        return (lambda *a: math_fwd(*a, window=w)), (lambda *a: math_bwd(*a, window=w))
+
     def varlen_fwd(self, q, k, v, call, scale):
-        fwd, _ = self.kernels()
+        fwd, _ = self._kernels(call)
         out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=acc_dtype(q.dtype))
         for qs, ks, nq, nk, count in call.runs:
@@ -58,7 +69,7 @@ class LoopBackend(Backend):
         return out, lse, None
 
     def varlen_bwd(self, grad_out, q, k, v, out, lse, call, scale, state):
-        _, bwd = self.kernels()
+        _, bwd = self._kernels(call)
         dq, dk, dv = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
         for qs, ks, nq, nk, count in call.runs:
             if nk == 0 or nq == 0:
