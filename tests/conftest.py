@@ -41,6 +41,19 @@ def megatron_env():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_moe_metrics_tracker():
+    """Megatron's MoE metrics tracker is a process global sized by the first MoE model's layer
+    count: a later model with more layers indexes past it (IndexError in record()). Each test
+    starts without one (no-op where megatron was never imported)."""
+    yield
+    import sys
+
+    logging = sys.modules.get("megatron.core.transformer.moe.moe_logging")
+    if logging is not None and hasattr(logging, "destroy_moe_metrics_tracker"):
+        logging.destroy_moe_metrics_tracker()
+
+
 def pytest_terminal_summary(terminalreporter):
     """One line for every test skipped without the Megatron-LM checkouts (tests/megatron_trees.py)."""
     from megatron_trees import skip_summary
