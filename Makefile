@@ -37,7 +37,7 @@ $(STAMP): setup.py Makefile megatron_patches/patching/declarations.py
 demo: setup
 	$(PY) examples/grpo_demo.py
 
-# The framework tests (names with verl / train_rl) run in `make test-frameworks` (CI runs both):
+# The framework tests (names with verl / train_rl, test_fw_*) run in `make test-frameworks` (CI runs both):
 # once is enough, and there in the environment verl needs.
 test: setup
 	$(PY) -m pytest -q $(addprefix --ignore=,$(FW_TESTS)) $(PYTEST_ARGS) tests
@@ -60,13 +60,13 @@ patches-report: setup
 clean:
 	rm -rf $(VENV) $(FW_VENV) build *.egg-info
 
-# Framework tests (test names say verl / train_rl) in their own venv: verl 0.9.1 pins transformers
+# Framework tests (test names say verl / train_rl, or start with test_fw_) in their own venv: verl 0.9.1 pins transformers
 # < 5.11 and tensordict <= 0.10 (ours: 5.23). torch goes in first, pinned, and everything else
 # with --no-deps from a pinned list, so no CUDA torch is ever pulled.
 FW_VENV := .venv-frameworks
 FW_PY := $(FW_VENV)/bin/python
 FW_STAMP := $(FW_VENV)/.setup-stamp
-FW_TESTS := $(wildcard tests/test_*verl*.py tests/test_*train_rl*.py)
+FW_TESTS := $(wildcard tests/test_*verl*.py tests/test_*train_rl*.py tests/test_fw_*.py)
 
 $(FW_STAMP): Makefile tools/frameworks-requirements.txt megatron_patches/patching/declarations.py
 	test -x $(FW_PY) || $(PYTHON) -m venv $(FW_VENV)

@@ -142,6 +142,7 @@ def areal_engine(model, config, *, cls=None):
     engine.is_vision_model = False
     engine.optimizer = GradRecorder(model)
     engine._initialized = True
+    engine.process_group_initialized = True  # Megatron's parallel state is initialised (gloo)
     from areal.utils import logging
     engine.logger = logging.getLogger("[MegatronEngine Rank 0]")  # as initialize() names it
     model.zero_grad_buffer = engine.optimizer.zero_grad

@@ -4,10 +4,12 @@ tests/test_fw_areal_tree.py).
 For one batch of sequences and one micro-batch token budget, counted, not timed (tokens are
 deterministic; step times on a shared CPU are noise):
 - dense: AReaL's own dense split (`split_padded_tensor_dict_into_mb_list` with
-  `max_tokens_per_mb` = budget): micro-batches and tokens fed (every sequence whole);
-- AReaL tree: AReaL's own trie packer (`build_packed_tree_batch`, the function its engine calls
-  with `enable_tree_training`; `pad_to_maximum=True`, which it requires): trees, tree tokens (the
-  trie's distinct tokens) and tokens fed to the model (each tree padded to the budget). A
+  `max_tokens_per_mb` = budget): micro-batches and tokens fed (every sequence whole); a
+  sequence longer than the budget is AReaL's refusal (its packer raises);
+- AReaL tree: AReaL's own trie packer (`_greedy_build_tries`, the core of
+  `build_packed_tree_batch`, which its engine calls with `enable_tree_training`;
+  `pad_to_maximum=True`, which it requires): trees, tree tokens (the trie's distinct tokens) and
+  tokens fed to the model (each tree padded to the budget, as build_packed_tree_batch pads). A
   sequence longer than the budget is AReaL's refusal (a tree must fit one micro-batch);
 - ours: the prefix-reuse plan (prefix_schedule detect + plan_with_policy, token budget = the
   budget, prefixes longer than the budget cut into chunks of the budget): prefix tokens (run once
@@ -83,24 +85,39 @@ def count_dense(sequences, budget: int) -> PeerCounts:
     from areal.utils.data import split_padded_tensor_dict_into_mb_list
     tokens = sum(s.numel() for s in sequences)
     longest = max(s.numel() for s in sequences)
-    mbs = split_padded_tensor_dict_into_mb_list(padded_batch(sequences),
-                                                MicroBatchSpec(max_tokens_per_mb=budget))
-    note = (f"a sequence ({longest}) exceeds the budget: a micro-batch holds it alone"
-            if longest > budget else "")
-    return PeerCounts("dense (AReaL split)", budget, len(mbs.mbs), tokens, tokens, note)
-
-
-def count_areal_tree(sequences, budget: int) -> PeerCounts:
-    from areal.api.cli_args import MicroBatchSpec
-    from areal.models.tree_attn.tree import build_packed_tree_batch
     try:
-        mbs = build_packed_tree_batch(padded_batch(sequences),
-                                      mb_spec=MicroBatchSpec(max_tokens_per_mb=budget),
-                                      pad_to_maximum=True)
+        mbs = split_padded_tensor_dict_into_mb_list(padded_batch(sequences),
+                                                    MicroBatchSpec(max_tokens_per_mb=budget))
+    except (RuntimeError, ValueError) as error:  # AReaL's packer: a sequence over the budget
+        return PeerCounts("dense (AReaL split)", budget, None, None, None,
+                          f"refused: a {longest}-token sequence does not fit ({str(error)[-40:]})")
+    return PeerCounts("dense (AReaL split)", budget, len(mbs.mbs), tokens, tokens, "")
+
+
+def count_areal_tree(sequences, budget: int, *, full_packer: bool = False) -> PeerCounts:
+    """AReaL's trie packing at `budget`. Counted with `_greedy_build_tries`, the packer core that
+    `build_packed_tree_batch` calls (`full_packer=True` runs the whole function: it also builds a
+    dense budget x budget attention mask per tree and sums it in int64, 32 GiB at a 64k budget,
+    so it is for small budgets only; tests/test_fw_areal_tree.py checks both agree)."""
+    from areal.api.cli_args import MicroBatchSpec
+    from areal.models.tree_attn.tree import _greedy_build_tries, build_packed_tree_batch
+    data = padded_batch(sequences)
+    try:
+        if full_packer:
+            mbs = build_packed_tree_batch(data, mb_spec=MicroBatchSpec(max_tokens_per_mb=budget),
+                                          pad_to_maximum=True)
+            trees, fed = len(mbs.mbs), sum(mbs.padded_to_lengths)
+            real = sum(mbs.group_lens)
+        else:
+            from areal.models.tree_attn.constants import BLOCK_SIZE
+            if budget % BLOCK_SIZE:  # build_packed_tree_batch's own check (pad_to_maximum)
+                raise ValueError(f"max_tokens_per_tree ({budget}) must be a multiple of {BLOCK_SIZE}")
+            tries, lens = _greedy_build_tries(data, budget)
+            trees, fed, real = len(tries), len(tries) * budget, sum(lens)
     except ValueError as error:
         return PeerCounts("AReaL tree", budget, None, None, None, f"refused: {error}")
-    return PeerCounts("AReaL tree", budget, len(mbs.mbs), sum(mbs.padded_to_lengths),
-                      sum(mbs.group_lens), "trees padded to the budget (pad_to_maximum)")
+    return PeerCounts("AReaL tree", budget, trees, fed, real,
+                      "each tree padded to the budget (pad_to_maximum, required)")
 
 
 def count_ours(sequences, budget: int, *, min_shared_len: int = 8) -> PeerCounts:
