@@ -136,3 +136,16 @@ def test_refusals_name_the_setting(megatron_env):
     with pytest.raises(ValueError, match="is_critic"):
         _step(reuse, batch, harness.grpo_loss())
     assert not reuse.optimizer.grads, "a refused step computed"
+
+
+def test_install_makes_areal_trainer_build_the_reuse_actor():
+    """PPOTrainer._create_train_engine does `from areal.engine import MegatronPPOActor`."""
+    import areal.engine
+    from megatron_patches.frameworks.areal import engine_class, install
+    original = areal.engine.MegatronPPOActor
+    try:
+        assert install() is engine_class()
+        from areal.engine import MegatronPPOActor
+        assert MegatronPPOActor is engine_class() and issubclass(MegatronPPOActor, original)
+    finally:
+        areal.engine.MegatronPPOActor = original

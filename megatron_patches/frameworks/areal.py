@@ -37,7 +37,7 @@ import torch
 from megatron_patches.frameworks.adapter import AdapterConfig, PrefixReuseAdapter
 from megatron_patches.frameworks.rollout import RolloutBatch, TokenBatch
 
-__all__ = ["SUPPORTED_AREAL", "PrefixReuseConfig", "check_areal_version", "with_prefix_reuse",
+__all__ = ["SUPPORTED_AREAL", "PrefixReuseConfig", "check_areal_version", "with_prefix_reuse", "install",
            "rollout_from_areal", "engine_class", "areal_train_batch"]
 
 SUPPORTED_AREAL = ("1.0.4",)
@@ -285,3 +285,14 @@ def engine_class(base: Optional[type] = None) -> type:
             return areal_train_batch(self, input_, loss_fn, loss_weight_fn)
     PrefixReuseMegatronEngine.__name__ = f"PrefixReuse{base.__name__}"
     return PrefixReuseMegatronEngine
+
+
+def install() -> type:
+    """Make AReaL's trainer build the prefix-reuse actor: `areal.engine.MegatronPPOActor` becomes
+    `engine_class()` (PPOTrainer's `_create_train_engine` imports it from there when the
+    allocation backend is megatron). Returns the class; idempotent. With
+    `actor.prefix_reuse.enabled=false` (or no key) the engine is AReaL's."""
+    import areal.engine
+    cls = engine_class()
+    areal.engine.MegatronPPOActor = cls
+    return cls
