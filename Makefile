@@ -65,7 +65,7 @@ patches-report: setup
 clean:
 	rm -rf $(VENV) $(FW_VENV) build *.egg-info
 
-# Framework tests (test names say verl / train_rl) in their own venv: verl 0.9.1 pins transformers
+# Framework tests (test names say verl / train_rl, or start with test_fw_) in their own venv: verl 0.9.1 pins transformers
 # < 5.11 and tensordict <= 0.10 (ours: 5.23). torch goes in first, pinned, and everything else
 # with --no-deps from a pinned list, so no CUDA torch is ever pulled.
 FW_VENV := .venv-frameworks

@@ -1,11 +1,11 @@
-"""The adapter fed data shaped exactly as AReaL and ROLL hand Megatron (field
+"""The adapter fed data shaped exactly as ROLL hands Megatron (field
 names, padding / THD layout, alignment, their normaliser and microbatch factor), reuse == the
 framework's own dense step over its own microbatches (stock Megatron, fp32 1e-5). The dense
 reference runs each microbatch as right-padded rows where the framework packs THD: with causal
 attention and no cross-sequence attention both are the same computation. docs/FRAMEWORKS.md
-names the file and function of each framework where the adapter goes. slime and NeMo-RL run
-through their real code in tests/test_fw_slime.py and tests/test_fw_nemo_rl.py (make
-test-frameworks)."""
+names the file and function of each framework where the adapter goes. slime, NeMo-RL and AReaL
+run through their real code in tests/test_fw_slime.py, tests/test_fw_nemo_rl.py and
+tests/test_fw_areal.py (make test-frameworks)."""
 import pytest
 import torch
 
@@ -48,37 +48,6 @@ def _sequences(seed):
     return seqs, masks, adv, old, ref
 
 
-def test_areal_shape(megatron_env):
-    """AReaL (areal/engine/megatron_engine.py::MegatronEngine.train_batch /
-    forward_backward_batch): packed 1-D `input_ids` with `cu_seqlens`; `loss_mask`,
-    `advantages`, `logprobs` rolled by -1 (aligned with the predicting position, as
-    areal/trainer/ppo/actor.py does); loss_fn is a microbatch mean, scaled by
-    local_weight / total_weight x dp x len(mb_list)."""
-    from megatron_patches.frameworks import RolloutBatch
-    seqs, masks, adv, old, ref = _sequences(13)
-    cu = torch.tensor([0] + [s[0].numel() for s in seqs]).cumsum(0)
-
-    def packed_rolled(per_seq):
-        return torch.cat([torch.roll(torch.as_tensor(x, dtype=torch.float32), -1) for x in per_seq])
-    data = {"input_ids": torch.cat([s[0] for s in seqs]), "cu_seqlens": cu,
-            "loss_mask": packed_rolled(masks),
-            "advantages": packed_rolled([m * a for m, a in zip(masks, adv)]),
-            "logprobs": packed_rolled(old), "ref_logp": packed_rolled(ref)}
-
-    def unroll(packed):  # back to token alignment, sequence by sequence
-        return torch.cat([torch.roll(packed[a:b], 1) for a, b in zip(cu[:-1], cu[1:])])
-    rollout = RolloutBatch.from_packed(
-        tokens=data["input_ids"], cu_seqlens=cu, loss_mask=unroll(data["loss_mask"]),
-        group_ids=[s[2] for s in seqs], advantages=unroll(data["advantages"]),
-        old_logprobs=unroll(data["logprobs"]), ref_logprobs=unroll(data["ref_logp"]))
-    total_weight, dp = rollout.num_loss_tokens, 1
-
-    def areal_loss(b):
-        local_weight = b.loss_mask.sum()
-        mean = (_ppo(b) * b.loss_mask).sum() / local_weight.clamp(min=1)
-        loss = mean * (local_weight / total_weight * dp * b.num_microbatches)
-        return loss, {"loss": (mean * local_weight / total_weight).detach()}
-    _check(_model(), rollout, areal_loss, [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9, 10, 11, 12]])
 
 
 def test_roll_shape(megatron_env):

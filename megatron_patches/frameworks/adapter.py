@@ -190,7 +190,8 @@ class _TokenStore:
 
 
 
-def _loss(item, logits, *, prepared: "PreparedStep", loss_fn: Optional[LossFn]):
+def _loss(item, logits, *, prepared: "PreparedStep", loss_fn: Optional[LossFn],
+          expose_logits: bool = False):
     if "loss_index" in item:  # a prefix-tree unit: one entry per (trajectory, loss token)
         logits = logits[:, item["loss_index"][0]]
     if prepared.config.temperature != 1.0:
@@ -210,6 +211,8 @@ def _loss(item, logits, *, prepared: "PreparedStep", loss_fn: Optional[LossFn]):
     if loss_fn is None:  # a log-prob pass without a loss
         return logprobs.sum() * 0.0, {}
     arrays = {n: (None if a is None else a[flat]) for n, a in store.arrays.items()}
+    if expose_logits:  # a framework that computes log-probs itself (frameworks/areal.py)
+        arrays["_logits"] = logits.reshape(-1, logits.shape[-1])[real]
     batch = TokenBatch(logprobs=logprobs, entropy=entropy, sequence_index=seq, position=pos,
                        loss_mask=arrays.pop("loss_mask"), advantages=arrays.pop("advantages"),
                        old_logprobs=arrays.pop("old_logprobs"),
@@ -303,8 +306,10 @@ class PreparedStep:
     loss_finite: Optional[torch.Tensor] = None
     """Whether every loss loss_fn returned in this step was finite (a device flag)."""
 
-    def forward_step(self, loss_fn: Optional[LossFn]) -> Callable:
-        """Megatron's forward_step_func for this step, with `loss_fn` as the loss."""
+    def forward_step(self, loss_fn: Optional[LossFn], *, expose_logits: bool = False) -> Callable:
+        """Megatron's forward_step_func for this step, with `loss_fn` as the loss
+        (`expose_logits`: the loss also gets the logit rows it computes, [n, V] with gradient,
+        as `TokenBatch.fields['_logits']`, for a framework that computes log-probs itself)."""
         prepared = self
 
         def forward_step(data_iterator, model):
@@ -316,7 +321,8 @@ class PreparedStep:
             output = model(item["tokens"], item["position_ids"], None)
             if item.get("kind") == "prefix" and "loss_index" not in item:
                 return output, None  # Phase A: no loss
-            return output, partial(_loss, item, prepared=prepared, loss_fn=loss_fn)
+            return output, partial(_loss, item, prepared=prepared, loss_fn=loss_fn,
+                                   expose_logits=expose_logits)
         return forward_step
 
     def collect(self, losses_reduced) -> AdapterResult:
