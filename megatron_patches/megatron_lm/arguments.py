@@ -91,6 +91,7 @@ def check_prefix_reuse_args(args) -> None:
     """Refuse what this trainer cannot honour, before any compute (ValueError says the fix)."""
     if args.num_experts:
         _check_moe_parallel_args(args)
+    _check_layer_pattern_args(args)
     if args.grpo_entropy_term_weight:
         raise ValueError("--grpo-entropy-term-weight weighs Megatron's sampled-token entropy term; "
                          "this trainer's entropy bonus is the full-vocabulary entropy: use "
@@ -138,3 +139,39 @@ def _check_moe_parallel_args(args) -> None:
                          f"{args.expert_tensor_parallel_num_weight_shards}: expert GTP (weight "
                          "shards beyond --expert-tensor-parallel-size) is not verified with "
                          "prefix reuse; leave it unset or equal to --expert-tensor-parallel-size")
+
+
+def _check_layer_pattern_args(args) -> None:
+    """The layer pattern builds the model the flags name, and prefix reuse can run it: a
+    `--linear-attention-freq` below 1 (Megatron computes `(i + 1) % N`: -1 silently builds an
+    all-softmax model, 0 divides by zero while building), an empty `--hybrid-layer-pattern`
+    (divides by zero while building), context parallelism with recurrent layers (Gated DeltaNet
+    or Mamba: their prefix is a state, which CP would have to split; Megatron's own refusal,
+    later, names the attention backend instead)."""
+    freq = getattr(args, "linear_attention_freq", None)
+    if isinstance(freq, int) and freq < 1:
+        raise ValueError(f"--linear-attention-freq {freq}: give N >= 1 (every N-th layer is "
+                         "softmax attention, the others Gated DeltaNet; N=1 is all softmax), or "
+                         'a list pattern such as "([1]*3+[0]*1)*2"')
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is not None and not pattern.replace("|", "").replace("/", "").strip():
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r} has no layers: give one symbol "
+                         "per layer (M Mamba, * attention, - MLP, E MoE; '|' between pipeline "
+                         "stages), e.g. M-M*M-")
+    recurrent = _recurrent_layers(args)
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp > 1 and recurrent and getattr(args, "prefix_reuse", False):
+        raise ValueError(f"--context-parallel-size {cp} with {recurrent} layers: prefix reuse "
+                         "caches their prefix as a recurrent state, which context parallelism "
+                         "would have to split across ranks (not implemented); give "
+                         "--context-parallel-size 1")
+
+
+def _recurrent_layers(args) -> str:
+    """"Gated DeltaNet" / "Mamba" when the flags build such layers, else ""."""
+    if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
+        freq = getattr(args, "linear_attention_freq", None)
+        if freq != 1 and not (isinstance(freq, list) and not any(freq)):
+            return "Gated DeltaNet"
+    pattern = getattr(args, "hybrid_layer_pattern", None) or ""
+    return "Mamba" if "M" in pattern.split("/")[0] else ""

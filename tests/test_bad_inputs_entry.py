@@ -1,0 +1,43 @@
+"""Bad arguments of the Megatron-LM entry point (issue 37), refused by our checks before Megatron
+builds anything (megatron_patches/megatron_lm/arguments.py), each naming the flag and the fix.
+In-process: the checks on a parsed namespace, no Megatron, no process."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_patches.megatron_lm.arguments import check_prefix_reuse_args
+from test_megatron_lm_units import _args
+
+GDN = dict(experimental_attention_variant="gated_delta_net", linear_attention_freq=4)
+MAMBA = dict(hybrid_layer_pattern="M-M*M-")
+
+REFUSED = [  # (overrides, words the message must hold)
+    ({**GDN, "linear_attention_freq": -1}, ["--linear-attention-freq -1", "N >= 1"]),
+    ({**GDN, "linear_attention_freq": 0}, ["--linear-attention-freq 0", "N >= 1"]),
+    ({"linear_attention_freq": -3}, ["--linear-attention-freq -3"]),
+    ({"hybrid_layer_pattern": ""}, ["--hybrid-layer-pattern ''", "no layers"]),
+    ({"hybrid_layer_pattern": "|"}, ["--hybrid-layer-pattern '|'", "no layers"]),
+    ({**GDN, "context_parallel_size": 2, "prefix_reuse": True},
+     ["--context-parallel-size 2", "Gated DeltaNet", "--context-parallel-size 1"]),
+    ({**MAMBA, "context_parallel_size": 2, "prefix_reuse": True},
+     ["--context-parallel-size 2", "Mamba", "--context-parallel-size 1"]),
+]
+
+ACCEPTED = [
+    GDN, MAMBA, {**GDN, "linear_attention_freq": [1, 1, 1, 0]},
+    {**GDN, "linear_attention_freq": 1, "context_parallel_size": 2, "prefix_reuse": True},
+    {"hybrid_layer_pattern": "**--", "context_parallel_size": 2, "prefix_reuse": True},
+    {**MAMBA, "context_parallel_size": 2},  # dense: Megatron's own checks decide
+]
+
+
+@pytest.mark.parametrize("overrides, words", REFUSED, ids=[str(c[0]) for c in REFUSED])
+def test_layer_pattern_arguments_are_refused_before_building(overrides, words):
+    with pytest.raises(ValueError) as info:
+        check_prefix_reuse_args(_args(**overrides))
+    assert all(w in str(info.value) for w in words), info.value
+
+
+@pytest.mark.parametrize("overrides", ACCEPTED, ids=[str(c) for c in ACCEPTED])
+def test_layer_patterns_that_build_are_accepted(overrides):
+    check_prefix_reuse_args(_args(**overrides))
