@@ -134,3 +134,26 @@ def test_validate_names_file_row_and_column(rows, words, tmp_path, capsys):
     err = _usage_error(tool("predict").main, ["--validate", str(path), "--device-file",
                                               str(device), "--bench-points", "none"], capsys)
     assert str(path) in err and all(w in err for w in words), err
+
+
+ID_CASES = [  # (step ids, group ids of four lines) -> (steps, groups in step 0)
+    ((0, "0", 1, "1"), (7, 7, 7, 7), (2, 1)),
+    (("0", 0, 0, "0"), (7, "7", 8, "8"), (1, 2)),
+    ((5, 5, "6", 6), ("a", "a", "a", "a"), (2, 1)),
+]
+
+
+@pytest.mark.parametrize("steps, groups, expected", ID_CASES)
+def test_import_generic_compares_ids_as_text(steps, groups, expected, tmp_path):
+    """step 0 and step "0" on adjacent lines are one step (they were two)."""
+    import json
+
+    from prefix_schedule.traces import read_steps
+    from prefix_schedule.traces.generic import import_generic
+
+    src = tmp_path / "g.jsonl"
+    src.write_text("".join(json.dumps({"step": s, "group": g, "prompt": [1, 2], "response": [3],
+                                       "advantage": 1.0}) + "\n" for s, g in zip(steps, groups)))
+    assert import_generic(src, tmp_path / "t.jsonl") == expected[0]
+    first = next(iter(read_steps(tmp_path / "t.jsonl")))
+    assert len(first.groups) == expected[1]
