@@ -157,3 +157,56 @@ def test_import_generic_compares_ids_as_text(steps, groups, expected, tmp_path):
     assert import_generic(src, tmp_path / "t.jsonl") == expected[0]
     first = next(iter(read_steps(tmp_path / "t.jsonl")))
     assert len(first.groups) == expected[1]
+
+
+def _trace(tmp_path, prompt_len=2):
+    import json
+    header = {"format": "prefix-reuse-trace", "version": 1, "vocab_size": None, "source": "",
+              "metadata": {}}
+    group = {"step": 0, "prompt": [1] * prompt_len, "responses": [[3, 4]], "advantages": [1.0]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(header) + "\n" + json.dumps(group) + "\n")
+    return path
+
+
+REPLAY_FLAGS = [
+    (["--num-layers", "0"], ["--num-layers", ">= 1"]),
+    (["--hidden-size", "-8"], ["--hidden-size", ">= 1"]),
+    (["--token-budget", "0"], ["--token-budget", ">= 1"]),
+    (["--clip-grad", "-1"], ["--clip-grad", ">= 0"]),
+    (["--lr", "nan"], ["--lr", "finite"]),
+]
+
+
+@pytest.mark.parametrize("argv, words", REPLAY_FLAGS, ids=[c[0][0] for c in REPLAY_FLAGS])
+def test_replay_flags_are_usage_errors(argv, words, tmp_path, capsys):
+    err = _usage_error(tool("replay").main, ["--trace", str(_trace(tmp_path)), "--steps", "1",
+                                             *argv], capsys)
+    assert all(w in err for w in words), err
+
+
+def test_replay_refuses_before_the_work(tmp_path, read_only, capsys):
+    replay = tool("replay")
+    trace = _trace(tmp_path)
+    cases = [
+        (["--checkpoint-dir", str(read_only / "ck")], ["--checkpoint-dir", "cannot write"]),
+        (["--checkpoint-dir", str(trace / "ck")], ["--checkpoint-dir", "is a file"]),
+        (["--json", str(read_only / "r.json")], ["--json", "cannot write"]),
+    ]
+    for argv, words in cases:
+        assert replay.main(["--trace", str(trace), "--steps", "1", *argv]) == 1
+        err = capsys.readouterr().err
+        assert all(w in err for w in words), err
+    long = _trace(tmp_path / "x" if (tmp_path / "x").mkdir() is None else tmp_path, 10**6)
+    assert replay.main(["--trace", str(long), "--steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "1,000,002 tokens" in err and "up to 65,536" in err, err
+
+
+@pytest.mark.parametrize("text", ["not json", "[]", "{}", '{"steps": 2}'])
+def test_replay_replot_of_a_bad_json_is_a_message(text, tmp_path, capsys):
+    src = tmp_path / "r.json"
+    src.write_text(text)
+    assert tool("replay").main(["--replot", str(src), str(tmp_path / "p.png")]) == 1
+    err = capsys.readouterr().err
+    assert "not a replay --json result" in err and "Traceback" not in err, err
