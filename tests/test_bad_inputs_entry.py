@@ -41,3 +41,28 @@ def test_layer_pattern_arguments_are_refused_before_building(overrides, words):
 @pytest.mark.parametrize("overrides", ACCEPTED, ids=[str(c) for c in ACCEPTED])
 def test_layer_patterns_that_build_are_accepted(overrides):
     check_prefix_reuse_args(_args(**overrides))
+
+
+def test_output_directories_are_checked_before_the_run(tmp_path):
+    """--save to a read-only directory failed after iteration 1; now a write probe refuses it
+    before any compute (root included: chattr +i, else sysfs)."""
+    from test_bad_inputs_tools_limits import read_only_dir
+
+    from megatron_patches.megatron_lm.arguments import check_output_dirs
+
+    (tmp_path / "file").write_text("x")
+    ro_gen = read_only_dir(tmp_path)
+    ro = next(ro_gen)
+    try:
+        cases = [(dict(save=str(ro / "ckpt")), ["--save", "cannot write"]),
+                 (dict(save=str(tmp_path / "file")), ["--save", "is a file"]),
+                 (dict(export_hf=str(tmp_path / "file" / "hf")), ["--export-hf", "is a file"]),
+                 (dict(tensorboard_dir=str(ro)), ["--tensorboard-dir", "cannot write"])]
+        for overrides, words in cases:
+            with pytest.raises(ValueError) as info:
+                check_output_dirs(_args(**overrides))
+            assert all(w in str(info.value) for w in words), info.value
+        check_output_dirs(_args(save=str(tmp_path / "new" / "ckpt")))
+        assert not (tmp_path / "new").exists()
+    finally:
+        next(ro_gen, None)

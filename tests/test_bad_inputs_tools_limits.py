@@ -20,6 +20,10 @@ def _usage_error(main, argv, capsys) -> str:
 
 @pytest.fixture
 def read_only(tmp_path):
+    yield from read_only_dir(tmp_path)
+
+
+def read_only_dir(tmp_path):
     """A directory nobody can create files in, root included (tests run as root): chattr +i,
     checked by a write; else sysfs (creating a file there is refused to root)."""
     path = tmp_path / "ro"

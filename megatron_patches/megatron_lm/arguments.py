@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_prefix_reuse_args", "check_prefix_reuse_args", "ARGS_DEFAULTS"]
+__all__ = ["add_prefix_reuse_args", "check_prefix_reuse_args", "check_output_dirs",
+           "ARGS_DEFAULTS"]
+
+OUTPUT_DIRS = ("save", "export_hf", "tensorboard_dir", "prefix_reuse_dump_params")
+"""Directories the run writes into later (a checkpoint after N iterations, the export at the
+end): each checked by a write before any compute."""
 
 ARGS_DEFAULTS = {"micro_batch_size": 1}
 """Megatron defaults this trainer sets (each row is one microbatch of the prefix-reuse plan)."""
@@ -175,3 +180,12 @@ def _recurrent_layers(args) -> str:
             return "Gated DeltaNet"
     pattern = getattr(args, "hybrid_layer_pattern", None) or ""
     return "Mamba" if "M" in pattern.split("/")[0] else ""
+
+
+def check_output_dirs(args) -> None:
+    """ValueError unless every output directory can be written now (a write probe: a read-only
+    or full disk, or a file in the way, is refused before iteration 1, not after it)."""
+    from megatron_patches.support.outputs import check_output_dir
+
+    for name in OUTPUT_DIRS:
+        check_output_dir(getattr(args, name, None), "--" + name.replace("_", "-"))

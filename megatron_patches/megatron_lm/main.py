@@ -156,6 +156,7 @@ def _parse_and_check(on_cpu: bool, verbose: bool):
         raise ValueError(_megatron_assertion(error)) from None
     args = get_args()
     arguments.check_prefix_reuse_args(args)
+    arguments.check_output_dirs(args)
     timeout_from = stalls.apply_collective_timeout(args, sys.argv[1:])
     if args.rank == 0:
         print(f"> collective timeout: {args.distributed_timeout_minutes * 60:g} s ({timeout_from}); "
