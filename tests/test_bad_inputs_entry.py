@@ -66,3 +66,40 @@ def test_output_directories_are_checked_before_the_run(tmp_path):
         assert not (tmp_path / "new").exists()
     finally:
         next(ro_gen, None)
+
+
+def _trace(tmp_path, name="t.jsonl.gz", max_seq_len=64, steps=3):
+    import subprocess as _  # noqa: F401  (tools run in-process)
+    from tools_import import tool
+
+    path = tmp_path / name
+    assert tool("trace").main(["synth", "--kind", "rag", "--steps", str(steps), "--max-seq-len",
+                               str(max_seq_len), "--vocab-size", "512", "--out", str(path)]) == 0
+    return path
+
+
+def _truncated(tmp_path):
+    good = _trace(tmp_path, steps=8)
+    data = good.read_bytes()
+    bad = tmp_path / "cut.jsonl.gz"
+    bad.write_bytes(data[:len(data) * 2 // 3])
+    return bad
+
+
+TRACE_CASES = [  # (make the trace, --seq-length, words)
+    (_truncated, 64, ["corrupt or truncated", "cut.jsonl.gz"]),
+    (lambda p: _trace(p, max_seq_len=64), 16, ["over --seq-length 16", "--seq-length"]),
+]
+
+
+@pytest.mark.parametrize("make, seq_length, words", TRACE_CASES, ids=["truncated gz", "long rows"])
+def test_rl_trace_is_read_whole_before_iteration_1(make, seq_length, words, tmp_path):
+    from types import SimpleNamespace
+
+    from megatron_patches.megatron_lm import data
+
+    args = SimpleNamespace(rl_trace=str(make(tmp_path)), rl_trace_format=None,
+                           padded_vocab_size=512, seq_length=seq_length)
+    with pytest.raises(ValueError) as info:
+        data.open_step_source(args)
+    assert all(w in str(info.value) for w in words), info.value
