@@ -214,3 +214,9 @@ def test_replay_replot_of_a_bad_json_is_a_message(text, tmp_path, capsys):
     assert tool("replay").main(["--replot", str(src), str(tmp_path / "p.png")]) == 1
     err = capsys.readouterr().err
     assert "not a replay --json result" in err and "Traceback" not in err, err
+
+
+def test_layouts_no_longer_says_prefix_reuse_refuses_moe(capsys):
+    assert tool("layouts").main(["qwen3-30b-a3b"]) == 0
+    out = capsys.readouterr().out
+    assert "refuses MoE" not in out and "prefix reuse trains MoE" in out, out
