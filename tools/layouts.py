@@ -20,7 +20,9 @@ microbatches in flight), in GiB:
 An estimate for planning (allocator fragmentation, communication buffers and CUDA context --
 typically 2-6 GiB -- are not counted); tools/memory_probe.py counts saved tensors (not the
 allocator); on the real GPU compare with torch.cuda.max_memory_allocated.
-MoE models are listed with their parameter count but not laid out (prefix reuse refuses MoE).
+MoE models are listed with their parameter count but not laid out here: this estimate has no
+expert parallelism (prefix reuse trains MoE models; tools/capacity.py and tools/predict.py model
+them with EP).
 """
 
 from __future__ import annotations
@@ -193,7 +195,9 @@ def main(argv=None) -> int:
         spec = PAPER_MODELS[name]
         print(f"{name}: {total_params(spec) / 1e9:.2f}B parameters")
         if spec.is_moe:
-            print("  mixture of experts: prefix reuse refuses MoE for now (no layout suggested)")
+            print("  mixture of experts: this estimate has no expert parallelism, so no layout is "
+                  "suggested here (prefix reuse trains MoE; lay it out with tools/capacity.py "
+                  f"--model {name} --ep N or tools/predict.py --model {name})")
             continue
         for gpus in args.gpus:
             rows = (candidate_layouts(spec, gpus, **kw) if args.all

@@ -1,36 +1,42 @@
 """Output files of the tools: checked before the work starts, written whole or not at all.
 
     check_output(args.json, "--json", inputs=[args.trace])   # ValueError before any compute
+    check_output_dir(args.png_dir, "--png-dir")               # a directory filled later
     write_text_atomic(args.json, text)                        # temp file beside it + rename
+
+The checks write a probe file where the output goes (megatron_patches/support/outputs.py): a
+read-only or full disk is refused before the work, for root too.
 """
 from __future__ import annotations
 
 import os
 import tempfile
 from pathlib import Path
+import sys
 from typing import Iterable, Optional, Union
 
-__all__ = ["check_output", "write_text_atomic"]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_patches.support.outputs import check_output_dir, check_output_file  # noqa: E402
+
+__all__ = ["check_output", "check_output_dir", "write_text_atomic"]
 
 PathLike = Union[str, Path]
 
 
 def check_output(path: Optional[PathLike], flag: str, *, inputs: Iterable[PathLike] = ()) -> None:
     """ValueError unless `path` (given as `flag`) can be written: its directory exists, it is not
-    a directory, and it is none of `inputs` (writing would replace what is being read)."""
+    a directory, it is none of `inputs` (writing would replace what is being read), and a first
+    write in its directory succeeds."""
     if path is None:
         return
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{flag} {path} is a directory; give a file name")
-    if not path.parent.is_dir():
-        raise ValueError(f"{flag} {path}: the directory {path.parent} does not exist; create it "
-                         "first (checked before the work starts)")
     for given in inputs:
         given = Path(given)
         if given.exists() and path.exists() and os.path.samefile(given, path) or \
                 given.resolve() == path.resolve():
             raise ValueError(f"{flag} {path} is also an input; write the output to another file")
+    check_output_file(path, flag)  # a write where it goes: read-only / full disk refused now
 
 
 def write_text_atomic(path: PathLike, text: str) -> None:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 # This checkout first, even where another one is installed (`pip install -e .` of a sibling).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tools/outputs.py
 
 from prefix_schedule.pipeline import (ActionKind, Schedule, ScheduleError,  # noqa: E402
                                       build_schedule, format_grid, lower, simulate,
@@ -104,7 +105,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not args.no_prefix <= set(range(args.groups)):
         parser.error(f"--no-prefix names groups {sorted(args.no_prefix - set(range(args.groups)))}"
                      f" but the step has groups 0..{args.groups - 1}")
+    _check_size(parser, args)
+    _check_outputs(parser, args)
     return args
+
+
+MAX_PP = 1024
+MAX_CELLS = 50_000
+"""The largest plan this tool builds: pipeline stages x (suffix microbatches + prefix units).
+Planning, simulating and printing grow faster than linearly in it (about a minute and 1 GB at
+the limit on one CPU core); beyond it the tool would run for hours or exhaust memory."""
+
+
+def _check_size(parser, args) -> None:
+    if args.pp > MAX_PP:
+        parser.error(f"--pp {args.pp}: this tool plans pipelines of up to {MAX_PP:,} ranks")
+    counts = list(args.suffix_microbatches)
+    microbatches = (sum(counts) if len(counts) > 1 else counts[0] * args.groups)
+    chunks = 1
+    if args.prefix_chunk_tokens is not None:
+        chunks = -(-args.prefix_tokens // args.prefix_chunk_tokens)
+    units = (args.groups - len(args.no_prefix)) * chunks
+    cells = args.pp * args.vpp * (microbatches + units)
+    if cells > MAX_CELLS:
+        parser.error(f"--pp {args.pp} x --vpp {args.vpp} stages x ({microbatches:,} suffix "
+                     f"microbatches + {units:,} prefix units) = {cells:,} plan cells; this tool "
+                     f"plans up to {MAX_CELLS:,} (about a minute and 1 GB): give fewer --groups, "
+                     "--suffix-microbatches or stages (a larger --prefix-chunk-tokens)")
+
+
+def _check_outputs(parser, args) -> None:
+    """The output files can be written, before any planning (tools/outputs.py)."""
+    from outputs import check_output
+
+    inputs = [args.load] if args.load else []
+    for flag in ("png", "chrome_trace", "save"):
+        try:
+            check_output(getattr(args, flag), "--" + flag.replace("_", "-"), inputs=inputs)
+        except ValueError as error:
+            parser.error(str(error))
 
 
 def shape_from_args(args) -> tuple[list[tuple[int, ...]], list[int]]:

@@ -25,11 +25,23 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout first
 sys.path.insert(0, str(ROOT / "tools"))
 
+from argtypes import int_at_most, positive_int  # noqa: E402
+from outputs import check_output, check_output_dir  # noqa: E402
 from prefix_schedule.predict import Layout, get_device, load_device  # noqa: E402
 from predictlib.report import Workload, format_result, predict_layout, search  # noqa: E402
 from predictlib.workload import parse_dims, synthetic_batch  # noqa: E402
 
-__all__ = ["main", "DEFAULT_CPU_DEVICE"]
+__all__ = ["main", "DEFAULT_CPU_DEVICE", "allowed_cps", "LIMITS"]
+
+LIMITS = {"prefix-len": 1 << 20, "suffix-len": 1 << 20, "group-size": 1024, "groups": 4096,
+          "gpus": 1 << 17}
+"""The largest sizes predicted: planning and costing grow with the step's tokens and
+microbatches (a 10**7 group took 15.7 GB, a 10**9-token prefix ran for hours)."""
+MAX_STEP_TOKENS = 1 << 26
+"""Tokens in one step, all groups (--groups x (--prefix-len + --group-size x --suffix-len))."""
+
+TRAINERS = {"megatron-lm": "the Megatron-LM entry point / ReuseStep (CP for attention models)",
+            "adapter": "the framework adapter (verl, Megatron-RL train_rl): CP=1 only"}
 
 DEFAULT_CPU_DEVICE = ROOT / "docs" / "predict" / "cpu-device.json"
 DEFAULT_BENCH_POINTS = ROOT / "docs" / "predict" / "bench_points.csv"
@@ -87,11 +99,25 @@ def _batch(args):
                            group_size=args.group_size, num_groups=args.groups)
 
 
-def _layout(args):
+def allowed_cps(spec, trainer: str) -> tuple:
+    """(the CP sizes the engine runs, why larger ones are refused): 1 only for recurrent layers
+    (Gated DeltaNet, Mamba: megatron_patches/runtime/layers.py) and for the framework adapter
+    (megatron_patches/frameworks/indexing.py); else 1, 2, 4."""
+    if spec is not None and (spec.is_gdn or (spec.hybrid_layer_pattern or "").count("M")):
+        return (1,), (f"{spec.name} has recurrent layers (Gated DeltaNet / Mamba), whose prefix "
+                      "state prefix reuse does not split over context-parallel ranks")
+    if trainer == "adapter":
+        return (1,), "the framework adapter (verl, train_rl) runs context_parallel_size=1 only"
+    return (1, 2, 4), ""
+
+
+def _layout(args, cps=(1, 2, 4), why=""):
     given = {k: getattr(args, k) for k in ("tp", "pp", "vpp", "cp", "ep") if getattr(args, k)}
     if not given:
         return None
     lay = {**dict(tp=1, pp=1, vpp=1, cp=1, ep=1), **given}
+    if lay["cp"] not in cps:
+        raise ValueError(f"--cp {lay['cp']}: {why}; give --cp 1")
     per_replica = lay["tp"] * lay["pp"] * lay["cp"]
     if args.gpus % per_replica:
         raise ValueError(f"--gpus {args.gpus} is not a multiple of tp x pp x cp = {per_replica}")
@@ -104,12 +130,13 @@ def predict(args) -> dict:
     work = Workload(batch=_batch(args), policy=not args.no_policy, token_budget=args.token_budget,
                     dense_rows_per_microbatch=args.dense_rows_per_microbatch,
                     optimizer=not args.no_optimizer)
-    lay = _layout(args)
+    cps, why = allowed_cps(spec, args.trainer)
+    lay = _layout(args, cps, why)
     if lay is not None:
         result = predict_layout(dev, dims, lay, work, spec)
         print(format_result(result))
         return {"device": dev.to_json(), "result": result}
-    found = search(dev, dims, args.gpus, work, spec)
+    found = search(dev, dims, args.gpus, work, spec, cps=cps)
     for path in ("dense", "reuse"):
         best = found[f"best_{path}"]
         print(f"best layout for {path}:" + (" none fits memory" if best is None else ""))
@@ -168,21 +195,26 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     import capacity
     p.add_argument("--model", help=f"{', '.join(sorted(capacity.CHOICES))}, or LxHxFxAxGxV")
-    p.add_argument("--gpus", type=int, help="GPUs in the job (default 16 with --paper)")
+    p.add_argument("--gpus", type=int_at_most(1 << 17, "layouts are searched over it"),
+                   help="GPUs in the job (default 16 with --paper)")
     dev = p.add_mutually_exclusive_group()
     dev.add_argument("--gpu", help="h20, h100, h200, a100 or b200")
     dev.add_argument("--device-file", help="a measured device (tools/predict_bench.py --out)")
     for name in ("tp", "pp", "vpp", "cp", "ep"):
-        p.add_argument(f"--{name}", type=int, help="fix the layout (none given: search)")
+        p.add_argument(f"--{name}", type=int_at_most(1024, "a parallel size"),
+                       help="fix the layout (none given: search)")
     p.add_argument("--trace", help="an RL trace (prefix_schedule/traces); one step is predicted")
     p.add_argument("--trace-step", type=int, default=0)
-    p.add_argument("--prefix-len", type=int)
-    p.add_argument("--suffix-len", type=int)
-    p.add_argument("--group-size", type=int)
-    p.add_argument("--groups", type=int, default=None, help="groups per step, all DP ranks (default 1; --paper 16)")
-    p.add_argument("--token-budget", type=int, help="suffix microbatch tokens (default: the policy's)")
+    limit = {name: int_at_most(value, "planning grows with it") for name, value in LIMITS.items()}
+    p.add_argument("--prefix-len", type=limit["prefix-len"])
+    p.add_argument("--suffix-len", type=limit["suffix-len"])
+    p.add_argument("--group-size", type=limit["group-size"])
+    p.add_argument("--groups", type=limit["groups"], default=None, help="groups per step, all DP ranks (default 1; --paper 16)")
+    p.add_argument("--token-budget", type=positive_int, help="suffix microbatch tokens (default: the policy's)")
+    p.add_argument("--trainer", choices=sorted(TRAINERS), default="megatron-lm",
+                   help="which trainer runs the step: " + "; ".join(
+                       f"{k}: {v}" for k, v in TRAINERS.items()))
     p.add_argument("--no-policy", action="store_true", help="plain reuse: never run a group dense")
-    p.add_argument("--dense-rows-per-microbatch", type=int, default=1)
     p.add_argument("--no-optimizer", action="store_true", help="leave out DP reduce + optimizer")
     p.add_argument("--validate", metavar="CSV", help="check against a sweep CSV (docs/sweep/sweep.csv)")
     p.add_argument("--bench-points", default=str(DEFAULT_BENCH_POINTS),
@@ -192,10 +224,29 @@ def parse_args(argv=None):
     p.add_argument("--paper-group-sizes", type=int, nargs="+", help="subset of N for --paper")
     p.add_argument("--png-dir", help="write plots here (matplotlib)")
     p.add_argument("--json", metavar="OUT", help="write the result as JSON")
+    p.add_argument("--dense-rows-per-microbatch", type=positive_int, default=1)
     args = p.parse_args(argv)
     args.groups_given = args.groups is not None
     args.groups = args.groups or 1
+    _check_args(p, args)
     return p, args
+
+
+def _check_args(p, args) -> None:
+    """Usage errors before any work: sizes past the limits, flags without effect, outputs."""
+    if args.png_dir and not (args.validate or args.paper):
+        p.error("--png-dir is written by --validate and --paper only; drop it or add one of them")
+    if None not in (args.prefix_len, args.suffix_len, args.group_size):
+        tokens = args.groups * (args.prefix_len + args.group_size * args.suffix_len)
+        if tokens > MAX_STEP_TOKENS:
+            p.error(f"--groups {args.groups} x (--prefix-len {args.prefix_len} + --group-size "
+                    f"{args.group_size} x --suffix-len {args.suffix_len}) = {tokens:,} tokens in "
+                    f"the step; this tool predicts steps of up to {MAX_STEP_TOKENS:,}")
+    try:
+        check_output(args.json, "--json", inputs=[x for x in (args.validate, args.trace) if x])
+        check_output_dir(args.png_dir, "--png-dir")
+    except ValueError as error:
+        p.error(str(error))
 
 
 def main(argv=None) -> int:

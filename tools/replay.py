@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -46,7 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prefix_schedule.losses import PolicyLossConfig  # noqa: E402
 from prefix_schedule.planning.planner import plan_microbatches  # noqa: E402
 from prefix_schedule.traces import read_header, read_steps, validate_trace  # noqa: E402
+from argtypes import non_negative_float, positive_float, positive_int  # noqa: E402
 from benchlib.progress import Progress  # noqa: E402
+from outputs import check_output, check_output_dir  # noqa: E402
 from replay_checkpoint import (load_checkpoint, load_runs, save_checkpoint,  # noqa: E402
                                trace_digest)
 from replay_runs import ModelShape, Run, initial_weights, param_diff  # noqa: E402
@@ -54,6 +55,8 @@ from replay_runs import ModelShape, Run, initial_weights, param_diff  # noqa: E4
 __all__ = ["main", "replay", "parse_args", "format_summary", "check_output_paths"]
 
 COMPARED = ("reuse", "control")
+MAX_SEQ_LEN = 1 << 16
+"""The longest [prompt; response] row replayed (refused before any allocation beyond it)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,18 +66,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--adam-eps", type=float, default=1e-8)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--clip-grad", type=float, default=1.0, help="global-norm clip; 0 = off")
+    p.add_argument("--lr", type=positive_float, default=1e-4)
+    p.add_argument("--adam-eps", type=positive_float, default=1e-8)
+    p.add_argument("--weight-decay", type=non_negative_float, default=0.01)
+    p.add_argument("--clip-grad", type=non_negative_float, default=1.0,
+                   help="global-norm clip; 0 = off")
     p.add_argument("--kl-coef", type=float, default=None,
                    help="KL weight (default 0.01 with ref log-probs in the trace, else 0)")
-    p.add_argument("--token-budget", type=int, default=None,
+    p.add_argument("--token-budget", type=positive_int, default=None,
                    help="tokens per reuse suffix microbatch (default max(512, longest response))")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial weights")
     p.add_argument("--threads", type=int, default=2)
     for field, default in ModelShape().__dict__.items():
-        p.add_argument("--" + field.replace("_", "-"), type=int, default=default)
+        p.add_argument("--" + field.replace("_", "-"), type=positive_int, default=default)
     p.add_argument("--checkpoint-dir", type=Path, default=None)
     p.add_argument("--checkpoint-every", type=int, default=10)
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
@@ -133,6 +137,10 @@ def replay(args, *, log=print, progress=None) -> dict:
     # The whole trace: the model's length and the default budget must not depend on --steps
     # (a resumed replay may go further than the first).
     stats = validate_trace(args.trace, models={})
+    if stats.max_seq_len > MAX_SEQ_LEN:
+        raise ValueError(f"{args.trace}: a row of {stats.max_seq_len:,} tokens; this CPU replay "
+                         f"runs rows of up to {MAX_SEQ_LEN:,} (its dense control would allocate "
+                         "far more than this machine has); cut the trace's prompts or responses")
     if stats.num_steps < args.steps:
         raise ValueError(f"{args.trace} has {stats.num_steps} steps; use --steps <= {stats.num_steps}")
     settings = _settings(args, stats)
@@ -264,26 +272,28 @@ def replot(argv) -> int:
     except (OSError, ValueError) as exc:
         print(f"replay.py: error: {argv[1]}: not a replay --json result ({exc})", file=sys.stderr)
         return 1
-    write_png(result, Path(argv[2]))
+    try:
+        check_output(argv[2], "--replot PNG")
+        if not isinstance(result, dict):
+            raise TypeError(f"a JSON {type(result).__name__}, not an object")
+        write_png(result, Path(argv[2]))
+    except ValueError as exc:
+        print(f"replay.py: error: {exc}", file=sys.stderr)
+        return 1
+    except (KeyError, TypeError, IndexError) as exc:
+        print(f"replay.py: error: {argv[1]}: not a replay --json result (no {exc}); give a "
+              "file that replay.py --json wrote", file=sys.stderr)
+        return 1
     print(f"wrote {argv[2]}")
     return 0
 
 
 def check_output_paths(args) -> None:
-    """ValueError before any work for an output that could not be written after it."""
-    for flag, path in (("--json", args.json), ("--png", args.png)):
-        if path is None:
-            continue
-        if path.is_dir():
-            raise ValueError(f"{flag} {path} is a directory; give a file name")
-        if not path.parent.is_dir():
-            raise ValueError(f"{flag} {path}: directory {path.parent} does not exist; create it "
-                             "first")
-        if not os.access(path.parent, os.W_OK):
-            raise ValueError(f"{flag} {path}: directory {path.parent} is not writable")
-    ckpt = args.checkpoint_dir
-    if ckpt is not None and ckpt.exists() and not ckpt.is_dir():
-        raise ValueError(f"--checkpoint-dir {ckpt} is a file; give a directory")
+    """ValueError before any work for an output that could not be written after it (a write
+    probe: read-only and full disks too, tools/outputs.py)."""
+    check_output(args.json, "--json", inputs=[args.trace])
+    check_output(args.png, "--png", inputs=[args.trace])
+    check_output_dir(args.checkpoint_dir, "--checkpoint-dir")
 
 
 def main(argv=None) -> int:

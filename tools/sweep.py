@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from argtypes import int_list, non_negative_int, point_list, positive_int  # noqa: E402
 from prefix_schedule.planning.policy import DEFAULT_MIN_GAIN, ReusePolicy  # noqa: E402
 from benchlib.progress import Progress  # noqa: E402
+from outputs import check_output_dir  # noqa: E402
 from sweep_measure import ModelSpec, Models, measure_point  # noqa: E402
 
 __all__ = ["main", "grid", "PAPER"]
@@ -203,6 +204,16 @@ def _run_points(args, spec: ModelSpec, points: list, policy, done: set, progress
     return rows
 
 
+def check_outputs(args) -> None:
+    """--csv (appended row by row; its directory is created) and --png-dir can be written,
+    before the first point is measured."""
+    if args.csv is not None:
+        if args.csv.is_dir():
+            raise ValueError(f"--csv {args.csv} is a directory; give a file name")
+        check_output_dir(args.csv.parent, f"--csv {args.csv}: its directory")
+    check_output_dir(args.png_dir, "--png-dir")
+
+
 def main(argv=None) -> int:
     args = _args(argv)
     if args.list:
@@ -210,6 +221,7 @@ def main(argv=None) -> int:
             print(f"prefix {prefix:>6} suffix {suffix:>6} G={g}")
         return 0
     try:
+        check_outputs(args)
         run(args)
     except ValueError as exc:
         print(f"sweep.py: error: {exc}", file=sys.stderr)

@@ -396,7 +396,7 @@ class PrefixReuseAdapter:
                              "that mode only); use the (loss_sum, num_tokens, report) contract")
         step = IndexedReuseStep(
             detection.batch, planned.plan, shadow=shadow_batch(detection, flats),
-            global_loss_contract=not per_token,
+            global_loss_contract=not per_token, data_digest=rollout.fields_digest(),
             num_stages=parallel_state.get_pipeline_model_parallel_world_size(),
             num_model_chunks=len(self.models))
         dense = dense_flops(self.dims, [n - 1 for n in rollout.lengths])

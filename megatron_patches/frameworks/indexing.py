@@ -90,13 +90,20 @@ class IndexedReuseStep(ReuseStep):
     multiplied by the step's microbatch count (calculate_per_token_loss=False is exact then)."""
 
     def __init__(self, batch: GroupBatch, plan, *, shadow: GroupBatch,
-                 global_loss_contract: bool = False, **kwargs) -> None:
+                 global_loss_contract: bool = False, data_digest: str = "", **kwargs) -> None:
         super().__init__(batch, plan, **kwargs)
         self.global_loss_contract = global_loss_contract
+        self.data_digest = data_digest
+        """A digest of data the loss reads beyond the batch (the rollout's `fields`)."""
         if self.cp is not None:
             raise ValueError("the framework adapter runs context_parallel_size=1 only (its row "
                              "index is not sharded over CP ranks yet); use CP=1 or ReuseStep")
         self._shadow = shadow
+
+    def signature(self) -> str:
+        """ReuseStep's, plus the digest of the framework's per-token fields: peers of one step
+        with different fields are refused at the agreement point, not trained on."""
+        return repr((super().signature(), self.data_digest))
 
     def prepare(self, action) -> None:
         super().prepare(action)

@@ -131,6 +131,22 @@ class RolloutBatch:
     def lengths(self) -> List[int]:
         return [t.numel() for t in self.tokens]
 
+    def fields_digest(self) -> str:
+        """crc32 of every `fields` array (names, dtypes, shapes, values, in order): the step's
+        agreement folds it in beside the batch's digest (prefix_schedule batch_digest covers
+        tokens, masks, advantages and log-probs, not these), so tensor- or pipeline-parallel
+        peers holding different per-token fields are refused, not trained on."""
+        import zlib
+
+        crc = 0
+        for name in sorted(self.fields):
+            crc = zlib.crc32(name.encode(), crc)
+            for row in self.fields[name]:
+                values = row.detach().cpu().contiguous()
+                crc = zlib.crc32(repr((str(values.dtype), tuple(values.shape))).encode(), crc)
+                crc = zlib.crc32(values.numpy().tobytes(), crc)
+        return f"{crc:08x}"
+
     @property
     def num_sequences(self) -> int:
         return len(self.tokens)

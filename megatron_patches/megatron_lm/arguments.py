@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_prefix_reuse_args", "check_prefix_reuse_args", "ARGS_DEFAULTS"]
+__all__ = ["add_prefix_reuse_args", "check_prefix_reuse_args", "check_output_dirs",
+           "ARGS_DEFAULTS"]
+
+OUTPUT_DIRS = ("save", "export_hf", "tensorboard_dir", "prefix_reuse_dump_params")
+"""Directories the run writes into later (a checkpoint after N iterations, the export at the
+end): each checked by a write before any compute."""
 
 ARGS_DEFAULTS = {"micro_batch_size": 1}
 """Megatron defaults this trainer sets (each row is one microbatch of the prefix-reuse plan)."""
@@ -91,6 +96,7 @@ def check_prefix_reuse_args(args) -> None:
     """Refuse what this trainer cannot honour, before any compute (ValueError says the fix)."""
     if args.num_experts:
         _check_moe_parallel_args(args)
+    _check_layer_pattern_args(args)
     if args.grpo_entropy_term_weight:
         raise ValueError("--grpo-entropy-term-weight weighs Megatron's sampled-token entropy term; "
                          "this trainer's entropy bonus is the full-vocabulary entropy: use "
@@ -138,3 +144,48 @@ def _check_moe_parallel_args(args) -> None:
                          f"{args.expert_tensor_parallel_num_weight_shards}: expert GTP (weight "
                          "shards beyond --expert-tensor-parallel-size) is not verified with "
                          "prefix reuse; leave it unset or equal to --expert-tensor-parallel-size")
+
+
+def _check_layer_pattern_args(args) -> None:
+    """The layer pattern builds the model the flags name, and prefix reuse can run it: a
+    `--linear-attention-freq` below 1 (Megatron computes `(i + 1) % N`: -1 silently builds an
+    all-softmax model, 0 divides by zero while building), an empty `--hybrid-layer-pattern`
+    (divides by zero while building), context parallelism with recurrent layers (Gated DeltaNet
+    or Mamba: their prefix is a state, which CP would have to split; Megatron's own refusal,
+    later, names the attention backend instead)."""
+    freq = getattr(args, "linear_attention_freq", None)
+    if isinstance(freq, int) and freq < 1:
+        raise ValueError(f"--linear-attention-freq {freq}: give N >= 1 (every N-th layer is "
+                         "softmax attention, the others Gated DeltaNet; N=1 is all softmax), or "
+                         'a list pattern such as "([1]*3+[0]*1)*2"')
+    pattern = getattr(args, "hybrid_layer_pattern", None)
+    if pattern is not None and not pattern.replace("|", "").replace("/", "").strip():
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r} has no layers: give one symbol "
+                         "per layer (M Mamba, * attention, - MLP, E MoE; '|' between pipeline "
+                         "stages), e.g. M-M*M-")
+    recurrent = _recurrent_layers(args)
+    cp = getattr(args, "context_parallel_size", 1) or 1
+    if cp > 1 and recurrent and getattr(args, "prefix_reuse", False):
+        raise ValueError(f"--context-parallel-size {cp} with {recurrent} layers: prefix reuse "
+                         "caches their prefix as a recurrent state, which context parallelism "
+                         "would have to split across ranks (not implemented); give "
+                         "--context-parallel-size 1")
+
+
+def _recurrent_layers(args) -> str:
+    """"Gated DeltaNet" / "Mamba" when the flags build such layers, else ""."""
+    if getattr(args, "experimental_attention_variant", None) == "gated_delta_net":
+        freq = getattr(args, "linear_attention_freq", None)
+        if freq != 1 and not (isinstance(freq, list) and not any(freq)):
+            return "Gated DeltaNet"
+    pattern = getattr(args, "hybrid_layer_pattern", None) or ""
+    return "Mamba" if "M" in pattern.split("/")[0] else ""
+
+
+def check_output_dirs(args) -> None:
+    """ValueError unless every output directory can be written now (a write probe: a read-only
+    or full disk, or a file in the way, is refused before iteration 1, not after it)."""
+    from megatron_patches.support.outputs import check_output_dir
+
+    for name in OUTPUT_DIRS:
+        check_output_dir(getattr(args, name, None), "--" + name.replace("_", "-"))

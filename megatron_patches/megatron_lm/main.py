@@ -147,7 +147,7 @@ def _parse_and_check(on_cpu: bool, verbose: bool):
     from megatron.training import get_args
     from megatron.training.arguments import parse_and_validate_args
 
-    from megatron_patches.megatron_lm import arguments, data, quiet
+    from megatron_patches.megatron_lm import arguments, data, quiet, stalls
 
     defaults = dict(arguments.ARGS_DEFAULTS)
     if not verbose:
@@ -160,6 +160,11 @@ def _parse_and_check(on_cpu: bool, verbose: bool):
         raise ValueError(_megatron_assertion(error)) from None
     args = get_args()
     arguments.check_prefix_reuse_args(args)
+    arguments.check_output_dirs(args)
+    timeout_from = stalls.apply_collective_timeout(args, sys.argv[1:])
+    if args.rank == 0:
+        print(f"> collective timeout: {args.distributed_timeout_minutes * 60:g} s ({timeout_from}); "
+              "a rank waiting that long for a peer ends the job, naming the peer", flush=True)
     hf_config = _check_hf_checkpoint(args) if args.hf_checkpoint else None
     if on_cpu:
         _check_cpu_arguments(args)
@@ -169,16 +174,8 @@ def _parse_and_check(on_cpu: bool, verbose: bool):
     return args, hf_config, source
 
 
-def main() -> int:
-    from megatron_patches.megatron_lm import quiet
-
-    verbose = quiet.verbose_requested(sys.argv[1:])
-    if not verbose:
-        quiet.quiet_megatron(sys.argv[1:])  # before Megatron imports: import-time warnings
-        sys.argv[1:] = quiet.without_one_logger(sys.argv[1:])
-    compat.enable_python311_support()
-    on_cpu = compat.enable_megatron_lm_cpu_support()
-
+def _run(args, hf_config, source, on_cpu: bool, verbose: bool) -> int:
+    """Megatron's start-up, the model, the training loop and the export; the exit status."""
     import megatron_patches
     from megatron.core.enums import ModelType
     from megatron.training import print_rank_0
@@ -188,14 +185,10 @@ def main() -> int:
     from megatron_patches.models import hf_checkpoints
     from megatron_patches.megatron_lm import model, trainer
 
-    if not verbose:
-        quiet.warning_level(sys.argv[1:])
-    try:
-        args, hf_config, source = _parse_and_check(on_cpu, verbose)
-    except ValueError as error:
-        return _refuse(error)
     initialize_megatron(allow_no_cuda=on_cpu)
     if not verbose:
+        from megatron_patches.megatron_lm import quiet
+
         quiet.checkpoint_lines(args.hf_checkpoint)
     megatron_patches.install()
     chunks, optimizer, scheduler = setup_model_and_optimizer(ModelType.encoder_or_decoder,
@@ -218,6 +211,29 @@ def main() -> int:
                                          source=args.hf_checkpoint)
         print_rank_0(f"> wrote the Hugging Face checkpoint {args.export_hf}")
     torch.distributed.barrier()
+    return status
+
+
+def main() -> int:
+    from megatron_patches.megatron_lm import quiet
+
+    verbose = quiet.verbose_requested(sys.argv[1:])
+    if not verbose:
+        quiet.quiet_megatron(sys.argv[1:])  # before Megatron imports: import-time warnings
+        sys.argv[1:] = quiet.without_one_logger(sys.argv[1:])
+    compat.enable_python311_support()
+    on_cpu = compat.enable_megatron_lm_cpu_support()
+
+    from megatron_patches.megatron_lm import stalls
+
+    if not verbose:
+        quiet.warning_level(sys.argv[1:])
+    try:
+        args, hf_config, source = _parse_and_check(on_cpu, verbose)
+    except ValueError as error:
+        return _refuse(error)
+    with stalls.failure_report(args):  # a stalled or failed rank is named, within the timeout
+        status = _run(args, hf_config, source, on_cpu, verbose)
     # Tear the process groups down while the interpreter is alive: left to interpreter exit,
     # gloo's worker threads can abort the process (SIGABRT, "terminate called without an active
     # exception") after a run that succeeded -- seen on a run that trained nothing.

@@ -8,7 +8,10 @@ content (megatron_patches/megatron_lm/data.py resolves readers).
 
 Step i of the trace is iteration i of training (a resumed run reads the step it stopped at).
 Reading is streamed: sequential iterations continue one pass through the file; a jump (resume)
-starts a new pass. Every line is validated as it is read (ValueError naming line and field).
+starts a new pass. The whole file is validated once when the reader opens (before any process
+group exists): a corrupt or truncated `.gz`, a bad line, or a row longer than `--seq-length` is a
+ValueError naming the file and line before iteration 1 (one streamed pass, linear in the file),
+not after hours of training.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 from typing import Iterator, Optional
 
 from prefix_schedule import GroupBatch
-from prefix_schedule.traces import FORMAT, read_header, read_steps
+from prefix_schedule.traces import FORMAT, read_header, read_steps, validate_trace
 from prefix_schedule.traces.io import open_text
 
 __all__ = ["TraceSteps", "is_trace_file", "READER_NAME", "EXTENSIONS"]
@@ -37,6 +40,14 @@ class TraceSteps:
             raise ValueError(f"--rl-trace {self.path}: the trace's vocab_size "
                              f"{self.header.vocab_size} exceeds the model's {vocab}; give "
                              "Megatron a --vocab-size that covers the trace's token ids")
+        stats = validate_trace(self.path, models={})  # the whole file, before iteration 1
+        seq_length = getattr(args, "seq_length", None) if args is not None else None
+        if seq_length and stats.max_seq_len > seq_length:
+            raise ValueError(f"--rl-trace {self.path}: its longest [prompt; response] row has "
+                             f"{stats.max_seq_len} tokens, over --seq-length {seq_length}; give "
+                             f"--seq-length {stats.max_seq_len} (and --max-position-embeddings "
+                             "at least that) or a trace of shorter rows")
+        self.num_steps = stats.num_steps
         self._steps: Optional[Iterator[GroupBatch]] = None
         self._next = 0
 

@@ -11,7 +11,8 @@ the group known by a prompt id); this layout is that row, unpadded:
      "old_logprobs": [...], "ref_logprobs": [...], "reward": 1.0}   # optional
 
 Lines of one step must be consecutive, steps in increasing order (any numbering: they are
-renumbered 0, 1, ...). Within a step, trajectories of one group keep their line order and groups
+renumbered 0, 1, ...). Ids are compared as text: step 0 and step "0" are one step, group 7 and
+group "7" one group (JSON writers differ in how they write an id). Within a step, trajectories of one group keep their line order and groups
 their order of first appearance; every trajectory of a group must carry the same prompt (checked
 token by token). Per-token arrays are per response token (entry i is about predicting
 response[i]), as in the trace format.
@@ -64,13 +65,13 @@ def _check_row(row: Any, where: str) -> None:
 def _steps(path: PathLike) -> Iterator[tuple[Any, list[tuple[int, dict]]]]:
     current, rows, seen = None, [], set()
     for number, row in _lines(path):
-        step = row["step"]
+        step = str(row["step"])  # 0 and "0" are one step
         if rows and step != current:
             yield current, rows
             rows = []
         if step != current:
             if step in seen:
-                raise ValueError(f"{path}:{number}: step {step!r} appears again after other steps; "
+                raise ValueError(f"{path}:{number}: step {row['step']!r} appears again after other steps; "
                                  "write each step's lines together")
             seen.add(step)
             current = step
@@ -82,7 +83,7 @@ def _steps(path: PathLike) -> Iterator[tuple[Any, list[tuple[int, dict]]]]:
 def _group_records(path: PathLike, step: int, rows: list[tuple[int, dict]]) -> list[dict]:
     groups: dict = {}
     for number, row in rows:
-        key = ("id", row["group"]) if "group" in row else ("prompt", tuple(row["prompt"]))
+        key = ("id", str(row["group"])) if "group" in row else ("prompt", tuple(row["prompt"]))
         record = groups.get(key)
         if record is None:
             record = groups[key] = {"step": step, "prompt": row["prompt"], "responses": [],

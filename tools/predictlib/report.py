@@ -81,13 +81,13 @@ def predict_layout(dev: DeviceSpec, dims: ModelDims, lay: Layout, work: Workload
             "microbatches": {"dense": len(rows), "reuse": len(plan.microbatches)}}
 
 
-def candidate_layouts(dims: ModelDims, gpus: int) -> list:
-    """TP (<= 8, dividing the heads) x PP x CP (1, 2, 4) x DP = gpus; MoE: EP dividing the
-    experts and DP x CP."""
+def candidate_layouts(dims: ModelDims, gpus: int, cps=(1, 2, 4)) -> list:
+    """TP (<= 8, dividing the heads) x PP x CP (`cps`: those the engine runs for this model and
+    trainer, tools/predict.py allowed_cps) x DP = gpus; MoE: EP dividing the experts and DP x CP."""
     out = []
     for tp in (1, 2, 4, 8):
         for pp in (1, 2, 4, 8):
-            for cp in (1, 2, 4):
+            for cp in cps:
                 if gpus % (tp * pp * cp) or dims.num_layers % pp or dims.num_query_groups % tp:
                     continue
                 dp = gpus // (tp * pp * cp)
@@ -100,9 +100,12 @@ def candidate_layouts(dims: ModelDims, gpus: int) -> list:
     return out
 
 
-def search(dev: DeviceSpec, dims: ModelDims, gpus: int, work: Workload, spec=None) -> dict:
-    """Every candidate layout, and the fastest one that fits memory per path (they may differ)."""
-    rows = [predict_layout(dev, dims, lay, work, spec) for lay in candidate_layouts(dims, gpus)]
+def search(dev: DeviceSpec, dims: ModelDims, gpus: int, work: Workload, spec=None,
+           cps=(1, 2, 4)) -> dict:
+    """Every candidate layout (CP sizes `cps`), and the fastest one that fits memory per path
+    (they may differ)."""
+    rows = [predict_layout(dev, dims, lay, work, spec)
+            for lay in candidate_layouts(dims, gpus, cps)]
     best = {}
     for path in ("dense", "reuse"):
         fits = [r for r in rows if r[path]["fits"]]

@@ -8,6 +8,7 @@ fitted to the measured points: the device's numbers come from the microbenchmark
 from __future__ import annotations
 
 import csv
+import math
 import statistics
 from pathlib import Path
 
@@ -27,6 +28,55 @@ BENCH_COLUMNS = ("name", "tp", "pp", "vpp", "cp", "ep", "dp", "dense_tp", "dense
                  "num_groups", "token_budget", "dense_rows_per_mb", "measured")
 
 
+class Cells:
+    """One CSV row; each value read names the file, row and column when it is not what the
+    column holds (a hand-edited or truncated CSV otherwise fails as "invalid literal for int()")."""
+
+    def __init__(self, path, number: int, row: dict) -> None:
+        self.path, self.number, self.row = path, number, row
+
+    def _bad(self, column: str, what: str) -> ValueError:
+        return ValueError(f"{self.path} row {self.number}, column {column!r}: "
+                          f"{self.row.get(column)!r} is not {what}; fix or drop the row")
+
+    def text(self, column: str) -> str:
+        value = self.row.get(column)
+        if value is None or not value.strip():
+            raise self._bad(column, "given")
+        return value
+
+    def int(self, column: str, minimum: int = 1) -> int:
+        try:
+            value = int(self.text(column))
+        except ValueError:
+            raise self._bad(column, f"an integer >= {minimum}") from None
+        if value < minimum:
+            raise self._bad(column, f"an integer >= {minimum}")
+        return value
+
+    def positive(self, column: str) -> float:
+        """A finite number > 0 (a speedup: 0 or NaN makes every error meaningless)."""
+        try:
+            value = float(self.text(column))
+        except ValueError:
+            raise self._bad(column, "a finite number > 0") from None
+        if not (math.isfinite(value) and value > 0):
+            raise self._bad(column, "a finite number > 0")
+        return value
+
+    def flag(self, column: str) -> bool:
+        value = self.text(column)
+        if value not in ("True", "False"):
+            raise self._bad(column, "True or False (as tools/sweep.py writes it)")
+        return value == "True"
+
+    def dims(self, column: str = "model") -> ModelDims:
+        try:
+            return parse_dims(self.text(column))
+        except ValueError as error:
+            raise self._bad(column, f"a model LxHxFxAxGxV ({error})") from None
+
+
 def _read(path, columns) -> list:
     path = Path(path)
     if not path.is_file():
@@ -38,48 +88,50 @@ def _read(path, columns) -> list:
     if not rows or missing:
         raise ValueError(f"{str(path)!r} has no rows or lacks columns {missing}; expected "
                          f"{', '.join(columns)}")
-    return rows
+    return [Cells(path, number, row) for number, row in enumerate(rows, start=2)]
 
 
-def _sweep_point(dev: DeviceSpec, row: dict) -> dict:
-    dims = parse_dims(row["model"])
-    batch = synthetic_batch(prefix_len=int(row["prefix"]), suffix_len=int(row["suffix"]),
-                            group_size=int(row["group_size"]), num_groups=int(row["num_groups"]))
-    plan = plan_for(batch, dims, policy=row["policy_on"] == "True")
+def _batch(row: Cells):
+    return synthetic_batch(prefix_len=row.int("prefix"), suffix_len=row.int("suffix"),
+                           group_size=row.int("group_size"), num_groups=row.int("num_groups"))
+
+
+def _sweep_point(dev: DeviceSpec, row: Cells) -> dict:
+    dims, policy, measured = row.dims(), row.flag("policy_on"), row.positive("cpu_speedup")
+    batch = _batch(row)
+    plan = plan_for(batch, dims, policy=policy)
     pred = predict_step(dev, dims, Layout(), plan, dense_rows(batch), optimizer=False)
-    name = (f"sweep {row['prefix']}/{row['suffix']} G={row['group_size']} "
-            f"policy {'on' if row['policy_on'] == 'True' else 'off'}")
-    return _row(name, "sweep", pred.dense.step_s, pred.reuse.step_s, float(row["cpu_speedup"]),
-                plan_matches=len(plan.microbatches) == int(row["microbatches"]),
-                measured_ideal=float(row["ideal"]) if row.get("ideal") else None)
+    name = (f"sweep {row.text('prefix')}/{row.text('suffix')} G={row.text('group_size')} "
+            f"policy {'on' if policy else 'off'}")
+    return _row(name, "sweep", pred.dense.step_s, pred.reuse.step_s, measured,
+                plan_matches=len(plan.microbatches) == row.int("microbatches"),
+                measured_ideal=row.positive("ideal") if row.row.get("ideal") else None)
 
 
-def _bench_dims(row: dict) -> ModelDims:
-    dims = parse_dims(row["model"])
-    if int(row["num_experts"]):
+def _bench_dims(row: Cells) -> ModelDims:
+    dims = row.dims()
+    if row.int("num_experts", minimum=0):
         import dataclasses
-        dims = dataclasses.replace(dims, num_experts=int(row["num_experts"]),
-                                   moe_router_topk=int(row["topk"]))
+        dims = dataclasses.replace(dims, num_experts=row.int("num_experts"),
+                                   moe_router_topk=row.int("topk"))
     return dims
 
 
-def _bench_point(dev: DeviceSpec, row: dict) -> dict:
-    dims = _bench_dims(row)
-    batch = synthetic_batch(prefix_len=int(row["prefix"]), suffix_len=int(row["suffix"]),
-                            group_size=int(row["group_size"]), num_groups=int(row["num_groups"]))
+def _bench_point(dev: DeviceSpec, row: Cells) -> dict:
+    dims, measured = _bench_dims(row), row.positive("measured")
+    batch = _batch(row)
     seconds = {}
     for path, prefix in (("reuse", ""), ("dense", "dense_")):
-        lay = Layout(tp=int(row[prefix + "tp"]), pp=int(row[prefix + "pp"]),
-                     vpp=int(row["vpp"]), cp=int(row[prefix + "cp"]),
-                     ep=int(row["ep"]), dp=int(row[prefix + "dp"]))
+        lay = Layout(tp=row.int(prefix + "tp"), pp=row.int(prefix + "pp"), vpp=row.int("vpp"),
+                     cp=row.int(prefix + "cp"), ep=row.int("ep"), dp=row.int(prefix + "dp"))
         share = rank_share(batch, lay.dp)
-        plan = plan_for(share, dims, policy=False, token_budget=int(row["token_budget"]),
+        plan = plan_for(share, dims, policy=False, token_budget=row.int("token_budget"),
                         row_multiple=lay.tp)
-        pred = predict_step(dev, dims, lay, plan, dense_rows(share, int(row["dense_rows_per_mb"])),
-                            optimizer=False)
+        pred = predict_step(dev, dims, lay, plan,
+                            dense_rows(share, row.int("dense_rows_per_mb")), optimizer=False)
         seconds[path] = getattr(pred, path).step_s
-    return _row(f"bench {row['name']}", "bench", seconds["dense"], seconds["reuse"],
-                float(row["measured"]))
+    return _row(f"bench {row.text('name')}", "bench", seconds["dense"], seconds["reuse"],
+                measured)
 
 
 def _row(name, source, dense_s, reuse_s, measured, **extra) -> dict:
