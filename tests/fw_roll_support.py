@@ -5,7 +5,8 @@ FAIL under PREFIX_REUSE_REQUIRE_FRAMEWORKS=1.
 
 Stubbed (heavy imports irrelevant to a training step, or what needs Ray's cluster / CUDA):
 * modules imported at load and never called in `train_step` (STUBBED: `transfer_queue`, ROLL's
-  Ray data-transfer backend; OpenTelemetry tracing; inference engines) -- inert modules;
+  Ray data-transfer backend; `imageio`; `opentelemetry` with 23 names under it, ROLL's tracing;
+  STUBS_USED lists them after import) -- inert modules;
 * the strategy / worker objects are made without their `__init__` / `initialize` (Ray actor,
   HF checkpoint through mcore_adapter, NCCL groups): `roll_strategy` sets the attributes
   `initialize` sets (model, its `forward_backward_func = get_forward_backward_func()` bound as

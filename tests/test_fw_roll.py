@@ -164,3 +164,10 @@ def test_switch_is_a_worker_config_field(roll):
     cls = with_prefix_reuse(WorkerConfig)
     assert issubclass(cls, WorkerConfig) and not cls().prefix_reuse
     assert reuse_enabled(cls(prefix_reuse=True)) and not reuse_enabled(WorkerConfig())
+
+
+def test_stubs_are_the_named_ones(roll):
+    """Only the modules docs/FRAMEWORKS.md and fw_roll_support name are stubbed."""
+    assert {n.split(".")[0] for n in support.STUBS_USED} <= {"transfer_queue", "imageio",
+                                                             "opentelemetry"}
+    assert "roll" not in {n.split(".")[0] for n in support.STUBS_USED}
