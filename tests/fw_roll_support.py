@@ -201,6 +201,13 @@ def pipeline_config(**loss_settings):
         elif f.default_factory is not dataclasses.MISSING:
             setattr(config, f.name, f.default_factory())
     config.enable_old_logprobs_recompute = True  # old log-probs come with the batch
+    if loss_settings.get("train_infer_correction") == "token-is-weight-and-sequence-filter":
+        from roll.configs.base_config import (TrainInferCorrectionConfig, TrainInferFilterConfig,
+                                              TrainInferISWeightConfig)
+        loss_settings["train_infer_correction"] = TrainInferCorrectionConfig(
+            is_weight=TrainInferISWeightConfig(enabled=True, weight_type="token"),
+            filters=[TrainInferFilterConfig(enabled=True, agg_type="sequence", ratio_low=0.7,
+                                            ratio_high=1.3)])
     for key, value in loss_settings.items():
         assert hasattr(config, key), key
         setattr(config, key, value)

@@ -18,6 +18,7 @@ worker objects made without Ray's actor init, the model (`RollGPTStandIn`: a meg
 GPTModel taking ROLL's model call with its 2-D left-padded attention mask, in Megatron's DDP in
 mcore_adapter's VirtualModels), the optimizer (records gradients), the scheduler step.
 """
+import numpy as np
 import pytest
 import torch
 
@@ -63,8 +64,11 @@ def _batch(seed):
     near = -torch.log(torch.tensor(float(SMALL["vocab_size"])))  # the tiny model's log-probs
     old = (near + 0.3 * torch.randn(B, S - 1, generator=gen)) * mask  # ratios both sides of clip
     ref = (near + 0.3 * torch.randn(B, S - 1, generator=gen)) * mask
+    infer = old + 0.05 * torch.randn(B, S - 1, generator=gen) * mask  # the rollout engine's
     order = torch.randperm(B, generator=gen)  # ROLL's actor dataloader shuffles
-    data = DataProto.from_dict(tensors={
+    uuids = np.array([f"sample-{int(i)}" for i in order], dtype=object)
+    data = DataProto.from_dict(non_tensors={"sample_uuid": uuids}, tensors={
+        "infer_logprobs": infer[order],
         "input_ids": ids[order], "attention_mask": attention[order],
         "response_mask": response[order], "advantages": adv[order],
         "old_log_probs": old[order], "ref_log_probs": ref[order],
@@ -107,6 +111,9 @@ CASES = {
     "seq-mean-token-sum-norm": dict(loss_agg_mode="seq-mean-token-sum-norm"),
     "seq-importance-dual-clip": dict(loss_agg_mode="token-mean", importance_sampling="seq",
                                      dual_clip_loss=True),
+    "on-policy-cache-train-infer-correction": dict(
+        loss_agg_mode="seq-mean-token-mean", enable_old_logprobs_recompute=False,
+        train_infer_correction="token-is-weight-and-sequence-filter"),
     "pg-clip-range": dict(loss_agg_mode="token-mean", use_pg_clip_range=True, pg_clip_low=0.1,
                           pg_clip_high=0.28),
 }
