@@ -13,9 +13,10 @@ Stubbed (heavy imports irrelevant to a training step, or what needs Ray's cluste
   initialize binds it, seq_length, rank info) on ROLL's own MegatronTrainStrategy;
 * the model: `RollGPTStandIn`, a megatron-core GPTModel (TinyLlama, local spec, fp32) in
   Megatron's DDP inside mcore_adapter's own `VirtualModels`, taking ROLL's model call
-  (`input_ids`, a [B, S] 2-D `attention_mask` with left-padded prompts, `loss_mask`) as
-  mcore_adapter's McaGPTModel does on GPU: the 2-D mask becomes the causal mask with padding keys
-  masked ([B, 1, S, S]); `loss_mask` (read by MTP / aux losses only) is dropped; its
+  (`input_ids`, a [B, S] 2-D `attention_mask` with left-padded prompts, `loss_mask`): the 2-D
+  mask becomes causal attention with padding keys masked ([B, 1, S, S]); `loss_mask` (read by
+  MTP / aux losses only) is dropped (mcore_adapter's McaGPTModel, built from an HF checkpoint,
+  inherits GPTModel.forward and hands the mask to Transformer Engine: not run here); its
   `get_batch_on_this_cp_rank` is mcore_adapter's own (CP = 1: the identity);
 * the optimizer (`GradRecorder`): `step()` records every main_grad, does not update, returns
   ROLL's (update_successful, grad_norm, num_zeros); `reload_states` / `offload_states` no-ops;
