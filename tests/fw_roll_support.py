@@ -14,9 +14,10 @@ Stubbed (heavy imports irrelevant to a training step, or what needs Ray's cluste
 * the model: `RollGPTStandIn`, a megatron-core GPTModel (TinyLlama, local spec, fp32) in
   Megatron's DDP inside mcore_adapter's own `VirtualModels`, taking ROLL's model call
   (`input_ids`, a [B, S] 2-D `attention_mask` with left-padded prompts, `loss_mask`): the 2-D
-  mask becomes causal attention with padding keys masked ([B, 1, S, S]); `loss_mask` (read by
-  MTP / aux losses only) is dropped (mcore_adapter's McaGPTModel, built from an HF checkpoint,
-  inherits GPTModel.forward and hands the mask to Transformer Engine: not run here); its
+  mask becomes causal attention with padding keys masked ([B, 1, S, S]) for the local attention;
+  everything else goes to GPTModel.forward as given (`loss_mask` included). mcore_adapter's
+  McaGPTModel (built from an HF checkpoint; it inherits GPTModel.forward and hands the mask to
+  Transformer Engine) was not run here; its
   `get_batch_on_this_cp_rank` is mcore_adapter's own (CP = 1: the identity);
 * the optimizer (`GradRecorder`): `step()` records every main_grad, does not update, returns
   ROLL's (update_successful, grad_norm, num_zeros); `reload_states` / `offload_states` no-ops;
@@ -136,7 +137,8 @@ def stand_in_class():
                 allowed = causal[None] & keys[:, None, :]
                 attention_mask = ~allowed[:, None]  # Megatron: True = masked out
             return super().forward(input_ids, position_ids, attention_mask, labels=labels,
-                                   packed_seq_params=packed_seq_params, **kwargs)
+                                   packed_seq_params=packed_seq_params, loss_mask=loss_mask,
+                                   **kwargs)
     return RollGPTStandIn
 
 

@@ -178,3 +178,19 @@ def test_stubs_are_the_named_ones(roll):
     assert {n.split(".")[0] for n in support.STUBS_USED} <= {"transfer_queue", "imageio",
                                                              "opentelemetry"}
     assert "roll" not in {n.split(".")[0] for n in support.STUBS_USED}
+
+
+def test_log_prob_passes_and_switch_off_reach_megatron_unchanged(megatron_env, roll):
+    """The hook hands ROLL's forward_only calls (its `forward_step` log-prob passes) and every
+    call with the switch off to Megatron's own function."""
+    from functools import partial
+    from megatron_patches.frameworks.roll import _Dispatch
+    ms, aw = roll
+    for reuse, forward_only in ((True, True), (False, False), (False, True)):
+        wc = support.worker_config(prefix_reuse=reuse, per_device=PER_DEVICE,
+                                   accumulation=ACCUMULATION)
+        actor, strategy = support.roll_actor(ms, aw, wc=wc, pc=support.pipeline_config(),
+                                             seq_length=8)
+        dispatch = _Dispatch(lambda **kw: "megatron")
+        step = partial(strategy.inner_forward_step, actor.loss_func)
+        assert dispatch(forward_step_func=step, forward_only=forward_only) == "megatron"
