@@ -6,9 +6,10 @@ FAIL under PREFIX_REUSE_REQUIRE_FRAMEWORKS=1.
 Stubbed (heavy imports irrelevant to a training step, or what needs Ray's cluster / CUDA):
 * modules imported at load and never called in `train_step` (STUBBED: `transfer_queue`, ROLL's
   Ray data-transfer backend; `imageio`; `opentelemetry` with 23 names under it, ROLL's tracing;
-  STUBS_USED lists them after import) -- inert modules;
+  STUBS_USED lists them; they are taken out of sys.modules and the import system again
+  once ROLL is imported) -- inert modules;
 * the strategy / worker objects are made without their `__init__` / `initialize` (Ray actor,
-  HF checkpoint through mcore_adapter, NCCL groups): `roll_strategy` sets the attributes
+  HF checkpoint through mcore_adapter, NCCL groups): `roll_actor` sets the attributes
   `initialize` sets (model, its `forward_backward_func = get_forward_backward_func()` bound as
   initialize binds it, seq_length, rank info) on ROLL's own MegatronTrainStrategy;
 * the model: `RollGPTStandIn`, a megatron-core GPTModel (TinyLlama, local spec, fp32) in
@@ -106,16 +107,22 @@ def import_roll():
             found = False
         if not found:
             _STUBBED_NOW.add(name)
-    if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-        sys.meta_path.append(_StubFinder())
+    finder = _StubFinder()
+    sys.meta_path.append(finder)
     try:
         from roll.distributed.strategy import megatron_strategy
         from roll.pipeline.rlvr import actor_worker
     except ModuleNotFoundError as error:
         missing(f"ROLL imports {error.name!r}: run in .venv-frameworks (make test-frameworks)")
+    finally:  # the stubs serve ROLL's import only: later imports elsewhere see the real world
+        sys.meta_path.remove(finder)
+        stubbed = sorted(n for n in sys.modules
+                         if n.split(".")[0] in (*_STUBBED_NOW, *STUBBED_PREFIXES)
+                         and isinstance(sys.modules[n], _StubModule))
+        STUBS_USED[:] = sorted(set(STUBS_USED) | set(stubbed))
+        for name in stubbed:
+            del sys.modules[name]
     assert str(root) in megatron_strategy.__file__
-    STUBS_USED[:] = sorted(n for n in sys.modules if n.split(".")[0] in
-                           (*_STUBBED_NOW, *STUBBED_PREFIXES))
     return megatron_strategy, actor_worker
 
 
