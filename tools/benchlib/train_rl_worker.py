@@ -52,11 +52,12 @@ def _setup(tree: Path, config):
     compat.enable_python311_support()
     compat.enable_megatron_lm_cpu_support()
     import train_rl_replay as replay
-    replay._stub_missing_modules()
+    from megatron_patches.megatron_lm.rl_cpu import cpu_thd_forward, stub_missing_modules
+    stub_missing_modules()
     import megatron.rl.rl_utils  # noqa: F401
     from megatron.core.models.gpt import GPTModel
     sys.path.insert(0, str(tree))  # train_rl.py
-    GPTModel.forward = replay._cpu_thd_forward(GPTModel.forward)
+    GPTModel.forward = cpu_thd_forward(GPTModel.forward)
     replay.SEQ_LENGTH = config.prefix_len + config.suffix_len  # read by _args, _step
     replay.GROUPS, replay.G = config.num_groups, config.group_size  # and by the collection
     replay._rollouts = lambda gen: _rollouts(config, gen)
