@@ -68,13 +68,11 @@ def main(argv) -> None:
     import train_rl_prefix_reuse as launcher
 
     if os.environ.get(RECORD_ENV):
-        from megatron_patches.megatron_lm import compat
-
-        compat.enable_python311_support()
-        compat.enable_megatron_lm_cpu_support()
         from megatron_patches.megatron_lm.rl_cpu import stub_missing_modules
 
         stub_missing_modules()  # wandb, before megatron.training imports megatron.rl
+        compat.enable_python311_support()
+        compat.enable_megatron_lm_cpu_support()
         from megatron.training import training
 
         training.training_log = _recording(training.training_log, os.environ[RECORD_ENV])
