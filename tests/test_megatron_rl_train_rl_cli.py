@@ -84,3 +84,45 @@ def test_the_documented_cpu_command_trains_as_written(tmp_path):
     assert out.count("> prefix reuse step:") == ITERS, out[-4000:]
     assert re.search(r"lm loss: \S+", out), out[-3000:]
     assert (run_dir / "ckpt" / f"iter_{ITERS:07d}").is_dir()
+
+
+def test_the_commands_tools_refuse_bad_input_naming_the_fix(tmp_path, monkeypatch, capsys):
+    """tools/megatron_tree.py and tools/train_rl_trace.py (the CPU command's first two lines):
+    one line naming what to fix, a non-zero exit, nothing written."""
+    import json
+
+    from tools_import import tool
+
+    trees, traces = tool("megatron_tree"), tool("train_rl_trace")
+    monkeypatch.setenv("MEGATRON_LM_TARBALLS", str(tmp_path / "none"))
+    assert trees.main(["--release", "main", "--out", str(tmp_path / "run"),
+                       "--tarball", str(tmp_path / "missing.tar.gz")]) == 2
+    err = capsys.readouterr().err
+    assert "no tarball Megatron-LM-main-2026-08-22.tar.gz" in err and "git clone" in err, err
+    assert not (tmp_path / "run").exists()
+    (tmp_path / "run" / "Megatron-LM").mkdir(parents=True)
+    tarball = tmp_path / "t.tar.gz"
+    tarball.write_bytes(b"")
+    assert trees.main(["--release", "main", "--out", str(tmp_path / "run"),
+                       "--tarball", str(tarball)]) == 2
+    assert "exists: give another --out" in capsys.readouterr().err
+    for text, message in (("not json", "not a readable JSON trace"),
+                          (json.dumps([[{"prompt": [1], "members": []}]]), "no groups"),
+                          (json.dumps({"prompt": []}), "no groups")):
+        (tmp_path / "bad.json").write_text(text)
+        assert traces.main(["check", str(tmp_path / "bad.json")]) == 1
+        assert message in capsys.readouterr().err, text
+    assert traces.main(["synth", "--out", str(tmp_path / "t.json"), "--collections", "1",
+                        "--groups", "2", "--group-size", "3", "--vocab-size", "256",
+                        "--eod", "256"]) == 1
+    assert "--eod < --vocab-size" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
+    assert traces.main(["synth", "--out", str(tmp_path / "t.json"), "--collections", "2",
+                        "--groups", "2", "--group-size", "3", "--vocab-size", "256",
+                        "--eod", "255"]) == 0
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert [len(c) for c in data] == [2, 2] and all(len(g["members"]) == 3 for g in data[0])
+    member = data[0][0]["members"][0]
+    assert member["response"][-1] == 255 and len(member["logprobs"]) == len(member["response"])
+    assert traces.main(["check", str(tmp_path / "t.json")]) == 0
+    assert "4 groups" in capsys.readouterr().out
