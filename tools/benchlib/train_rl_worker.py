@@ -3,7 +3,7 @@
 first on PYTHONPATH.
 
 Megatron-LM's own code, driven as tests/train_rl_replay.py drives it (its stubs, named and
-reasoned there, are imported from it, never copied): `rl_utils.get_grpo_data_iterator` (the
+reasoned there and in megatron_patches/megatron_lm/rl_cpu.py, are imported, never copied): `rl_utils.get_grpo_data_iterator` (the
 collection replayed, `prepare_data_for_update` with its stock old/ref log-prob passes) builds
 the step's microbatches once, on the bench's workload (`--num-groups` prompts of `--prefix-len`
 tokens, `--group-size` rollouts of `--suffix-len` generated tokens ending in eod; `--seq-length`
