@@ -22,23 +22,17 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tarfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import pytest
 
 from megatron_patches.patching import registry
+from megatron_patches.patching.trees import PINNED, TARBALLS, extract_tree, tarball_dirs  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
-TARBALLS = {
-    "0.19.1": "Megatron-LM-core_r0.19.0.tar.gz",
-    "0.20.0": "Megatron-LM-main-2026-08-22.tar.gz",
-}
-"""megatron-core version -> offline tarball (paper-scale.md, "Megatron-LM sources")."""
-
-PINNED = {"0.19.1": ("core_r0.19.0", "f8837c04ef6c"), "0.20.0": ("main", "d98e8a64ddf3")}
-"""megatron-core version -> (branch, commit) of the same sources (declarations.py's releases)."""
+# (TARBALLS, PINNED, tarball_dirs, extract_tree: megatron_patches/patching/trees.py, which
+# tools/megatron_tree.py uses to prepare a checkout for users)
 
 REMOTE_ENV = "MEGATRON_LM_REMOTE"
 DEFAULT_REMOTE = "https://github.com/NVIDIA/Megatron-LM.git"
@@ -66,13 +60,6 @@ __all__ = ["REPO", "TARBALLS", "PINNED", "REMOTE_ENV", "SKIP_PREFIX", "EXPECT_EN
            "missing",
            "tarball_dirs", "find_tarball", "fetch_tarball", "extract_tree", "tree_digest",
            "stock_tree", "patched_tree", "skip_summary", "pytest_sessionstart"]
-
-
-def tarball_dirs() -> List[Path]:
-    """Where tarballs are looked for, in order."""
-    env = os.environ.get("MEGATRON_LM_TARBALLS")
-    dirs = [Path(env)] if env else []
-    return dirs + [d / "shared" / "megatron-lm" for d in (REPO, *REPO.parents)]
 
 
 def find_tarball(version: str, factory=None) -> Path:
@@ -133,14 +120,6 @@ def fetch_tarball(version: str, into: Path, *, remote: Optional[str] = None,
                    "HEAD", cwd=clone, timeout_s=FETCH_TIMEOUT_S)
     shutil.rmtree(clone, ignore_errors=True)
     return tarball if ok else f"git archive of {commit} failed ({out})"
-
-
-def extract_tree(tarball: Path, into: Path) -> Path:
-    """Extract `tarball` under `into`; returns the checkout root (the directory with megatron/)."""
-    with tarfile.open(tarball) as archive:
-        archive.extractall(into, filter="data")
-    (root,) = [p.parents[2] for p in into.glob("*/megatron/core/package_info.py")]
-    return root
 
 
 def tree_digest(root: Path) -> Dict[str, str]:

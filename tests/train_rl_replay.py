@@ -18,8 +18,9 @@ num_microbatches=get_num_microbatches())`) and an SGD step. The reuse run differ
 reuse step with train_rl's own `calculate_grpo_loss` + `loss_func`, one forward-only reuse pass
 per log-prob computation.
 
-Stubs (named, none of them changes the math):
-* `_cpu_thd_forward` (GPTModel.forward): train_rl always hands the model a THD
+Stubs (named, none of them changes the math; the first and last are the launcher's CPU mode's,
+megatron_patches/megatron_lm/rl_cpu.py):
+* `cpu_thd_forward` (GPTModel.forward): train_rl always hands the model a THD
   `PackedSeqParams`, which Transformer Engine's attention reads and the local (CPU) attention
   refuses. The stand-in has TE's THD semantics without TE: the row [1, T] is cut at
   `cu_seqlens_q` (repeated entries are TE's zero-length ghost sequences) and each sequence runs
@@ -44,54 +45,17 @@ train_rl.py run, rollouts through its agent registry).
 """
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import sys
-import types
 from argparse import Namespace
 from pathlib import Path
 
 import torch
 
+from megatron_patches.megatron_lm.rl_cpu import cpu_thd_forward, stub_missing_modules
+
 SEQ_LENGTH, MBS, ITERS, GROUPS, G = 64, 2, 3, 2, 4
 GRPO = dict(grpo_clamp_eps_lower=0.2, grpo_clamp_eps_upper=0.28, grpo_kl_beta=0.05,
             grpo_entropy_term_weight=0.01)
-
-
-def _stub_missing_modules() -> None:
-    if importlib.util.find_spec("wandb") is None:
-        wandb = types.ModuleType("wandb")
-        wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # find_spec callers
-        wandb.wandb_run = types.SimpleNamespace(Run=object)
-        sys.modules["wandb"] = wandb
-    if importlib.util.find_spec("hybrid_builders") is None:
-        hybrid = types.ModuleType("hybrid_builders")
-
-        def hybrid_builder(*_a, **_k):
-            raise RuntimeError("hybrid_builders is not in this Megatron-LM snapshot")
-        hybrid.hybrid_builder = hybrid_builder
-        sys.modules["hybrid_builders"] = hybrid
-
-
-def _cpu_thd_forward(forward):
-    """GPTModel.forward as train_rl calls it, THD bins run per sequence, minus fp32_output
-    (module doc); what the adapter passes (no PackedSeqParams) goes through unchanged."""
-    def stub(self, input_ids, position_ids, attention_mask, *args, packed_seq_params=None,
-             **kwargs):
-        if kwargs.pop("fp32_output", True) is not True:  # GPTModel has none: fp32 models only
-            raise RuntimeError("only fp32 models run here")
-        if packed_seq_params is None:
-            return forward(self, input_ids, position_ids, attention_mask, *args, **kwargs)
-        p = packed_seq_params
-        cu = p.cu_seqlens_q.tolist()
-        if (input_ids.shape[0] != 1 or cu[0] != 0 or cu[-1] != input_ids.shape[1]
-                or p.cu_seqlens_kv.tolist() != cu or p.cu_seqlens_q_padded is not None):
-            raise RuntimeError(f"THD stand-in: one unpadded row cut at cu_seqlens, got {cu}")
-        bounds = sorted(set(cu))
-        return torch.cat([forward(self, input_ids[:, a:b], position_ids[:, a:b],
-                                  attention_mask, *args, **kwargs)
-                          for a, b in zip(bounds, bounds[1:])], dim=1)
-    return stub
 
 
 def _args():
@@ -239,7 +203,7 @@ def main(out: str) -> None:
 
     compat.enable_python311_support()
     compat.enable_megatron_lm_cpu_support()
-    _stub_missing_modules()
+    stub_missing_modules()
     import megatron_patches
     from megatron_patches.models import TinyLlamaConfig, build_model, initialize_single_process
     from megatron_patches.training import scale_grads_by_token_count
@@ -248,7 +212,7 @@ def main(out: str) -> None:
     from megatron.core.models.gpt import GPTModel
 
     sys.path.insert(0, str(Path(megatron.rl.rl_utils.__file__).parents[2]))  # train_rl.py
-    GPTModel.forward = _cpu_thd_forward(GPTModel.forward)
+    GPTModel.forward = cpu_thd_forward(GPTModel.forward)
     args = _args()
     megatron_patches.install()
     initialize_single_process(seed=1234)

@@ -5,30 +5,20 @@
     python tests/train_rl_run.py --save-weights CHECKPOINT_DIR OUT.pt
 
 with a patched Megatron-LM main checkout first on PYTHONPATH and this repository second (run by
-tests/test_megatron_rl_train_rl_run.py). It installs the stubs below, then runs
-examples/megatron_lm/train_rl_prefix_reuse.py's `main` with the remaining arguments, as a user
-runs the launcher: train_rl.py as `__main__` (its argument parsing, `pretrain` -> `train()` loop,
-optimizer, `training_log`, `save_checkpoint`), its rollout collection through its own extension
-points: `--langrl-env-config` names `TraceReplayAgent` (a `GroupedRolloutGenerator` registered
-in megatron.rl.agent.registry.AGENT_REGISTRY, which `get_agent` builds through
-`WeightedMultiTask.from_config`), driven by Megatron's own `RolloutPipeline`.
+tests/test_megatron_rl_train_rl_run.py). It runs examples/megatron_lm/train_rl_prefix_reuse.py's
+`main` with the arguments, as a user runs the launcher: train_rl.py as `__main__` (its argument
+parsing, `pretrain` -> `train()` loop, optimizer, `training_log`, `save_checkpoint`), its rollout
+collection through its own extension points: `--langrl-env-config` names `TraceReplayAgent`
+(megatron_patches/megatron_lm/rl_replay.py, registered by the launcher in
+megatron.rl.agent.registry.AGENT_REGISTRY, which `get_agent` builds through
+`WeightedMultiTask.from_config`), driven by Megatron's own `RolloutPipeline`. The launcher's CPU
+mode supplies the stand-ins (megatron_patches/megatron_lm/rl_cpu.py names each: the
+engine-less inference interface, `NullTokenizer.bos_id`, the THD attention stand-in, `wandb` /
+`hybrid_builders` when absent, CUDA-only arguments turned off).
 
-Stubs (each replaces only something that needs CUDA or is absent; none changes the math):
-* `ReplayInference` (rl_utils.get_inference_interface): the real one launches Megatron's CUDA
-  dynamic inference engine and its HTTP server (`MegatronLocal.launch`). The stand-in is a
-  `ReturnsRaw` interface with the engine's lifecycle (resume / suspend / kill /
-  set_generation_epoch / merge_global_request_ledgers) and no generation: the replay agent
-  never asks it to generate (its `base_generate` raises).
-* `TraceReplayAgent`: the agent itself replays a trace (JSON: per collection, per group, the
-  prompt tokens and per member the response tokens ending in eod, their inference log-probs and
-  the reward) as TokenRollouts, in order; the real agents sample from the inference engine.
-* `NullTokenizer.bos_id = None`: prepare_trajectories asks the tokenizer for `bos`, which
-  Megatron's text tokenizer reads from `bos_id`, which its NullTokenizer (the file-less
-  tokenizer of tiny runs) does not define (an AttributeError, not a CUDA matter): no BOS.
-* `_cpu_thd_forward` (GPTModel.forward) and the `wandb` / `hybrid_builders` module stubs:
-  tests/train_rl_replay.py's, which say why.
-Recorder (changes nothing): `RECORD_ENV` names a JSON-lines file that gets, per `training_log`
-call, the iteration, its loss dict and grad norm at full precision (the log line rounds them).
+Added here, recorder only (changes nothing): `RECORD_ENV` names a JSON-lines file that gets,
+per `training_log` call, the iteration, its loss dict and grad norm at full precision (the log
+line rounds them).
 Not run: generation (CUDA inference engine), CUDA graphs, Transformer Engine.
 """
 from __future__ import annotations
@@ -42,97 +32,8 @@ import torch
 
 from megatron_patches.megatron_lm import compat
 
-AGENT_NAME = "TraceReplayAgent"
 RECORD_ENV = "TRAIN_RL_RECORD"
-__all__ = ["AGENT_NAME", "RECORD_ENV", "install_stubs", "save_weights", "main"]
-TRACE_FORMAT = """JSON: [[{"prompt": [ids], "members": [{"response": [ids ending in eod],
-"logprobs": [float per response token], "reward": float}, ...G]}, ...groups] ...collections]"""
-
-
-def _agent_class():
-    from megatron.rl.agent.api import (EpisodeResult, GroupedRolloutGenerator,
-                                       GroupRolloutParams, RolloutGenerator)
-    from megatron.rl.inference.api import InferenceResponse, LLMChatMessage
-    from megatron.rl.types.rollout import TokenRollout
-
-    class TraceReplayAgent(RolloutGenerator, GroupedRolloutGenerator):
-        """Replays the trace's groups (TRACE_FORMAT) in order, one per `prepare_group_rollout`
-        (the pipeline prepares groups one at a time, in batch order); its G episodes come out
-        in rollout_idx order (the pipeline's FIFO infer queue). (RolloutGenerator: the base
-        `WeightedMultiTask`'s config asks of every agent.)"""
-
-        trace: str
-        env_id: str = "replay"
-        cursor: int = 0
-        groups: list = []
-
-        def _groups(self):
-            if not self.groups:
-                self.groups = [g for c in json.loads(Path(self.trace).read_text()) for g in c]
-            return self.groups
-
-        async def get_rollout_response(self, request, inference_request):
-            raise RuntimeError("TraceReplayAgent replays: it never asks the engine")
-
-        async def get_reward_rollouts(self, request):
-            raise RuntimeError("TraceReplayAgent replays grouped rollouts only")
-
-        async def prepare_group_rollout(self, request):
-            groups = self._groups()
-            if self.cursor >= len(groups):
-                raise RuntimeError(f"the trace has {len(groups)} groups: all replayed")
-            group, index = groups[self.cursor], self.cursor
-            self.cursor += 1
-            if len(group["members"]) != request.rollouts_per_group:
-                raise RuntimeError(f"trace group {index} has {len(group['members'])} members, "
-                                   f"--grpo-group-size is {request.rollouts_per_group}")
-            members = iter(group["members"])
-
-            async def run_episode():
-                member = next(members)
-                response = InferenceResponse(
-                    response=LLMChatMessage(role="assistant", content=""),
-                    token_ids=group["prompt"] + member["response"],
-                    prompt_length=len(group["prompt"]), logprobs=member["logprobs"],
-                    finish_reason="stop")
-                return EpisodeResult(responses=[response], conversation=[member])
-
-            async def build_rollout(episode):
-                (response,), (member,) = episode.responses, episode.conversation
-                n = len(response.token_ids) - response.prompt_length
-                return TokenRollout(
-                    trajectory=[response.token_ids], reward=member["reward"],
-                    generation_mask=[[False] * response.prompt_length + [True] * n],
-                    logprobs=[response.logprobs], env_id=self.env_id,
-                    problem_id=f"trace-{index}")
-            return GroupRolloutParams(run_episode=run_episode, build_rollout=build_rollout)
-    return TraceReplayAgent
-
-
-def _replay_inference():
-    from megatron.rl.inference.inference_interface import ReturnsRaw
-
-    class ReplayInference(ReturnsRaw):
-        """The inference engine's lifecycle without an engine (module doc)."""
-
-        def set_generation_epoch(self, _epoch) -> None:
-            pass
-
-        async def resume(self) -> None:
-            pass
-
-        async def suspend(self) -> None:
-            pass
-
-        async def kill(self) -> None:
-            pass
-
-        def merge_global_request_ledgers(self):
-            return {}
-
-        async def base_generate(self, request):
-            raise RuntimeError("no inference engine on CPU: replay the rollouts")
-    return ReplayInference()
+__all__ = ["RECORD_ENV", "save_weights", "main"]
 
 
 def _recording(training_log, path):
@@ -144,24 +45,6 @@ def _recording(training_log, path):
         return training_log(loss_dict, total_loss_dict, learning_rate, iteration, loss_scale,
                             report_memory_flag, skipped_iter, grad_norm, *args, **kwargs)
     return record
-
-
-def install_stubs() -> None:
-    """The module doc's stubs, before train_rl.py runs."""
-    from train_rl_replay import _cpu_thd_forward
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
-    from megatron.rl import rl_utils
-    from megatron.rl.agent import registry
-    from megatron.training import training
-
-    GPTModel.forward = _cpu_thd_forward(GPTModel.forward)
-    NullTokenizer.bos_id = None  # its wrapper's `bos` reads bos_id, which NullTokenizer lacks
-    registry.AGENT_REGISTRY[AGENT_NAME] = f"{Path(__file__).stem}:{AGENT_NAME}"
-    interface = _replay_inference()
-    rl_utils.get_inference_interface = lambda args, loop, model: interface
-    if os.environ.get(RECORD_ENV):
-        training.training_log = _recording(training.training_log, os.environ[RECORD_ENV])
 
 
 def save_weights(checkpoints: str, out: str) -> None:
@@ -184,22 +67,16 @@ def main(argv) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "megatron_lm"))
     import train_rl_prefix_reuse as launcher
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # this module, for the registry
-    from train_rl_replay import _stub_missing_modules
+    if os.environ.get(RECORD_ENV):
+        from megatron_patches.megatron_lm.rl_cpu import stub_missing_modules
 
-    _stub_missing_modules()  # before megatron.training imports megatron.rl
-    compat.enable_python311_support()
-    compat.enable_megatron_lm_cpu_support()
-    install_stubs()
+        stub_missing_modules()  # wandb, before megatron.training imports megatron.rl
+        compat.enable_python311_support()
+        compat.enable_megatron_lm_cpu_support()
+        from megatron.training import training
+
+        training.training_log = _recording(training.training_log, os.environ[RECORD_ENV])
     launcher.main(argv)
-
-
-def __getattr__(name):
-    """`TraceReplayAgent`, built when the registry imports it (megatron.rl is importable then)."""
-    if name != AGENT_NAME:
-        raise AttributeError(name)
-    globals()[name] = _agent_class()
-    return globals()[name]
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Megatron-LM's own `train_rl.py` with `--prefix-reuse` (docs/FRAMEWORKS.md, Megatron-LM RL).
 
     torchrun ... examples/megatron_lm/train_rl_prefix_reuse.py --train-rl PATH/train_rl.py \\
-        [train_rl.py's arguments] --calculate-per-token-loss --prefix-reuse
+        [train_rl.py's arguments] --calculate-per-token-loss --prefix-reuse \\
+        [--replay-trace TRACE.json]
 
 Runs PATH/train_rl.py as `__main__` (its own argument parsing, rollouts, loop and logging).
 With `--prefix-reuse` (removed before train_rl parses), `megatron_patches.install()` runs and
@@ -9,20 +10,38 @@ With `--prefix-reuse` (removed before train_rl parses), `megatron_patches.instal
 hooks go in for train_rl's `forward_step` / `loss_func`: each RL iteration's training step and
 its old/ref log-prob passes run with prefix reuse (also with `--rl-use-sequence-packing`), each
 step's report printed on rank 0. Arguments the reuse step cannot run exactly are refused
-before training. Without `--prefix-reuse` nothing of the step is changed. Without CUDA (a no-op
-with it) three CPU shims, for both runs: `initialize_megatron(allow_no_cuda=True)`,
-megatron/rl's `device="cuda"` factories on the CPU, `Tensor.cpu()` copying (`_cpu_copies`).
+before training. Without `--prefix-reuse` nothing of the step is changed.
+
+`--replay-trace TRACE.json` (removed before train_rl parses; format:
+megatron_patches/megatron_lm/rl_replay.py, `tools/train_rl_trace.py synth` writes one):
+the rollouts come from the trace through train_rl's agent registry (`--langrl-env-config` is
+written for it) instead of being generated.
+
+CPU mode, detected (no CUDA; a no-op with it): the stand-ins of
+megatron_patches/megatron_lm/rl_cpu.py, each announced on the console (`> CPU mode:`):
+CUDA-only arguments turned off as train_grpo.py does, `allow_no_cuda`, an engine-less inference
+interface, `NullTokenizer.bos_id`, a THD attention stand-in, `wandb` / `hybrid_builders` when
+absent. Without CUDA nothing can generate: `--replay-trace` is required.
 Checked: a whole run on CPU, stock vs reuse, packed and not
-(tests/test_megatron_rl_train_rl_run.py; docs/FRAMEWORKS.md, Megatron-LM RL).
+(tests/test_megatron_rl_train_rl_run.py); the documented CPU command as written
+(tests/test_megatron_rl_train_rl_cli.py).
 """
 from __future__ import annotations
 
+import os
 import runpy
 import sys
+import tempfile
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
-__all__ = ["main", "split_argv"]
+import torch
+
+__all__ = ["main", "split_argv", "RefusedArguments"]
+
+
+class RefusedArguments(ValueError):
+    """Arguments refused before training (one line on the console, exit status 2)."""
 
 
 def split_argv(argv: List[str]) -> Tuple[str, bool, List[str]]:
@@ -39,7 +58,7 @@ def split_argv(argv: List[str]) -> Tuple[str, bool, List[str]]:
         else:
             rest.append(arg)
     if not path:
-        raise ValueError("give --train-rl PATH/train_rl.py (Megatron-LM's RL entry point)")
+        raise RefusedArguments("give --train-rl PATH/train_rl.py (Megatron-LM's RL entry point)")
     return path, reuse, rest
 
 
@@ -50,7 +69,7 @@ def _check_args(args) -> None:
         ("--calculate-per-token-loss (give it)", not args.calculate_per_token_loss),
         ("--context-parallel-size 1", args.context_parallel_size > 1)) if bad]
     if problems:
-        raise ValueError("train_rl.py --prefix-reuse needs: " + "; ".join(problems))
+        raise RefusedArguments("train_rl.py --prefix-reuse needs: " + "; ".join(problems))
 
 
 def _with_prefix_reuse(pretrain):
@@ -75,51 +94,67 @@ def _with_prefix_reuse(pretrain):
     return pretrain_with_prefix_reuse
 
 
-def _allow_no_cuda() -> None:
-    """Without CUDA: `pretrain` calls `initialize_megatron()`, which asserts CUDA unless given
-    `allow_no_cuda=True` (our own entry point passes it; main.py); Megatron-LM RL's modules
-    create `device="cuda"` tensors (packing statistics, sequence counts): they see the CPU
-    layer's torch (compat.see_cpu_torch). With CUDA: untouched."""
-    import torch
-    from megatron.training import training
-
-    from megatron_patches.megatron_lm import compat
-
-    if torch.cuda.is_available():
-        return
-    compat.see_cpu_torch("megatron.rl.rl_utils", "megatron.rl.sequence_packing_utils")
-    initialize = training.initialize_megatron
-
-    def initialize_megatron(*args, **kwargs):
-        return initialize(*args, **{**kwargs, "allow_no_cuda": True})
-    training.initialize_megatron = initialize_megatron
+def _take_replay_trace(rest: List[str]) -> Tuple[Optional[str], List[str]]:
+    """(--replay-trace's path or None, the arguments without it)."""
+    out, trace = [], None
+    it = iter(rest)
+    for arg in it:
+        if arg == "--replay-trace":
+            trace = next(it, None)
+            if not trace:
+                raise RefusedArguments("--replay-trace needs a path (a trace file: "
+                                       "python tools/train_rl_trace.py synth --help)")
+        elif arg.startswith("--replay-trace="):
+            trace = arg.split("=", 1)[1]
+        else:
+            out.append(arg)
+    return trace, out
 
 
-def _cpu_copies() -> None:
-    """Without CUDA: `Tensor.cpu()` returns a copy, as it does from a GPU. train_rl's loop keeps
-    weights with `{k: v.cpu() for k, v in model.state_dict().items()}`: the reference policy
-    (train()) and the current weights while the reference log-probs are computed
-    (prepare_data_for_update loads the reference, then this dict back). On a CPU tensor `.cpu()`
-    is the tensor itself, so both dicts would alias the live weights: the reference would follow
-    training and, after the first reference pass, training would go on from the reference."""
-    import torch
+def _replay(trace: Optional[str], rest: List[str], on_cpu: bool) -> List[str]:
+    """train_rl's arguments with the replay agent's `--langrl-env-config` when a trace is
+    given; refuses a CPU run that would have to generate."""
+    from megatron_patches.megatron_lm import rl_replay as replay
 
-    stock = torch.Tensor.cpu
-
-    def cpu(self, *args, **kwargs):
-        out = stock(self, *args, **kwargs)
-        return out.clone() if out.data_ptr() == self.data_ptr() and out.numel() else out
-    torch.Tensor.cpu = cpu
+    has_config = any(a == "--langrl-env-config" or a.startswith("--langrl-env-config=")
+                     for a in rest)
+    if trace and has_config:
+        raise RefusedArguments("give --replay-trace or --langrl-env-config, not both "
+                               "(--replay-trace writes the env config naming its agent)")
+    if on_cpu and not trace and not has_config:
+        raise RefusedArguments("no CUDA: Megatron's inference engine cannot generate rollouts "
+                               "here; replay them from a trace: --replay-trace TRACE.json "
+                               "(python tools/train_rl_trace.py synth writes one)")
+    replay.register_replay_agent()
+    if not trace:
+        return rest
+    try:
+        groups = replay.check_trace(trace)
+    except ValueError as error:
+        raise RefusedArguments(str(error)) from None
+    config = replay.write_env_config(trace, tempfile.mkdtemp(prefix="train-rl-replay-"))
+    if os.environ.get("RANK", "0") == "0":
+        print(f"> rollouts replayed from {trace} ({groups} groups; env config {config})",
+              flush=True)
+    return [*rest, "--langrl-env-config", config]
 
 
 def main(argv: List[str]) -> None:
     from megatron_patches.megatron_lm import compat
 
     path, reuse, rest = split_argv(argv)
+    trace, rest = _take_replay_trace(rest)
     compat.enable_python311_support()
-    if compat.enable_megatron_lm_cpu_support():  # a no-op where CUDA exists
-        _allow_no_cuda()
-        _cpu_copies()
+    sys.path.insert(0, str(Path(path).resolve().parent))  # train_rl's gpt_builders, ...
+    on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        from megatron_patches.megatron_lm.rl_cpu import enable_cpu_mode
+
+        if os.environ.get("RANK", "0") == "0":
+            print("> CPU mode (no CUDA): the stand-ins of megatron_patches/megatron_lm/rl_cpu.py",
+                  flush=True)
+        enable_cpu_mode()
+    rest = _replay(trace, rest, on_cpu)
     if reuse:
         import megatron.training
 
@@ -128,9 +163,13 @@ def main(argv: List[str]) -> None:
         megatron_patches.install()  # the reuse schedule and attention hooks (refuses unpatched)
         megatron.training.pretrain = _with_prefix_reuse(megatron.training.pretrain)
     sys.argv = [path, *rest]
-    sys.path.insert(0, str(Path(path).resolve().parent))  # train_rl's gpt_builders, ...
     runpy.run_path(path, run_name="__main__")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except RefusedArguments as error:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"train_rl_prefix_reuse.py: error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2)

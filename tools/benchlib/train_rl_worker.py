@@ -3,7 +3,7 @@
 first on PYTHONPATH.
 
 Megatron-LM's own code, driven as tests/train_rl_replay.py drives it (its stubs, named and
-reasoned there, are imported from it, never copied): `rl_utils.get_grpo_data_iterator` (the
+reasoned there and in megatron_patches/megatron_lm/rl_cpu.py, are imported, never copied): `rl_utils.get_grpo_data_iterator` (the
 collection replayed, `prepare_data_for_update` with its stock old/ref log-prob passes) builds
 the step's microbatches once, on the bench's workload (`--num-groups` prompts of `--prefix-len`
 tokens, `--group-size` rollouts of `--suffix-len` generated tokens ending in eod; `--seq-length`
@@ -52,11 +52,12 @@ def _setup(tree: Path, config):
     compat.enable_python311_support()
     compat.enable_megatron_lm_cpu_support()
     import train_rl_replay as replay
-    replay._stub_missing_modules()
+    from megatron_patches.megatron_lm.rl_cpu import cpu_thd_forward, stub_missing_modules
+    stub_missing_modules()
     import megatron.rl.rl_utils  # noqa: F401
     from megatron.core.models.gpt import GPTModel
     sys.path.insert(0, str(tree))  # train_rl.py
-    GPTModel.forward = replay._cpu_thd_forward(GPTModel.forward)
+    GPTModel.forward = cpu_thd_forward(GPTModel.forward)
     replay.SEQ_LENGTH = config.prefix_len + config.suffix_len  # read by _args, _step
     replay.GROUPS, replay.G = config.num_groups, config.group_size  # and by the collection
     replay._rollouts = lambda gen: _rollouts(config, gen)
