@@ -90,12 +90,14 @@ def rank_params(directory: Path, iteration: int) -> Dict[str, Dict]:
 
 
 def assert_dumps_equal(dense_dir: Path, reuse_dir: Path, iters: int, tol: float = 1e-5,
-                       may_be_zero: Callable[[str], bool] = lambda name: False) -> None:
+                       may_be_zero: Callable[[str], bool] = lambda name: False,
+                       loose: Callable[[str], float] = lambda name: 0.0) -> None:
     """The --prefix-reuse-dump-params dumps of a dense and a reuse run: at every iteration 1..iters
     and on every rank, every gradient (DDP's reduced main_grad, `grad.*`) and every weight within
     `tol` per tensor (`max_relative_diff`: max|d - r| / max|d|, inf on a NaN or inf either side),
     every parameter with a gradient, none all-zero or non-finite on either side (except the names
-    `may_be_zero` allows, e.g. an expert that got no token)."""
+    `may_be_zero` allows, e.g. an expert that got no token). `loose(name)` > 0 is a wider
+    tolerance for that one tensor; a caller that sets it says why."""
     from megatron_patches.training import max_relative_diff, missing_grads
 
     for i in range(1, iters + 1):
@@ -109,5 +111,5 @@ def assert_dumps_equal(dense_dir: Path, reuse_dir: Path, iters: int, tol: float 
             assert not missing, (i, rank, missing[:5])
             per = {n: max_relative_diff({n: t}, {n: reuse[rank][n]}) for n, t in tensors.items()}
             worst = sorted(per, key=per.get, reverse=True)[:3]
-            assert max_relative_diff(tensors, reuse[rank]) <= tol, (
-                i, rank, [(n, per[n]) for n in worst])
+            bad = [(n, d) for n, d in per.items() if not d <= max(tol, loose(n))]
+            assert not bad, (i, rank, [(n, per[n]) for n in worst], bad[:5])
