@@ -79,23 +79,17 @@ def install(module=None) -> None:
     """Replace `get_forward_backward_func` in NeMo-RL's train module (NEMO_RL_HOOK)."""
     if module is None:
         from nemo_rl.models.megatron import train as module
-    if getattr(module.get_forward_backward_func, "_prefix_reuse", False):
-        return
-    stock = module.get_forward_backward_func
+    from megatron_patches.frameworks.fb_hook import wrap_forward_backward_func
 
-    def get_forward_backward_func_with_reuse(*a, **kw):
-        return _Dispatch(stock(*a, **kw))
-    get_forward_backward_func_with_reuse._prefix_reuse = True
-    get_forward_backward_func_with_reuse._stock = stock
-    module.get_forward_backward_func = get_forward_backward_func_with_reuse
+    wrap_forward_backward_func(module, _Dispatch)
 
 
 def uninstall(module=None) -> None:
     if module is None:
         from nemo_rl.models.megatron import train as module
-    stock = getattr(module.get_forward_backward_func, "_stock", None)
-    if stock is not None:
-        module.get_forward_backward_func = stock
+    from megatron_patches.frameworks.fb_hook import unwrap_forward_backward_func
+
+    unwrap_forward_backward_func(module)
 
 
 class _Dispatch:
